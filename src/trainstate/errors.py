@@ -1,0 +1,104 @@
+"""trainstate's error tree.
+
+Every failure a user can cause or meet — a bad path, a damaged checkpoint, a state that does not
+fit — comes out as one of these, never as a traceback from deep inside a dependency::
+
+    CheckpointError
+    ├── CheckpointNotFoundError      (also FileNotFoundError)
+    ├── CheckpointExistsError        (also FileExistsError)
+    ├── IncompleteCheckpointError    no manifest: the save never committed
+    ├── CorruptCheckpointError       checksum mismatch, malformed or lying manifest / data file
+    │   └── FormatVersionError       written by a newer, incompatible format
+    ├── StateMismatchError           restore target does not fit (missing / unexpected / shape / dtype)
+    ├── UnsupportedValueError        (also TypeError) a value the format cannot hold
+    ├── StorageError                 (also OSError) disk full, I/O error, permission denied
+    └── MissingDependencyError       (also ImportError) an optional extra is not installed
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "IncompleteCheckpointError",
+    "MissingDependencyError",
+    "StateMismatchError",
+    "StorageError",
+    "UnsupportedValueError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error trainstate raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint exists at the given location."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A checkpoint already exists where a save was asked to write (pass ``overwrite=True``)."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The location holds data but no manifest: the save that made it never committed."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The checkpoint's bytes do not match what its manifest promises, or the manifest is malformed."""
+
+
+class FormatVersionError(CorruptCheckpointError):
+    """The manifest was written by a newer major format version than this reader understands."""
+
+
+class StateMismatchError(CheckpointError):
+    """The restore target does not fit the checkpoint.
+
+    Attributes:
+        missing: keys the target has and the checkpoint lacks.
+        unexpected: keys the checkpoint has and the target lacks.
+        mismatched: ``(key, expected, found)`` triples for shape, dtype or kind differences.
+    """
+
+    def __init__(
+        self,
+        missing: list[str],
+        unexpected: list[str],
+        mismatched: list[tuple[str, str, str]],
+        hint: str = "",
+    ) -> None:
+        self.missing = missing
+        self.unexpected = unexpected
+        self.mismatched = mismatched
+        lines = ["the restore target does not match the checkpoint:"]
+        if missing:
+            lines.append(f"  missing in checkpoint ({len(missing)}): {_short(missing)}")
+        if unexpected:
+            lines.append(f"  unexpected in checkpoint ({len(unexpected)}): {_short(unexpected)}")
+        for key, want, got in mismatched[:20]:
+            lines.append(f"  {key}: target has {want}, checkpoint has {got}")
+        if len(mismatched) > 20:
+            lines.append(f"  ... and {len(mismatched) - 20} more mismatches")
+        lines.append(hint or "pass strict=False, or include= / exclude= patterns, for a partial restore")
+        super().__init__("\n".join(lines))
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value in the state cannot be stored without pickle."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage failed: disk full, an I/O error, a permission problem."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """An optional dependency is needed; the message names the extra to install."""
+
+
+def _short(keys: list[str], limit: int = 10) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... (+{len(keys) - limit})" if len(keys) > limit else "")

@@ -1,0 +1,261 @@
+"""The manifest: a checkpoint's table of contents and its commit marker.
+
+It is written last; a checkpoint without one never committed. It is plain JSON with an explicit
+``format_version`` (the format's, not the package's) and a checksum over its own canonical bytes, so
+a flipped byte in it is caught like one in a data file. Parsing validates everything a hostile file could
+lie about — file names, byte ranges, shapes, dtypes — before a single data byte is read, so a reader
+never allocates more than the files hold. docs/format.md is the normative description.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptCheckpointError, FormatVersionError
+from . import checksum, dtypes
+
+FORMAT_NAME = "trainstate"
+FORMAT_VERSION = "1.0"
+MANIFEST_NAME = "manifest.json"
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+KNOWN_TRANSFORMS: frozenset[str] = frozenset()  # per-chunk byte transforms (compression, encryption) go here
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of a tensor stored contiguously (C order) in one data file."""
+
+    file: str
+    byte_range: tuple[int, int]  # absolute offsets in the file, end exclusive
+    offset: tuple[int, ...]  # where the box starts in the tensor
+    shape: tuple[int, ...]  # the box's shape
+    checksum: str  # over the stored bytes
+    transforms: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str  # what the saver held: "torch", "numpy" or "numpy-scalar"
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.from_code(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    size: int
+    header_checksum: str  # over the safetensors header, length prefix included
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tree: Any  # the encoded state (see tree.py)
+    tensors: dict[str, TensorEntry]
+    files: tuple[FileEntry, ...]
+    metadata: Any = None  # encoded like the tree
+    created: float = 0.0
+    writer: str = ""
+    format_version: str = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)  # fields from a newer minor version, kept as-is
+
+    def to_json_bytes(self) -> bytes:
+        body = self._body()
+        body["checksum"] = checksum.digest(_canonical(body))
+        return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=True, allow_nan=False).encode() + b"\n"
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            **self.extra,
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "created": self.created,
+            "writer": self.writer,
+            "metadata": self.metadata,
+            "files": [{"path": f.path, "size": f.size, "header_checksum": f.header_checksum} for f in self.files],
+            "tensors": {name: _tensor_json(t) for name, t in self.tensors.items()},
+            "tree": self.tree,
+        }
+
+
+def _tensor_json(t: TensorEntry) -> dict[str, Any]:
+    return {
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "kind": t.kind,
+        "chunks": [
+            {
+                "file": c.file,
+                "byte_range": list(c.byte_range),
+                "offset": list(c.offset),
+                "shape": list(c.shape),
+                "checksum": c.checksum,
+                **({"transforms": list(c.transforms)} if c.transforms else {}),
+            }
+            for c in t.chunks
+        ],
+    }
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def parse(raw: bytes, what: str = MANIFEST_NAME) -> Manifest:
+    """Parse, checksum-check and validate manifest bytes.
+
+    Raises:
+        FormatVersionError: written by a newer major format version.
+        CorruptCheckpointError: anything else wrong with it.
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{what} is not valid JSON ({e})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{what} is not a trainstate manifest")
+    _check_version(body.get("format_version"), what)
+    expected = body.pop("checksum", None)
+    if not isinstance(expected, str):
+        raise CorruptCheckpointError(f"{what} has no checksum")
+    try:
+        checksum.check(_canonical(body), expected, what)
+    except ValueError as e:  # non-finite floats smuggled in
+        raise CorruptCheckpointError(f"{what}: {e}") from None
+    try:
+        return _build(body)
+    except CorruptCheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{what} is malformed: {type(e).__name__}: {e}") from None
+
+
+def _check_version(version: object, what: str) -> None:
+    if not isinstance(version, str) or not re.fullmatch(r"\d+\.\d+", version):
+        raise CorruptCheckpointError(f"{what}: bad format_version {version!r}")
+    if int(version.split(".")[0]) != int(FORMAT_VERSION.split(".")[0]):
+        raise FormatVersionError(
+            f"{what} has format_version {version}; this trainstate reads {FORMAT_VERSION.split('.')[0]}.x — "
+            "upgrade trainstate to read it"
+        )
+
+
+_KNOWN_FIELDS = {"format", "format_version", "created", "writer", "metadata", "files", "tensors", "tree"}
+
+
+def _build(body: dict[str, Any]) -> Manifest:
+    files = tuple(_file_entry(f) for f in _typed(body["files"], list, "files"))
+    sizes = {f.path: f.size for f in files}
+    if len(sizes) != len(files):
+        raise CorruptCheckpointError("manifest lists a data file twice")
+    tensors = {
+        _typed(name, str, "tensor name"): _tensor_entry(name, t, sizes)
+        for name, t in _typed(body["tensors"], dict, "tensors").items()
+    }
+    created = body["created"]
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise CorruptCheckpointError("manifest 'created' is not a number")
+    return Manifest(
+        tree=body["tree"],
+        tensors=tensors,
+        files=files,
+        metadata=body["metadata"],
+        created=float(created),
+        writer=_typed(body["writer"], str, "writer"),
+        format_version=body["format_version"],
+        extra={k: v for k, v in body.items() if k not in _KNOWN_FIELDS},
+    )
+
+
+def _typed(value: Any, kind: type, what: str) -> Any:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CorruptCheckpointError(f"manifest field {what} should be {kind.__name__}, found {value!r:.80}")
+    return value
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    items = tuple(_typed(v, int, what) for v in _typed(value, list, what))
+    if any(v < 0 for v in items):
+        raise CorruptCheckpointError(f"manifest field {what} has a negative entry: {list(items)}")
+    return items
+
+
+def check_file_name(name: Any) -> str:
+    """A data file name must be a plain name inside the checkpoint: no separators, no '..', no hidden files."""
+    if not isinstance(name, str) or not _FILE_NAME.match(name) or name == MANIFEST_NAME:
+        raise CorruptCheckpointError(f"manifest names an illegal data file {name!r:.80}")
+    return name
+
+
+def _file_entry(f: Any) -> FileEntry:
+    f = _typed(f, dict, "files[]")
+    return FileEntry(
+        path=check_file_name(f["path"]),
+        size=_typed(f["size"], int, "size"),
+        header_checksum=_typed(f["header_checksum"], str, "header_checksum"),
+    )
+
+
+def _tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
+    t = _typed(t, dict, f"tensors[{name}]")
+    dtype = dtypes.from_code(t["dtype"])
+    shape = _ints(t["shape"], f"{name}.shape")
+    kind = t["kind"]
+    if kind not in ("torch", "numpy", "numpy-scalar"):
+        raise CorruptCheckpointError(f"tensor {name}: unknown kind {kind!r:.40}")
+    chunks = tuple(_chunk(name, c, dtype, shape, sizes) for c in _typed(t["chunks"], list, f"{name}.chunks"))
+    if sum(math.prod(c.shape) for c in chunks) != math.prod(shape) or (not chunks and math.prod(shape)):
+        raise CorruptCheckpointError(f"tensor {name}: its chunks do not cover shape {list(shape)}")
+    _check_disjoint(name, chunks)
+    return TensorEntry(dtype=dtype.code, shape=shape, kind=kind, chunks=chunks)
+
+
+def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes: dict[str, int]) -> Chunk:
+    c = _typed(c, dict, f"{name}.chunks[]")
+    file = check_file_name(c["file"])
+    if file not in sizes:
+        raise CorruptCheckpointError(f"tensor {name}: chunk in {file!r}, which the manifest does not list")
+    byte_range = _ints(c["byte_range"], f"{name}.byte_range")
+    if len(byte_range) != 2 or not byte_range[0] <= byte_range[1] <= sizes[file]:
+        raise CorruptCheckpointError(
+            f"tensor {name}: byte range {list(byte_range)} lies outside {file} ({sizes[file]} bytes)"
+        )
+    begin, end = byte_range
+    offset = _ints(c["offset"], f"{name}.offset")
+    cshape = _ints(c["shape"], f"{name}.chunk.shape")
+    if len(offset) != len(shape) or len(cshape) != len(shape):
+        raise CorruptCheckpointError(f"tensor {name}: chunk rank does not match the tensor's rank {len(shape)}")
+    if any(o + s > n for o, s, n in zip(offset, cshape, shape)):
+        raise CorruptCheckpointError(f"tensor {name}: chunk at {list(offset)} of {list(cshape)} exceeds {list(shape)}")
+    transforms = tuple(_typed(x, dict, f"{name}.transforms[]") for x in c.get("transforms", []))
+    for x in transforms:
+        if x.get("name") not in KNOWN_TRANSFORMS:
+            raise FormatVersionError(
+                f"tensor {name} uses byte transform {x.get('name')!r:.40}, which this trainstate does not know"
+            )
+    if not transforms and end - begin != math.prod(cshape) * dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"tensor {name}: {end - begin} stored bytes do not hold {list(cshape)} × {dtype.code} "
+            f"({math.prod(cshape) * dtype.itemsize} bytes)"
+        )
+    return Chunk(file, (begin, end), offset, cshape, _typed(c["checksum"], str, "checksum"), transforms)
+
+
+def _check_disjoint(name: str, chunks: tuple[Chunk, ...]) -> None:
+    # Volumes already sum to the tensor's; pairwise-disjoint boxes inside it therefore tile it exactly.
+    if len(chunks) > 1:
+        for i, a in enumerate(chunks):
+            for b in chunks[i + 1 :]:
+                if all(
+                    ao < bo + bs and bo < ao + as_
+                    for ao, as_, bo, bs in zip(a.offset, a.shape, b.offset, b.shape)
+                ) and math.prod(a.shape) and math.prod(b.shape):
+                    raise CorruptCheckpointError(f"tensor {name}: chunks overlap")

@@ -1,0 +1,81 @@
+"""torch tensors: the only module besides rng.py that imports torch.
+
+Tensors on an accelerator are staged through host memory; reads into them go through a host buffer
+and ``copy_``, so a restored tensor keeps its device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import UnsupportedValueError
+from ..format import dtypes
+
+KIND = "torch"
+
+
+def is_array(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _check_plain(t: torch.Tensor) -> None:
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        raise UnsupportedValueError(f"torch tensor with layout {t.layout} cannot be stored; densify it first")
+    if str(t.dtype).removeprefix("torch.") not in dtypes.BY_TORCH_NAME:
+        raise UnsupportedValueError(f"torch dtype {t.dtype} cannot be stored")
+
+
+def describe(value: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
+    _check_plain(value)
+    return dtypes.BY_TORCH_NAME[str(value.dtype).removeprefix("torch.")].code, tuple(value.shape), KIND
+
+
+def identity(value: torch.Tensor) -> tuple[object, ...] | None:
+    if value.numel() == 0 or value.device.type == "meta":
+        return None
+    storage = value.untyped_storage()
+    return ("torch", str(value.device), storage.data_ptr(), value.storage_offset(), tuple(value.shape),
+            value.stride(), str(value.dtype))
+
+
+def byte_view(value: torch.Tensor) -> memoryview:
+    t = value.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def empty(code: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.empty(shape, dtype=getattr(torch, dtypes.from_code(code).torch_name))
+
+
+def writable_view(target: Any) -> memoryview | None:
+    if isinstance(target, torch.Tensor) and target.device.type == "cpu" and target.is_contiguous() \
+            and target.layout == torch.strided and not target.is_conj() and not target.is_neg():
+        return memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+    return None
+
+
+def finish(array: torch.Tensor, kind: str) -> Any:
+    return array
+
+
+def assign(target: Any, source: torch.Tensor) -> Any:
+    """Copy ``source`` (host) into a live tensor, keeping its device; else return ``source``."""
+    if isinstance(target, torch.Tensor):
+        with torch.no_grad():
+            target.copy_(source)
+        return target
+    return source
+
+
+def from_numpy(array: np.ndarray) -> torch.Tensor:  # type: ignore[type-arg]
+    """A torch tensor sharing ``array``'s memory (bfloat16 / float8 go through a byte view)."""
+    code = dtypes.from_numpy(array.dtype).code
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    dtype = getattr(torch, dtypes.from_code(code).torch_name)
+    return torch.from_numpy(flat).view(dtype).reshape(array.shape)

@@ -1,0 +1,315 @@
+"""open(): a lazy, validated view of one checkpoint.
+
+Opening reads only the manifest and stats the data files; tensors are read when asked, each one checked
+against its checksum. Reads go straight into the destination's memory (``preadv``) or, for a single
+tensor, through a memory map of the data file. Files are opened with ``O_NOFOLLOW`` and every name and byte
+range was validated by the manifest parser, so nothing outside the checkpoint is ever touched.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from . import tree
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StorageError,
+)
+from .format import checksum, datafile, dtypes, manifest
+from .frameworks import adapter_named, numpy_adapter
+
+MAX_MANIFEST = 1 << 30
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the manifest says about one tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    kind: str
+    chunks: int
+
+
+class Checkpoint:
+    """A committed checkpoint opened for reading. Use as a context manager.
+
+    Example:
+        >>> with trainstate.open("ckpt/step_1200") as ck:
+        ...     w = ck.read("model.fc.weight")
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+        self.manifest = _read_manifest(self.path)
+        self._check_files()
+
+    # -- what is in it -------------------------------------------------------------------------
+
+    @property
+    def metadata(self) -> Any:
+        return tree.decode(self.manifest.metadata, _no_tensor)
+
+    @property
+    def created(self) -> float:
+        return self.manifest.created
+
+    def keys(self) -> list[str]:
+        """Tensor names, in the order they were saved."""
+        return list(self.manifest.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.manifest.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.manifest.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        t = self._entry(name)
+        return TensorInfo(name, t.dtype, t.shape, t.nbytes, t.kind, len(t.chunks))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.manifest.files)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def read(self, name: str, *, framework: str = "numpy", verify: bool = True) -> Any:
+        """One tensor, memory-mapped when it is stored in one piece; checked against its checksum.
+
+        Args:
+            name: a name from :meth:`keys`.
+            framework: ``"numpy"`` (read-only, memory-mapped array) or ``"torch"`` (a tensor of its own).
+            verify: check the checksum (touches every byte once).
+        """
+        t = self._entry(name)
+        if len(t.chunks) == 1 and t.nbytes:
+            c = t.chunks[0]
+            mm = self._map(c.file)
+            view = memoryview(mm)[c.byte_range[0] : c.byte_range[1]]
+            if verify:
+                checksum.check(view, c.checksum, f"tensor {name} ({c.file})")
+            array = np.frombuffer(mm, dtype=dtypes.from_code(t.dtype).numpy, count=math.prod(t.shape),
+                                  offset=c.byte_range[0]).reshape(t.shape)
+            if framework == "torch":
+                return adapter_named("torch").from_numpy(array.copy())
+            return numpy_adapter.finish(array, t.kind)
+        adapter = adapter_named(framework)
+        out = adapter.empty(t.dtype, t.shape)
+        self.read_into(name, out, verify=verify)
+        return adapter.finish(out, t.kind)
+
+    def read_into(self, name: str, out: Any, *, verify: bool = True) -> None:
+        """Read tensor ``name`` into the contiguous host array ``out`` of the right size."""
+        t = self._entry(name)
+        adapter = adapter_named("torch" if type(out).__module__.startswith("torch") else "numpy")
+        view = adapter.writable_view(out)
+        if view is None or view.nbytes != t.nbytes:
+            raise ValueError(f"read_into needs a contiguous host array of {t.nbytes} bytes for {name}")
+        if len(t.chunks) == 1 and t.chunks[0].shape == t.shape:
+            c = t.chunks[0]
+            self._pread(c.file, view, c.byte_range[0])
+            if verify:
+                checksum.check(view, c.checksum, f"tensor {name} ({c.file})")
+            return
+        whole = np.frombuffer(view, dtype=dtypes.from_code(t.dtype).numpy).reshape(t.shape)
+        for c in t.chunks:  # pieces written by several ranks: read each, place it in its box
+            piece = np.empty(c.shape, dtype=whole.dtype)
+            pview = memoryview(piece.reshape(-1).view(np.uint8))
+            self._pread(c.file, pview, c.byte_range[0])
+            if verify:
+                checksum.check(pview, c.checksum, f"tensor {name} chunk at {list(c.offset)} ({c.file})")
+            whole[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = piece
+
+    def load(self, *, framework: str = "numpy", verify: bool = True, threads: int = 2) -> Any:
+        """The whole state as plain values and arrays (NumPy by default); tied tensors come back shared."""
+        adapter = adapter_named(framework)
+        arrays = {}
+        for name in dict.fromkeys(tree.tensor_names(self.manifest.tree)):
+            t = self._entry(name)
+            arrays[name] = adapter.empty(t.dtype, t.shape)
+        self.read_many(list(arrays.items()), verify=verify, threads=threads)
+        return tree.decode(self.manifest.tree, lambda name: adapter.finish(arrays[name], self._entry(name).kind))
+
+    def read_many(self, jobs: list[tuple[str, Any]], *, verify: bool = True, threads: int = 2) -> None:
+        """``read_into`` for many ``(name, out)`` pairs, in file order, on ``threads`` threads."""
+        def position(job: tuple[str, Any]) -> tuple[str, int]:
+            c = self._entry(job[0]).chunks
+            return (c[0].file, c[0].byte_range[0]) if c else ("", 0)
+
+        jobs = sorted(jobs, key=position)
+        if threads <= 1 or len(jobs) <= 1:
+            for name, out in jobs:
+                self.read_into(name, out, verify=verify)
+            return
+        lanes = _split_by_bytes(jobs, [self._entry(n).nbytes for n, _ in jobs], threads)
+        with ThreadPoolExecutor(len(lanes), thread_name_prefix="trainstate-read") as pool:
+            for f in [pool.submit(self._read_lane, lane, verify) for lane in lanes]:
+                f.result()
+
+    def _read_lane(self, lane: list[tuple[str, Any]], verify: bool) -> None:
+        for name, out in lane:
+            self.read_into(name, out, verify=verify)
+
+    def verify(self) -> None:
+        """Re-check every checksum (data-file headers and tensors); raises CorruptCheckpointError."""
+        for f in self.manifest.files:
+            self._check_header(f)
+        for name in self.manifest.tensors:
+            self.read(name, verify=True)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _entry(self, name: str) -> manifest.TensorEntry:
+        try:
+            return self.manifest.tensors[name]
+        except KeyError:
+            raise KeyError(f"no tensor {name!r} in {self.path}") from None
+
+    def _check_files(self) -> None:
+        for f in self.manifest.files:
+            p = self.path / f.path
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"data file {f.path} of {self.path} is missing") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{p} is not a regular file (symlinks are refused)")
+            if st.st_size != f.size:
+                raise CorruptCheckpointError(
+                    f"data file {f.path} has {st.st_size} bytes, the manifest says {f.size}: truncated or altered"
+                )
+
+    def _check_header(self, f: manifest.FileEntry) -> None:
+        prefix = bytearray(8)
+        self._pread(f.path, memoryview(prefix), 0, allow_short=True)
+        n = datafile.header_length(bytes(prefix))
+        if n > f.size:
+            raise CorruptCheckpointError(f"{f.path}: header length runs past the end of the file")
+        blob = bytearray(n)
+        self._pread(f.path, memoryview(blob), 0)
+        checksum.check(memoryview(blob), f.header_checksum, f"the header of {f.path}")
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            if file not in self._fds:
+                try:
+                    self._fds[file] = os.open(self.path / file, os.O_RDONLY | _NOFOLLOW)
+                except OSError as e:
+                    raise CorruptCheckpointError(f"cannot open data file {file}: {e.strerror}") from e
+            return self._fds[file]
+
+    def _map(self, file: str) -> mmap.mmap:
+        fd = self._fd(file)
+        with self._lock:
+            if file not in self._maps:
+                self._maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            return self._maps[file]
+
+    def _pread(self, file: str, view: memoryview, offset: int, allow_short: bool = False) -> None:
+        fd = self._fd(file)
+        pos = 0
+        try:
+            while pos < len(view):
+                n = os.preadv(fd, [view[pos : pos + (1 << 30)]], offset + pos)
+                if n == 0:
+                    if allow_short:
+                        return
+                    raise CorruptCheckpointError(f"{file} ended early at byte {offset + pos}")
+                pos += n
+        except OSError as e:
+            raise StorageError(e.errno, f"reading {file} failed: {e.strerror}") from e
+
+    def close(self) -> None:
+        with self._lock:
+            for mm in self._maps.values():
+                try:
+                    mm.close()
+                except BufferError:
+                    pass  # arrays handed out still use it; it closes when they go
+            self._maps.clear()
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<trainstate.Checkpoint {str(self.path)!r}: {len(self.manifest.tensors)} tensors>"
+
+
+def _split_by_bytes(jobs: list[Any], sizes: list[int], lanes: int) -> list[list[Any]]:
+    """Cut an ordered job list into at most ``lanes`` contiguous runs of about equal bytes."""
+    total = sum(sizes) or 1
+    out: list[list[Any]] = [[]]
+    acc = 0
+    for job, size in zip(jobs, sizes):
+        if acc >= total * len(out) / lanes and len(out) < lanes:
+            out.append([])
+        out[-1].append(job)
+        acc += size
+    return [lane for lane in out if lane]
+
+
+def _no_tensor(name: str) -> Any:
+    raise CorruptCheckpointError(f"metadata refers to tensor {name!r}")
+
+
+def _read_manifest(path: Path) -> manifest.Manifest:
+    if not path.exists():
+        raise CheckpointNotFoundError(f"no checkpoint at {path}")
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint directory")
+    mpath = path / manifest.MANIFEST_NAME
+    try:
+        fd = os.open(mpath, os.O_RDONLY | _NOFOLLOW)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{path} has no {manifest.MANIFEST_NAME}: the save that wrote it never committed"
+        ) from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"cannot open {mpath}: {e.strerror} (symlinks are refused)") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_MANIFEST:
+            raise CorruptCheckpointError(f"{mpath} is {size} bytes, larger than any real manifest")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            raw = fh.read(size)
+    finally:
+        os.close(fd)
+    return manifest.parse(raw, str(mpath))
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a checkpoint lazily: reads the manifest now, tensors when asked.
+
+    Example:
+        >>> with trainstate.open("ckpt/step_1200") as ck:
+        ...     print(ck.metadata, ck.keys()[:3], ck.info("model.fc.weight"))
+    """
+    return Checkpoint(path)

@@ -1,0 +1,264 @@
+"""load(path, target): restore a checkpoint into live state, in place.
+
+Two passes. The plan pass walks the checkpoint's tree beside the target, checks every key, shape and
+dtype, and collects all problems into one :class:`StateMismatchError` before a single byte is read. The
+read pass then fills the target's own tensor memory straight from the files (no intermediate copy) and
+runs the finishers: containers get their new values, stateful objects get ``load_state_dict``.
+
+Matching rules:
+
+* Plain containers (the user's dicts, lists, tuples) and ``nn.Module`` state dicts keep the target's
+  structure; a key on one side only is *missing* or *unexpected*.
+* Under any other stateful object (optimizer, scheduler, data loader, RNG) the checkpoint's structure is
+  the truth, as it is for ``load_state_dict``: a fresh optimizer has no moments yet and gets them. Target
+  tensors at matching paths are still filled in place.
+* Shapes must always match. Dtypes must match when ``strict``; otherwise values are cast.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import tree
+from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+from .frameworks import adapter_for, adapter_named
+from .reader import Checkpoint
+
+Finisher = Callable[[], Any]
+_ABSENT = object()
+
+
+def selector(include: str | list[str] | None, exclude: str | list[str] | None) -> Callable[[str], bool]:
+    """A predicate over dotted keys from glob patterns (``"model.*"``)."""
+    inc = [include] if isinstance(include, str) else list(include or [])
+    exc = [exclude] if isinstance(exclude, str) else list(exclude or [])
+
+    def selected(key: str) -> bool:
+        if inc and not any(fnmatch.fnmatchcase(key, p) for p in inc):
+            return False
+        return not any(fnmatch.fnmatchcase(key, p) for p in exc)
+
+    return selected
+
+
+def _is_module(obj: Any) -> bool:
+    return any(c.__module__ == "torch.nn.modules.module" and c.__name__ == "Module" for c in type(obj).__mro__)
+
+
+def _describe(value: Any) -> str:
+    adapter = adapter_for(value)
+    if adapter is not None:
+        code, shape, _ = adapter.describe(value)
+        return f"tensor {code}{list(shape)}"
+    return type(value).__name__
+
+
+class Restorer:
+    def __init__(self, ck: Checkpoint, *, strict: bool, selected: Callable[[str], bool]) -> None:
+        self.ck = ck
+        self.strict = strict
+        self.selected = selected
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.mismatched: list[tuple[str, str, str]] = []
+        self.jobs: dict[str, list[Any]] = {}  # name -> [target or _ABSENT, host buffer, result]
+
+    # -- plan -----------------------------------------------------------------------------------
+
+    def plan(self, target: Any, node: Any, path: tuple[str, ...], free: bool) -> Finisher:
+        """A finisher that yields the restored value for ``target`` once the reads are done."""
+        key = tree.join(path)
+        if not isinstance(node, dict) or node.get("t") not in ("dict", "list", "tuple", "stateful", "tensor"):
+            if target is not _ABSENT and adapter_for(target) is not None and self.selected(key):
+                self.mismatched.append((key, _describe(target), "a plain value"))
+            if not self.selected(key):
+                return lambda: target
+            value = tree.decode(node, _corrupt_ref)
+            return lambda: value
+        if not self._any_selected(node, path):
+            return lambda: target  # _ABSENT for a part the target lacks: its container drops it
+        tag = node["t"]
+        if tag == "tensor":
+            return self._plan_tensor(target, node["name"], key)
+        if tag == "stateful":
+            return self._plan_stateful(target, node, path)
+        if target is not _ABSENT and not free and not isinstance(target, Mapping if tag == "dict" else (list, tuple)):
+            self.mismatched.append((key or "<root>", _describe(target), tag))
+            return lambda: target
+        if tag == "dict":
+            return self._plan_dict(target, node, path, free)
+        return self._plan_sequence(target, node, path, free)
+
+    def _plan_tensor(self, target: Any, name: str, key: str) -> Finisher:
+        entry = self.ck.manifest.tensors.get(name)
+        if entry is None:
+            raise CorruptCheckpointError(f"tree refers to tensor {name!r}, which the manifest does not list")
+        if name in self.jobs:  # a tied tensor met again
+            job = self.jobs[name]
+            return lambda: job[2]
+        adapter = adapter_for(target) if target is not _ABSENT else None
+        if target is not _ABSENT and adapter is None:
+            self.mismatched.append((key, _describe(target), f"tensor {entry.dtype}{list(entry.shape)}"))
+            return lambda: target
+        if adapter is not None:
+            code, shape, _ = adapter.describe(target)
+            if shape != entry.shape or (code != entry.dtype and self.strict):
+                self.mismatched.append((key, f"tensor {code}{list(shape)}", f"tensor {entry.dtype}{list(entry.shape)}"))
+                return lambda: target
+        job: list[Any] = [target, None, None]
+        self.jobs[name] = job
+        return lambda: job[2]
+
+    def _plan_stateful(self, target: Any, node: dict[str, Any], path: tuple[str, ...]) -> Finisher:
+        key = tree.join(path) or "<root>"
+        if target is _ABSENT:
+            return self.plan(_ABSENT, node.get("v"), path, free=True)
+        if not tree.is_stateful(target):
+            self.mismatched.append((key, _describe(target), f"state of {node['type']}"))
+            return lambda: target
+        module = _is_module(target)
+        inner = self.plan(target.state_dict(), node.get("v"), path, free=not module)
+
+        def finish() -> Any:
+            state = inner()
+            try:
+                if module:
+                    target.load_state_dict(state, strict=self.strict)
+                else:
+                    target.load_state_dict(state)
+            except Exception as e:
+                raise CheckpointError(f"{key}: {type(target).__name__}.load_state_dict failed: {e}") from e
+            return target
+
+        return finish
+
+    def _plan_dict(self, target: Any, node: dict[str, Any], path: tuple[str, ...], free: bool) -> Finisher:
+        items = tree.dict_items(node)
+        present = target if target is not _ABSENT and isinstance(target, Mapping) else {}
+        finishers = []
+        for k, child in items:
+            sub = path + (str(k),)
+            if k in present:
+                finishers.append((k, self.plan(present[k], child, sub, free)))
+            elif free or target is _ABSENT:
+                finishers.append((k, self.plan(_ABSENT, child, sub, free)))
+            else:
+                self.unexpected.extend(p for p in self._leaves(child, sub) if self.selected(p))
+        if not free and target is not _ABSENT:
+            saved = {k for k, _ in items}
+            for k in present:
+                if k not in saved:
+                    sub = tree.join(path + (str(k),))
+                    if self.selected(sub) or any(self.selected(p) for p in _target_leaves(present[k], sub)):
+                        self.missing.append(sub)
+
+        def finish() -> Any:
+            if free or target is _ABSENT or not isinstance(target, dict):
+                base = dict(target) if (not free and isinstance(target, Mapping)) else {}
+                for k, f in finishers:
+                    value = f()
+                    if value is not _ABSENT:
+                        base[k] = value
+                return base
+            for k, f in finishers:
+                value = f()
+                if value is not _ABSENT:
+                    target[k] = value
+            return target
+
+        return finish
+
+    def _plan_sequence(self, target: Any, node: dict[str, Any], path: tuple[str, ...], free: bool) -> Finisher:
+        children = node["v"]
+        if not isinstance(children, list):
+            raise CorruptCheckpointError(f"malformed {node['t']} node at {tree.join(path)}")
+        have = target if target is not _ABSENT and isinstance(target, (list, tuple)) else None
+        if have is not None and len(have) != len(children) and not free:
+            self.mismatched.append((tree.join(path) or "<root>", f"{type(have).__name__} of {len(have)}",
+                                    f"{node['t']} of {len(children)}"))
+            return lambda: target
+        finishers = [
+            self.plan(have[i] if have is not None and i < len(have) else _ABSENT, c, path + (str(i),), free)
+            for i, c in enumerate(children)
+        ]
+
+        def finish() -> Any:
+            values = [v for v in (f() for f in finishers) if v is not _ABSENT]
+            if node["t"] == "tuple":
+                if isinstance(have, tuple) and hasattr(have, "_fields"):
+                    return type(have)(*values)
+                return tuple(values)
+            if isinstance(have, list) and not free:
+                have[:] = values
+                return have
+            return values
+
+        return finish
+
+    def _any_selected(self, node: Any, path: tuple[str, ...]) -> bool:
+        return any(self.selected(p) for p in self._leaves(node, path))
+
+    def _leaves(self, node: Any, path: tuple[str, ...]) -> list[str]:
+        """Dotted keys of every leaf under a checkpoint node."""
+        if isinstance(node, dict) and node.get("t") == "dict":
+            return [p for k, c in tree.dict_items(node) for p in self._leaves(c, path + (str(k),))]
+        if isinstance(node, dict) and node.get("t") in ("list", "tuple") and isinstance(node.get("v"), list):
+            return [p for i, c in enumerate(node["v"]) for p in self._leaves(c, path + (str(i),))]
+        if isinstance(node, dict) and node.get("t") == "stateful":
+            return self._leaves(node.get("v"), path)
+        return [tree.join(path)]
+
+    # -- read -----------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        if self.mismatched or (self.strict and (self.missing or self.unexpected)):
+            raise StateMismatchError(self.missing, self.unexpected, self.mismatched)
+
+    def read(self, *, verify: bool, threads: int) -> None:
+        """Read every planned tensor: straight into the target's memory where its layout allows."""
+        direct: list[tuple[str, Any]] = []
+        for name, job in self.jobs.items():
+            target = job[0]
+            entry = self.ck.manifest.tensors[name]
+            adapter = adapter_for(target) if target is not _ABSENT else adapter_named(entry.kind)
+            if target is not _ABSENT and adapter.describe(target)[0] == entry.dtype \
+                    and adapter.writable_view(target) is not None:
+                direct.append((name, target))
+                job[2] = target
+            else:  # absent, on an accelerator, non-contiguous, or a cast: read to host first
+                job[1] = adapter.empty(entry.dtype, entry.shape)
+                direct.append((name, job[1]))
+        self.ck.read_many(direct, verify=verify, threads=threads)
+        for name, job in self.jobs.items():
+            if job[1] is not None:
+                kind = self.ck.manifest.tensors[name].kind
+                adapter = adapter_named("torch" if type(job[1]).__module__.startswith("torch") else "numpy")
+                host = adapter.finish(job[1], kind)
+                job[2] = host if job[0] is _ABSENT else adapter_for(job[0]).assign(job[0], host)
+
+
+def _target_leaves(value: Any, path: str) -> list[str]:
+    if tree.is_stateful(value):
+        value = value.state_dict()
+    if isinstance(value, Mapping):
+        return [p for k, v in value.items() for p in _target_leaves(v, f"{path}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _target_leaves(v, f"{path}.{i}")]
+    return [path]
+
+
+def _corrupt_ref(name: str) -> Any:
+    raise CorruptCheckpointError(f"unexpected tensor reference {name!r}")
+
+
+def restore(ck: Checkpoint, target: Any, *, strict: bool = True, include: str | list[str] | None = None,
+            exclude: str | list[str] | None = None, verify: bool = True, threads: int = 2) -> Any:
+    """Restore ``ck`` into ``target`` in place; returns the restored target."""
+    r = Restorer(ck, strict=strict, selected=selector(include, exclude))
+    finish = r.plan(target, ck.manifest.tree, (), free=False)
+    r.check()
+    r.read(verify=verify, threads=threads)
+    return finish()
+
