@@ -70,7 +70,7 @@ class Manifest:
     def to_json_bytes(self) -> bytes:
         body = self._body()
         body["checksum"] = checksum.digest(_canonical(body))
-        return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=True, allow_nan=False).encode() + b"\n"
+        return _canonical(body) + b"\n"
 
     def _body(self) -> dict[str, Any]:
         return {
