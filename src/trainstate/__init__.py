@@ -32,12 +32,12 @@ from .tree import Stateful
 __version__ = "0.1.0"
 
 __all__ = [
-    "FORMAT_VERSION",
     "Checkpoint",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "FORMAT_VERSION",
     "FormatVersionError",
     "IncompleteCheckpointError",
     "MissingDependencyError",

@@ -50,10 +50,10 @@ class TensorTable:
     def add(self, path: tuple[str, ...], value: Any) -> str:
         adapter = adapter_for(value)
         assert adapter is not None
+        dtype, shape, kind = adapter.describe(value)  # also refuses what cannot be stored
         ident = adapter.identity(value)
         if ident is not None and ident in self._by_identity:
             return self._by_identity[ident]
-        dtype, shape, kind = adapter.describe(value)
         name = tree.join(path) or "_"
         base, n = name, 1
         while name in self._names:  # e.g. {"a.b": x, "a": {"b": y}}

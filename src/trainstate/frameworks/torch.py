@@ -24,6 +24,8 @@ def is_array(value: Any) -> bool:
 def _check_plain(t: torch.Tensor) -> None:
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
         raise UnsupportedValueError(f"torch tensor with layout {t.layout} cannot be stored; densify it first")
+    if t.device.type == "meta":
+        raise UnsupportedValueError("a meta tensor has no data to store")
     if str(t.dtype).removeprefix("torch.") not in dtypes.BY_TORCH_NAME:
         raise UnsupportedValueError(f"torch dtype {t.dtype} cannot be stored")
 
@@ -34,7 +36,7 @@ def describe(value: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
 
 
 def identity(value: torch.Tensor) -> tuple[object, ...] | None:
-    if value.numel() == 0 or value.device.type == "meta":
+    if value.numel() == 0:
         return None
     storage = value.untyped_storage()
     return ("torch", str(value.device), storage.data_ptr(), value.storage_offset(), tuple(value.shape),

@@ -1,0 +1,45 @@
+"""Exact structural equality for restored states: types, dtypes, shapes and bytes all count."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    if type(a).__module__.startswith("torch"):
+        import torch
+
+        assert isinstance(b, torch.Tensor), f"{path}: {type(b)}"
+        assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        assert _torch_bytes(a) == _torch_bytes(b), f"{path}: bytes differ"
+        return
+    assert type(a) is type(b), f"{path}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, (np.ndarray, np.generic)):
+        assert a.dtype == b.dtype and np.shape(a) == np.shape(b), f"{path}: {a.dtype}{np.shape(a)} vs {b.dtype}{np.shape(b)}"
+        assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), f"{path}: bytes differ"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()) or _nan_keys(a), f"{path}: keys {list(a)} vs {list(b)}"
+        for (ka, va), (kb, vb) in zip(a.items(), b.items()):
+            assert type(ka) is type(kb), f"{path}: key type {type(ka)} vs {type(kb)}"
+            assert_same(va, vb, f"{path}.{ka}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}.{i}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def _nan_keys(d: dict) -> bool:
+    return any(isinstance(k, float) and math.isnan(k) for k in d)
+
+
+def _torch_bytes(t: Any) -> bytes:
+    import torch
+
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,22 @@
+import types
+
+import trainstate
+
+
+def test_all_is_sorted_and_complete():
+    public = {
+        name for name, obj in vars(trainstate).items()
+        if not name.startswith("_") and not isinstance(obj, types.ModuleType) and name != "annotations"
+    }
+    assert trainstate.__all__ == sorted(trainstate.__all__)
+    assert set(trainstate.__all__) - {"__version__"} == public
+
+
+def test_error_tree():
+    assert issubclass(trainstate.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(trainstate.FormatVersionError, trainstate.CorruptCheckpointError)
+    assert issubclass(trainstate.MissingDependencyError, ImportError)
+    for name in trainstate.__all__:
+        obj = getattr(trainstate, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, trainstate.CheckpointError)
