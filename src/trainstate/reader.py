@@ -63,6 +63,9 @@ class Checkpoint:
         self._lock = threading.Lock()
         self.manifest = _read_manifest(self.path)
         self._check_files()
+        for name in tree.tensor_names(self.manifest.tree):
+            if name not in self.manifest.tensors:
+                raise CorruptCheckpointError(f"the tree refers to tensor {name!r:.80}, which the manifest does not list")
 
     # -- what is in it -------------------------------------------------------------------------
 

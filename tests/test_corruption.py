@@ -1,0 +1,153 @@
+"""Damaged checkpoints are caught: every flipped data byte, truncation, missing parts, lying manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+import trainstate
+from trainstate.format import checksum
+
+
+def _state():
+    rng = np.random.default_rng(0)
+    return {"a": rng.standard_normal((16, 8)).astype(np.float32), "b": np.arange(10, dtype=np.int64),
+            "c": np.float32(1.5), "n": 3}
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = tmp_path / "c"
+    trainstate.save(path, _state(), threads=1)
+    return path
+
+
+def _rewrite_manifest(path, edit):
+    """Apply ``edit`` to the manifest body and re-seal it with a valid checksum (a lying manifest)."""
+    body = json.loads((path / "manifest.json").read_bytes())
+    body.pop("checksum")
+    edit(body)
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body["checksum"] = checksum.digest(raw)
+    (path / "manifest.json").write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def test_every_flipped_data_byte_is_caught_on_load_or_verify(ckpt):
+    data = ckpt / "data-00000.safetensors"
+    original = data.read_bytes()
+    for pos in range(len(original)):  # every byte of the file: header and tensor bytes
+        flipped = bytearray(original)
+        flipped[pos] ^= 1 << random.Random(pos).randrange(8)
+        data.write_bytes(bytes(flipped))
+        with pytest.raises(trainstate.CorruptCheckpointError):
+            with trainstate.open(ckpt) as ck:
+                ck.verify()
+        if pos >= len(original) - 10 * 8 - 4:  # tensor bytes: plain load catches them too
+            with pytest.raises(trainstate.CorruptCheckpointError, match="checksum mismatch in tensor"):
+                trainstate.load(ckpt)
+    data.write_bytes(original)
+    trainstate.load(ckpt)
+
+
+def test_flipped_manifest_bytes_are_caught(ckpt):
+    manifest = ckpt / "manifest.json"
+    original = manifest.read_bytes()
+    rnd = random.Random(1)
+    for pos in rnd.sample(range(len(original) - 1), 300):  # the final newline cannot matter
+        flipped = bytearray(original)
+        flipped[pos] ^= 1 << rnd.randrange(8)
+        manifest.write_bytes(bytes(flipped))
+        with pytest.raises(trainstate.CorruptCheckpointError):
+            trainstate.load(ckpt)
+
+
+def test_truncated_data_file(ckpt):
+    data = ckpt / "data-00000.safetensors"
+    data.write_bytes(data.read_bytes()[:-3])
+    with pytest.raises(trainstate.CorruptCheckpointError, match="truncated"):
+        trainstate.open(ckpt)
+
+
+def test_missing_checkpoint_and_missing_manifest(tmp_path, ckpt):
+    with pytest.raises(trainstate.CheckpointNotFoundError):
+        trainstate.load(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError):  # also a plain FileNotFoundError
+        trainstate.open(tmp_path / "nope")
+    (ckpt / "manifest.json").unlink()
+    with pytest.raises(trainstate.IncompleteCheckpointError, match="never committed"):
+        trainstate.load(ckpt)
+
+
+def test_newer_major_version_is_refused(ckpt):
+    _rewrite_manifest(ckpt, lambda b: b.update(format_version="2.0"))
+    with pytest.raises(trainstate.FormatVersionError, match="upgrade trainstate"):
+        trainstate.load(ckpt)
+
+
+def test_newer_minor_version_loads(ckpt):
+    _rewrite_manifest(ckpt, lambda b: b.update(format_version="1.7", future_field={"x": 1}))
+    with trainstate.open(ckpt) as ck:
+        assert ck.manifest.extra == {"future_field": {"x": 1}}
+        assert np.array_equal(ck.read("b"), np.arange(10))
+
+
+def _first_chunk(b):
+    return b["tensors"]["a"]["chunks"][0]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda b: _first_chunk(b).update(byte_range=[0, 10**12]), "outside"),
+    (lambda b: _first_chunk(b).update(byte_range=[8, 16]), "do not hold"),
+    (lambda b: b["tensors"]["a"].update(shape=[1 << 40, 1 << 40]), "cover"),
+    (lambda b: b["tensors"]["a"].update(dtype="F128"), "unknown dtype"),
+    (lambda b: b["tensors"]["a"].update(kind="pickle"), "unknown kind"),
+    (lambda b: _first_chunk(b).update(file="../../etc/passwd"), "illegal data file"),
+    (lambda b: b["files"][0].update(path="/etc/passwd"), "illegal data file"),
+    (lambda b: _first_chunk(b).update(transforms=[{"name": "zstd"}]), "does not know"),
+    (lambda b: _first_chunk(b).update(offset=[1, 0]), "exceeds"),
+    (lambda b: b["tensors"]["a"].update(chunks=[]), "cover"),
+    (lambda b: b.update(tree={"t": "pickle", "v": "cos\nsystem\n"}), "unknown tree node"),
+    (lambda b: b.update(tree={"t": "tensor", "name": "zz"}), "does not list"),
+    (lambda b: b["files"][0].update(size=-1), "negative|outside|size"),
+])
+def test_lying_manifests_are_refused(ckpt, edit, message):
+    _rewrite_manifest(ckpt, edit)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=message):
+        with trainstate.open(ckpt) as ck:
+            ck.load()
+    with pytest.raises(trainstate.CheckpointError):
+        trainstate.load(ckpt, _state())
+
+
+def test_deeply_nested_tree_is_refused(ckpt):
+    deep: dict = {"t": "list", "v": []}
+    node = deep
+    for _ in range(300):
+        child = {"t": "list", "v": []}
+        node["v"].append(child)
+        node = child
+    _rewrite_manifest(ckpt, lambda b: b.update(tree=deep))
+    with pytest.raises(trainstate.CorruptCheckpointError, match="deeper"):
+        trainstate.load(ckpt)
+
+
+def test_symlinked_data_file_is_refused(ckpt, tmp_path):
+    data = ckpt / "data-00000.safetensors"
+    outside = tmp_path / "outside.bin"
+    os.replace(data, outside)
+    os.symlink(outside, data)
+    with pytest.raises(trainstate.CorruptCheckpointError, match="symlink"):
+        trainstate.load(ckpt)
+
+
+def test_checksums_can_be_skipped_for_speed(ckpt):
+    data = ckpt / "data-00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    out = trainstate.load(ckpt, verify=False)  # the caller asked not to check: the damage shows in the data
+    assert out["c"] != np.float32(1.5)  # the last stored tensor
