@@ -269,6 +269,11 @@ def median_time(fn: Callable[[], Any], repeats: int, before: Callable[[], None] 
 
 def bench_save(state: State, root: Path, repeats: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
+    for saver in SAVERS.values():  # warm-up: first-call costs (lazy imports, allocator) stay out
+        path = root / "save"
+        clean(path)
+        saver(state, path, False)
+    clean(root / "save")
     for fsync in (False, True):
         label = "fsync" if fsync else "no fsync"
         out[label] = {}
@@ -447,7 +452,7 @@ def report(r: dict[str, Any]) -> str:
     base = max(r["memory"]["trainstate"], 1)
     for name, b in r["memory"].items():
         ratio = "1.00x (baseline)" if name == "trainstate" else f"{name} / trainstate = {b / base:.2f}x"
-        lines.append(f"| {name} | {b / 1e6:.0f} | {100 * b / n:.1f}% | {ratio} |")
+        lines.append(f"| {name} | {b / 1e6:.1f} | {100 * b / n:.1f}% | {ratio} |")
     lines += ["", "### targets", ""]
     lines += [f"- {'PASS' if ok else 'MISS'}  {text}" for text, ok in targets(r)]
     return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""Every data file of a single-process checkpoint opens with the safetensors library and matches."""
+
+from __future__ import annotations
+
+import pytest
+
+import trainstate
+
+torch = pytest.importorskip("torch")
+safetensors = pytest.importorskip("safetensors")
+from safetensors import safe_open  # noqa: E402
+
+
+def test_safe_open_reads_every_tensor_under_its_name(tmp_path, training_state):
+    state = dict(training_state, extra={"bf16": torch.randn(3, 5).bfloat16(), "f8": torch.randn(4).to(torch.float8_e5m2),
+                                        "i64": torch.arange(6).reshape(2, 3), "zero_d": torch.tensor(2.0)})
+    trainstate.save(tmp_path / "c", state)
+    seen = {}
+    for f in sorted((tmp_path / "c").glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            seen.update({k: s.get_tensor(k) for k in s.keys()})
+    with trainstate.open(tmp_path / "c") as ck:
+        assert sorted(seen) == sorted(ck.keys())
+        for name, tensor in seen.items():
+            assert torch.equal(tensor, ck.read(name, framework="torch")), name
+    assert torch.equal(seen["model.0.weight"], training_state["model"][0].weight)
+    assert torch.equal(seen["extra.bf16"], state["extra"]["bf16"])
+
+
+def test_dtypes_safetensors_lacks_are_raw_bytes_there(tmp_path):
+    t = torch.randn(3, dtype=torch.complex128)
+    trainstate.save(tmp_path / "c", {"c": t}, threads=1)
+    with safe_open(str(tmp_path / "c" / "data-00000.safetensors"), "pt") as s:
+        raw = s.get_tensor("c")
+    assert raw.dtype == torch.uint8 and torch.equal(raw.view(torch.complex128), t)
