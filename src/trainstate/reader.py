@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import tree
+from . import commit, tree
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -284,7 +284,7 @@ def _no_tensor(name: str) -> Any:
 
 
 def _read_manifest(path: Path) -> manifest.Manifest:
-    if not path.exists():
+    if not path.exists() and not commit.recover(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path}")
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is not a checkpoint directory")

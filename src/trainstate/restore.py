@@ -47,6 +47,11 @@ def _is_module(obj: Any) -> bool:
     return any(c.__module__ == "torch.nn.modules.module" and c.__name__ == "Module" for c in type(obj).__mro__)
 
 
+def _is_data_loader(obj: Any) -> bool:
+    return any(c.__module__ == "torch.utils.data.dataloader" and c.__name__ == "DataLoader"
+               for c in type(obj).__mro__)
+
+
 def _describe(value: Any) -> str:
     adapter = adapter_for(value)
     if adapter is not None:
@@ -119,7 +124,10 @@ class Restorer:
             self.mismatched.append((key, _describe(target), f"state of {node['type']}"))
             return lambda: target
         module = _is_module(target)
-        inner = self.plan(target.state_dict(), node.get("v"), path, free=not module)
+        # A data loader's state_dict() starts an iterator (worker processes, a draw from the global RNG):
+        # its state is rebuilt from the checkpoint alone.
+        current = _ABSENT if _is_data_loader(target) else target.state_dict()
+        inner = self.plan(current, node.get("v"), path, free=not module)
 
         def finish() -> Any:
             state = inner()
@@ -201,14 +209,15 @@ class Restorer:
         return any(self.selected(p) for p in self._leaves(node, path))
 
     def _leaves(self, node: Any, path: tuple[str, ...]) -> list[str]:
-        """Dotted keys of every leaf under a checkpoint node."""
+        """Dotted keys of every leaf under a checkpoint node; an empty container is a leaf itself."""
+        found: list[str] = []
         if isinstance(node, dict) and node.get("t") == "dict":
-            return [p for k, c in tree.dict_items(node) for p in self._leaves(c, path + (str(k),))]
-        if isinstance(node, dict) and node.get("t") in ("list", "tuple") and isinstance(node.get("v"), list):
-            return [p for i, c in enumerate(node["v"]) for p in self._leaves(c, path + (str(i),))]
-        if isinstance(node, dict) and node.get("t") == "stateful":
-            return self._leaves(node.get("v"), path)
-        return [tree.join(path)]
+            found = [p for k, c in tree.dict_items(node) for p in self._leaves(c, path + (str(k),))]
+        elif isinstance(node, dict) and node.get("t") in ("list", "tuple") and isinstance(node.get("v"), list):
+            found = [p for i, c in enumerate(node["v"]) for p in self._leaves(c, path + (str(i),))]
+        elif isinstance(node, dict) and node.get("t") == "stateful":
+            found = self._leaves(node.get("v"), path)
+        return found or [tree.join(path)]
 
     # -- read -----------------------------------------------------------------------------------
 

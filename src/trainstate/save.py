@@ -69,9 +69,13 @@ class TensorTable:
 
 @dataclass(frozen=True)
 class SaveResult:
+    """What a save did: where, how many bytes, and how long (writing the files vs. committing)."""
+
     path: str
     nbytes: int
     seconds: float
+    write_seconds: float = 0.0
+    commit_seconds: float = 0.0
 
 
 def save(
@@ -101,28 +105,55 @@ def save(
         >>> trainstate.save("ckpt/step_1200", {"model": model, "step": 1200}, metadata={"run": "exp1"})
     """
     start = time.perf_counter()
-    final = Path(path)
-    commit.check_target(final, overwrite)
+    commit.check_target(Path(path), overwrite)
+    snapshot = encode_state(state, metadata)
+    return write_checkpoint(Path(path), snapshot, overwrite=overwrite, fsync=fsync, threads=threads, start=start)
+
+
+@dataclass
+class Snapshot:
+    """A state flattened for writing: the encoded tree, its metadata, and the arrays to store."""
+
+    tree: Any
+    metadata: Any
+    entries: list[_Entry]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def encode_state(state: Any, metadata: Any = None) -> Snapshot:
+    """Flatten ``state`` (calling ``state_dict()`` on statefuls) without copying any array."""
     table = TensorTable()
     tree_node = tree.encode(state, table.add)
-    meta_node = tree.encode_plain(metadata)
+    return Snapshot(tree_node, tree.encode_plain(metadata), table.entries)
+
+
+def write_checkpoint(
+    final: Path, snapshot: Snapshot, *, overwrite: bool = False, fsync: bool = True,
+    threads: int = DEFAULT_THREADS, start: float | None = None,
+) -> SaveResult:
+    """Write a snapshot as a checkpoint and commit it: the synchronous core of every save."""
+    start = time.perf_counter() if start is None else start
     tmp = commit.staging_dir(final)
     try:
-        files, tensors = _write_files(tmp, table.entries, fsync=fsync, threads=threads)
+        files, tensors = _write_files(tmp, snapshot.entries, fsync=fsync, threads=threads)
         body = manifest.Manifest(
-            tree=tree_node, tensors=tensors, files=files, metadata=meta_node,
+            tree=snapshot.tree, tensors=tensors, files=files, metadata=snapshot.metadata,
             created=time.time(), writer=f"trainstate {_version()}",
         )
         _write_file(tmp / manifest.MANIFEST_NAME, [memoryview(body.to_json_bytes())], fsync)
+        written = time.perf_counter()
         commit.check_target(final, overwrite)
         commit.publish(tmp, final, fsync=fsync)
     except BaseException:
         commit.discard(tmp)
         raise
-    total = sum(f.size for f in files)
-    seconds = time.perf_counter() - start
-    log.debug("saved %s: %d tensors, %d bytes in %.3fs", final, len(tensors), total, seconds)
-    return SaveResult(str(final), total, seconds)
+    total = sum(f.size for f in files) + len(body.to_json_bytes())
+    end = time.perf_counter()
+    log.debug("saved %s: %d tensors, %d bytes in %.3fs", final, len(tensors), total, end - start)
+    return SaveResult(str(final), total, end - start, written - start, end - written)
 
 
 def _version() -> str:
