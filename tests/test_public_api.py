@@ -5,8 +5,9 @@ import trainstate
 
 def test_all_is_sorted_and_complete():
     public = {
-        name for name, obj in vars(trainstate).items()
-        if not name.startswith("_") and not isinstance(obj, types.ModuleType) and name != "annotations"
+        name for name in dir(trainstate)
+        if not name.startswith("_") and not isinstance(getattr(trainstate, name), types.ModuleType)
+        and name != "annotations"
     }
     assert trainstate.__all__ == sorted(trainstate.__all__)
     assert set(trainstate.__all__) - {"__version__"} == public

@@ -31,6 +31,20 @@ from .tree import Stateful
 
 __version__ = "0.1.0"
 
+_LAZY = {"ResumableSampler": "trainstate.data"}  # these import torch: only on first use
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trainstate' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 __all__ = [
     "Checkpoint",
     "CheckpointError",
@@ -42,6 +56,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "MissingDependencyError",
     "RNGState",
+    "ResumableSampler",
     "SaveResult",
     "StateMismatchError",
     "Stateful",

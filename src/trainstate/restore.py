@@ -18,6 +18,7 @@ Matching rules:
 from __future__ import annotations
 
 import fnmatch
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -269,5 +270,10 @@ def restore(ck: Checkpoint, target: Any, *, strict: bool = True, include: str | 
     finish = r.plan(target, ck.manifest.tree, (), free=False)
     r.check()
     r.read(verify=verify, threads=threads)
-    return finish()
+    result = finish()
+    if "torch.utils.data" in sys.modules:
+        from .data import arm_exact_resume
+
+        arm_exact_resume(result)
+    return result
 

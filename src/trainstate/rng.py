@@ -37,6 +37,7 @@ class RNGState:
     ) -> None:
         self.numpy_generators = dict(numpy_generators or {})
         self.torch_generators = dict(torch_generators or {})
+        self.restored_torch_state: tuple[Any, list[Any]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
@@ -66,11 +67,25 @@ class RNGState:
             g.bit_generator.state = state["numpy_generators"][k]
         torch = _torch()
         if torch is not None and "torch" in state:
-            torch.set_rng_state(_as_byte_tensor(torch, state["torch"]))
             for k, g in self.torch_generators.items():
                 g.set_state(_as_byte_tensor(torch, state["torch_generators"][k]))
-            if "cuda" in state and torch.cuda.is_available():  # pragma: no cover - needs a GPU
-                torch.cuda.set_rng_state_all([_as_byte_tensor(torch, s) for s in state["cuda"]])
+            cuda = [_as_byte_tensor(torch, s) for s in state.get("cuda", [])]
+            self.restored_torch_state = (_as_byte_tensor(torch, state["torch"]).clone(), cuda)
+            self.reapply_torch()
+
+    def reapply_torch(self) -> None:
+        """Set torch's global generators (CPU, and CUDA where present) to the last restored state again.
+
+        trainstate calls this right after a restored data loader starts its first iterator, whose
+        base-seed draw would otherwise shift every random draw after a resume (see data.py).
+        """
+        torch = _torch()
+        if torch is None or self.restored_torch_state is None:
+            return
+        cpu, cuda = self.restored_torch_state
+        torch.set_rng_state(cpu)
+        if cuda and torch.cuda.is_available():  # pragma: no cover - needs a GPU
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _torch() -> Any:
