@@ -23,6 +23,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .format.manifest import FORMAT_VERSION
+from .manager import CheckpointInfo, CheckpointManager, SaveRecord
 from .reader import Checkpoint, TensorInfo
 from .reader import open_checkpoint as open
 from .rng import RNGState
@@ -49,6 +50,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "FORMAT_VERSION",
@@ -57,6 +60,7 @@ __all__ = [
     "MissingDependencyError",
     "RNGState",
     "ResumableSampler",
+    "SaveRecord",
     "SaveResult",
     "StateMismatchError",
     "Stateful",

@@ -39,8 +39,18 @@ def staging_dir(final: Path) -> Path:
 
 
 def is_staging_name(name: str) -> bool:
-    """Whether a directory entry is a leftover of an unfinished save (safe to sweep)."""
-    return name.startswith(".") and (".tmp-" in name or ".old-" in name)
+    """Whether a directory entry is a leftover of an unfinished save or delete (safe to sweep)."""
+    return name.startswith(".") and any(tag in name for tag in (".tmp-", ".old-", ".del-"))
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint so that it is never seen half-deleted: rename it out of sight, then delete."""
+    trash = path.parent / f".{path.name}.del-{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(path, trash)
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot delete {path}: {e.strerror}") from e
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def fsync_path(path: Path, directory: bool = False) -> None:

@@ -1,0 +1,151 @@
+"""The catalog of a manager's directory: which committed checkpoints exist, their manifest facts, pins.
+
+Everything here reads manifests only, never tensors. Names outside the manager's scheme are never listed
+or touched. A directory lock keeps a second manager out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .. import commit, tree
+from ..errors import CheckpointError, CorruptCheckpointError, StorageError
+from ..format.manifest import MANIFEST_NAME
+from ..reader import _read_manifest
+from . import naming
+from .policies import CheckpointInfo
+
+log = logging.getLogger("trainstate")
+PIN_FILE = "pinned.json"
+LOCK_FILE = ".trainstate.lock"
+META_KEY = "trainstate"  # the manager's facts inside the manifest metadata
+
+
+class Catalog:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._cache: dict[str, tuple[int, CheckpointInfo]] = {}
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first."""
+        out = []
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            step = naming.step_of(name)
+            if step is None:
+                continue
+            info = self._info(name, step)
+            if info is not None:
+                out.append(info)
+        return sorted(out, key=lambda c: c.step)
+
+    def _info(self, name: str, step: int) -> CheckpointInfo | None:
+        path = self.directory / name
+        try:
+            stamp = os.stat(path / MANIFEST_NAME).st_mtime_ns
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # not committed
+        pinned = (path / PIN_FILE).exists()
+        cached = self._cache.get(name)
+        if cached is not None and cached[0] == stamp:
+            return _with_pin(cached[1], pinned)
+        try:
+            m = _read_manifest(path)
+        except CorruptCheckpointError as e:
+            log.warning("skipping %s: %s", path, e)
+            return None
+        meta = tree.decode(m.metadata, lambda n: None)
+        facts = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
+        info = CheckpointInfo(
+            name=name, step=step, created=m.created, metrics=dict(facts.get("metrics") or {}),
+            epoch=facts.get("epoch"), pinned=pinned, nbytes=sum(f.size for f in m.files),
+        )
+        self._cache[name] = (stamp, info)
+        return info
+
+    def pin(self, name: str, reason: str = "") -> None:
+        path = self.directory / name
+        if not (path / MANIFEST_NAME).exists():
+            raise CheckpointError(f"cannot pin {path}: no committed checkpoint there")
+        (path / PIN_FILE).write_text(json.dumps({"reason": reason}))
+
+    def unpin(self, name: str) -> None:
+        (self.directory / name / PIN_FILE).unlink(missing_ok=True)
+
+    def delete(self, name: str) -> None:
+        if naming.step_of(name) is None:
+            raise CheckpointError(f"refusing to delete {name!r}: not a name this manager makes")
+        commit.remove(self.directory / name)
+        self._cache.pop(name, None)
+
+    def sweep(self) -> list[str]:
+        """Remove leftovers of crashed saves and deletes; returns what was removed."""
+        removed = []
+        for name in sorted(os.listdir(self.directory)):
+            path = self.directory / name
+            if commit.is_staging_name(name):
+                if ".old-" in name:
+                    final = name[1:].split(".old-")[0]
+                    if commit.recover(self.directory / final):
+                        continue
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(name)
+            elif naming.step_of(name) is not None and path.is_dir() and not (path / MANIFEST_NAME).exists():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(name)
+        if removed:
+            log.info("swept %d incomplete checkpoint(s) in %s: %s", len(removed), self.directory, removed)
+        return removed
+
+
+def _with_pin(info: CheckpointInfo, pinned: bool) -> CheckpointInfo:
+    if info.pinned == pinned:
+        return info
+    from dataclasses import replace
+
+    return replace(info, pinned=pinned)
+
+
+class DirectoryLock:
+    """An advisory lock on the directory, so two managers never prune each other's checkpoints."""
+
+    def __init__(self, directory: Path) -> None:
+        import fcntl
+
+        self._path = directory / LOCK_FILE
+        self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            self._fd = None
+            raise CheckpointError(
+                f"another CheckpointManager (pid {holder}) is using {directory}; close it first"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+def facts(step: int, epoch: int | None, metrics: dict[str, Any] | None, reason: str, now: float) -> dict[str, Any]:
+    return {"step": step, "epoch": epoch, "metrics": dict(metrics or {}), "reason": reason, "time": now}
+
+
+def ensure_directory(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot create checkpoint directory {directory}: {e.strerror}") from e
