@@ -1,0 +1,204 @@
+"""CheckpointManager against a real directory: cadence, retention, crashes, async, preemption, history."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+import trainstate
+from trainstate.manager import staging
+
+torch = pytest.importorskip("torch")
+
+
+def small_state():
+    model = torch.nn.Linear(32, 16)
+    return {"model": model, "optim": torch.optim.AdamW(model.parameters()), "step": 0}
+
+
+def bump(state, step):
+    with torch.no_grad():
+        state["model"].weight.fill_(float(step))
+    state["step"] = step
+
+
+def test_saves_on_schedule_and_resumes_after_the_latest(tmp_path):
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=3) as mgr:
+        saved = []
+        for step in range(10):
+            bump(state, step)
+            if mgr.save(step, state):
+                saved.append(step)
+    assert saved == [0, 3, 6, 9]
+    assert [c.name for c in mgr.list()] == ["step_00000000", "step_00000003", "step_00000006", "step_00000009"]
+    fresh = small_state()
+    with trainstate.CheckpointManager(tmp_path) as mgr2:
+        assert mgr2.restore_latest(fresh) == 10  # the step to continue from
+        assert mgr2.latest().step == 9
+    assert fresh["step"] == 9 and float(fresh["model"].weight[0, 0].detach()) == 9.0
+
+
+def test_restore_latest_on_an_empty_directory(tmp_path):
+    with trainstate.CheckpointManager(tmp_path / "new") as mgr:
+        assert mgr.restore_latest(small_state()) is None and mgr.latest() is None
+
+
+def test_force_metrics_epoch_and_best(tmp_path):
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, keep_best=("val", "min", 2)) as mgr:
+        assert not mgr.save(1, state, metrics={"val": 1.0})  # no save policy: nothing happens
+        for step, val in [(1, 0.9), (2, 0.3), (3, 0.5), (4, 0.8)]:
+            assert mgr.save(step, state, metrics={"val": val}, epoch=step // 2, force=True)
+        mgr.save(5, state, force=True)  # no metric: keep_best never deletes it
+    infos = {c.step: c for c in mgr.list()}
+    assert sorted(infos) == [2, 3, 5]
+    assert infos[2].metrics == {"val": 0.3} and infos[3].epoch == 1
+    assert mgr.best().step == 2
+    with trainstate.open(mgr.path_for(2)) as ck:
+        assert ck.metadata["trainstate"]["reason"] == "forced"
+
+
+def test_only_names_of_the_scheme_are_touched_and_pins_survive(tmp_path):
+    (tmp_path / "notes").mkdir()
+    trainstate.save(tmp_path / "my_export", {"x": 1})
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=1, keep_last=1) as mgr:
+        mgr.save(0, state)
+        mgr.pin(0, "baseline")
+        for step in range(1, 5):
+            mgr.save(step, state)
+        assert [c.step for c in mgr.list()] == [0, 4]
+        assert mgr.list()[0].pinned
+        mgr.unpin(0)
+        mgr.save(5, state)
+        assert [c.step for c in mgr.list()] == [5]
+    assert (tmp_path / "notes").is_dir() and (tmp_path / "my_export" / "manifest.json").exists()
+
+
+def test_crash_leftovers_are_invisible_and_swept(tmp_path):
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=1) as mgr:
+        mgr.save(0, state)
+    (tmp_path / ".step_00000001.tmp-abc").mkdir()  # a save killed before its commit
+    (tmp_path / ".step_00000001.tmp-abc" / "data-00000.safetensors").write_bytes(b"partial")
+    (tmp_path / "step_00000002").mkdir()  # a named directory without a manifest
+    with trainstate.CheckpointManager(tmp_path) as mgr:
+        assert [c.step for c in mgr.list()] == [0]
+        assert sorted(mgr.swept) == [".step_00000001.tmp-abc", "step_00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".trainstate.lock") == ["step_00000000"]
+
+
+def test_a_second_manager_on_the_directory_is_refused(tmp_path):
+    with trainstate.CheckpointManager(tmp_path):
+        with pytest.raises(trainstate.CheckpointError, match="another CheckpointManager"):
+            trainstate.CheckpointManager(tmp_path)
+    trainstate.CheckpointManager(tmp_path).close()  # free again after close
+
+
+def test_async_snapshot_is_isolated_from_later_mutation(tmp_path):
+    state = {"w": torch.zeros(1 << 20)}  # 4 MB
+    gate = threading.Event()
+    original = trainstate.manager.manager.write_checkpoint
+
+    def slow_write(*args, **kwargs):
+        gate.wait(5)  # hold the background write until the loop has mutated the tensor
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainstate.manager.manager, "write_checkpoint", slow_write)
+        with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True) as mgr:
+            mgr.save(0, state)
+            state["w"].fill_(7.0)  # the loop goes on and changes the tensor in place
+            gate.set()
+            mgr.wait()
+    assert float(trainstate.load(tmp_path / "step_00000000")["w"].max()) == 0.0
+
+
+def test_async_reuses_one_staging_buffer(tmp_path, monkeypatch):
+    allocations = []
+    real_empty = np.empty
+
+    def counting_empty(*args, **kwargs):
+        allocations.append(args[0] if args else kwargs.get("shape"))
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(staging.np, "empty", counting_empty)
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True) as mgr:
+        for step in range(5):
+            bump(state, step)
+            mgr.save(step, state)
+    assert len(allocations) == 1
+    assert all(r.background and r.error is None for r in mgr.history())
+    assert float(trainstate.load(tmp_path / "step_00000004")["model"]["weight"][0, 0]) == 4.0
+
+
+def test_a_failed_background_save_raises_on_the_next_call(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise trainstate.StorageError(28, "No space left on device")
+
+    state = small_state()
+    mgr = trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True)
+    mgr.save(0, state)
+    mgr.wait()
+    monkeypatch.setattr(trainstate.manager.manager, "write_checkpoint", broken)
+    mgr.save(1, state)
+    with pytest.raises(trainstate.StorageError, match="No space"):
+        mgr.wait()
+    mgr.save(2, state)
+    with pytest.raises(trainstate.StorageError):
+        mgr.save(3, state)
+    monkeypatch.undo()
+    mgr.close()
+    assert [c.step for c in mgr.list()] == [0]  # the good one is intact
+    assert trainstate.load(tmp_path / "step_00000000")
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_preemption_signal_saves_at_the_next_call(tmp_path):
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=100, async_save=True) as mgr:
+        assert not mgr.save(1, state)
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler only sets a flag
+        assert not (tmp_path / "step_00000002").exists()
+        assert mgr.save(2, state) and mgr.preempted
+        assert (tmp_path / "step_00000002" / "manifest.json").exists()  # saved synchronously
+        with trainstate.open(tmp_path / "step_00000002") as ck:
+            assert ck.metadata["trainstate"]["reason"] == "preemption (SIGUSR1)"
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers put back on close
+
+
+def test_close_saves_a_final_checkpoint_and_history_has_timings(tmp_path):
+    state = small_state()
+    mgr = trainstate.CheckpointManager(tmp_path, every_steps=5, async_save=True)
+    for step in range(7):
+        mgr.save(step, state)
+    mgr.close(7, state)
+    assert [c.step for c in mgr.list()] == [0, 5, 7]
+    history = mgr.history()
+    assert [r.step for r in history] == [0, 5, 7] and history[-1].reason == "at close"
+    for r in history:
+        assert r.blocking_seconds > 0 and r.write_seconds > 0 and r.commit_seconds >= 0 and r.nbytes > 0
+    with pytest.raises(trainstate.CheckpointError, match="closed"):
+        mgr.save(8, state, force=True)
+
+
+def test_damaged_latest_falls_back_to_the_one_before(tmp_path):
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=1) as mgr:
+        for step in range(3):
+            bump(state, step)
+            mgr.save(step, state)
+    data = sorted((tmp_path / "step_00000002").glob("*.safetensors"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    fresh = small_state()
+    with trainstate.CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore_latest(fresh) == 2
+    assert fresh["step"] == 1
