@@ -83,6 +83,7 @@ def main() -> None:
     mgr = trainstate.CheckpointManager(os.path.join(args.dir, "ckpt"), every_steps=args.every, keep_last=2,
                                        async_save=args.async_save)
     start = mgr.restore_latest(state) or 0
+    print(f"start {start}", flush=True)
 
     def on_step(step: int) -> None:
         mgr.save(step, state)

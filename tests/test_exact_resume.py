@@ -49,3 +49,35 @@ def test_without_the_rng_fix_the_run_diverges(tmp_path, monkeypatch):
     trainstate.load(tmp_path / "c", resumed)
     train(resumed, loader2, 6, 20)
     assert not torch.equal(state["model"][0].weight, resumed["model"][0].weight)
+
+
+RECIPE = __import__("pathlib").Path(__file__).with_name("resume_recipe.py")
+
+
+def _run(args: list[str]) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(RECIPE), *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("loader_kind, kill_at, async_save", [
+    ("sampler", 9, True),     # killed with an async save possibly in flight, mid-epoch
+    pytest.param("stateful", 17, False, marks=pytest.mark.skipif(
+        pytest.importorskip("importlib").util.find_spec("torchdata") is None, reason="torchdata not installed")),
+])
+def test_sigkill_and_resume_in_a_new_process_is_bit_identical(tmp_path, loader_kind, kill_at, async_save):
+    """The contract: kill -9 at some step, resume from the latest checkpoint in a fresh process."""
+    import signal
+
+    flags = ["--loader", loader_kind, "--steps", "30", "--every", "4"] + (["--async"] if async_save else [])
+    ref = _run([str(tmp_path / "ref"), *flags])
+    assert ref.returncode == 0, ref.stderr
+    killed = _run([str(tmp_path / "run"), *flags, "--kill-at", str(kill_at)])
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "run" / "final").exists()
+    resumed = _run([str(tmp_path / "run"), *flags])
+    assert resumed.returncode == 0, resumed.stderr
+    start = int(resumed.stdout.split("start ")[1].split()[0])
+    assert 0 < start <= kill_at + 1  # it really resumed, from a checkpoint at or before the kill
+    assert_same(trainstate.load(tmp_path / "ref" / "final"), trainstate.load(tmp_path / "run" / "final"))
