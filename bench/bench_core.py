@@ -393,7 +393,8 @@ def report(r: dict[str, Any]) -> str:
              f"- disk: {m['dir']} on {m['filesystem']}",
              f"- versions: python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
              + f"trainstate {m['trainstate']}",
-             f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)"]
+             f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)",
+             f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} (other work skews it)"]
     lines += [f"- {r['note']}", ""] if r["note"] else [""]
     for mode, t in r["save"].items():
         lines += table(f"1. save, {mode}", t, n)
@@ -430,7 +431,8 @@ def main() -> None:
         caches.append("cold")
     except OSError:
         note = "cold page cache skipped: dropping caches needs root (/proc/sys/vm/drop_caches)"
-    r: dict[str, Any] = {"quick": args.quick, "repeats": args.repeats, "machine": machine(root), "note": note}
+    r: dict[str, Any] = {"quick": args.quick, "repeats": args.repeats, "machine": machine(root), "note": note,
+                         "load": os.getloadavg()[0]}
     if r["machine"]["filesystem"].startswith("tmpfs"):
         log(f"warning: {root} is on tmpfs, so nothing reaches a disk; pass --dir")
     t0 = time.perf_counter()
@@ -449,7 +451,7 @@ def main() -> None:
         r["memory"] = bench_memory(args.quick, root, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    r["seconds"] = time.perf_counter() - t0
+    r["seconds"], r["load"] = time.perf_counter() - t0, [r["load"], os.getloadavg()[0]]
     print(report(r) + f"\n\n(total {r['seconds']:.0f}s)")
     if args.json:
         args.json.write_text(json.dumps({**r, "targets": targets(r)}, indent=2))
