@@ -394,7 +394,8 @@ def report(r: dict[str, Any]) -> str:
              f"- versions: python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
              + f"trainstate {m['trainstate']}",
              f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)",
-             f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} (other work skews it)"]
+             (f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} "
+             "(other work on the machine skews every number)")]
     lines += [f"- {r['note']}", ""] if r["note"] else [""]
     for mode, t in r["save"].items():
         lines += table(f"1. save, {mode}", t, n)

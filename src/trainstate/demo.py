@@ -35,6 +35,7 @@ def _train(workdir: Path, steps: int, kill_at: int) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import trainstate
+    from trainstate.data import ResumableSampler
 
     data, target = _digits()
     x, y = torch.from_numpy(data), torch.from_numpy(target)
@@ -44,7 +45,7 @@ def _train(workdir: Path, steps: int, kill_at: int) -> None:
                                 torch.nn.Linear(128, 10))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    sampler = trainstate.ResumableSampler(train_ds, seed=1)
+    sampler = ResumableSampler(train_ds, seed=1)
     loader = sampler.attach(DataLoader(train_ds, batch_size=32, sampler=sampler, num_workers=2))
     state = {"model": model, "optim": opt, "sched": sched, "sampler": sampler, "rng": trainstate.RNGState()}
 
@@ -56,7 +57,7 @@ def _train(workdir: Path, steps: int, kill_at: int) -> None:
         for xb, yb in loader:
             model.train()
             loss = torch.nn.functional.cross_entropy(model(xb), yb)
-            (loss / 2).backward()  # gradient accumulation over 2 micro-batches
+            (loss / 2).backward()  # type: ignore[no-untyped-call]  # accumulate over 2 micro-batches
             micro += 1
             if micro % 2:
                 continue

@@ -138,7 +138,7 @@ class Checkpoint:
         whole = np.frombuffer(view, dtype=dtypes.from_code(t.dtype).numpy).reshape(t.shape)
         for c in t.chunks:  # pieces written by several ranks: read each, place it in its box
             piece = np.empty(c.shape, dtype=whole.dtype)
-            pview = memoryview(piece.reshape(-1).view(np.uint8))
+            pview = piece.reshape(-1).view(np.uint8).data
             self._pread(c.file, pview, c.byte_range[0])
             if verify:
                 checksum.check(pview, c.checksum, f"tensor {name} chunk at {list(c.offset)} ({c.file})")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import fnmatch
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from . import tree
@@ -69,7 +71,7 @@ class Restorer:
         self.missing: list[str] = []
         self.unexpected: list[str] = []
         self.mismatched: list[tuple[str, str, str]] = []
-        self.jobs: dict[str, list[Any]] = {}  # name -> [target or _ABSENT, host buffer, result]
+        self.jobs: dict[str, _Job] = {}
 
     # -- plan -----------------------------------------------------------------------------------
 
@@ -102,8 +104,8 @@ class Restorer:
         if entry is None:
             raise CorruptCheckpointError(f"tree refers to tensor {name!r}, which the manifest does not list")
         if name in self.jobs:  # a tied tensor met again
-            job = self.jobs[name]
-            return lambda: job[2]
+            tied = self.jobs[name]
+            return lambda: tied.value
         adapter = adapter_for(target) if target is not _ABSENT else None
         if target is not _ABSENT and adapter is None:
             self.mismatched.append((key, _describe(target), f"tensor {entry.dtype}{list(entry.shape)}"))
@@ -113,9 +115,8 @@ class Restorer:
             if shape != entry.shape or (code != entry.dtype and self.strict):
                 self.mismatched.append((key, f"tensor {code}{list(shape)}", f"tensor {entry.dtype}{list(entry.shape)}"))
                 return lambda: target
-        job: list[Any] = [target, None, None]
-        self.jobs[name] = job
-        return lambda: job[2]
+        job = self.jobs[name] = _Job(target)
+        return lambda: job.value
 
     def _plan_stateful(self, target: Any, node: dict[str, Any], path: tuple[str, ...]) -> Finisher:
         key = tree.join(path) or "<root>"
@@ -159,9 +160,9 @@ class Restorer:
             saved = {k for k, _ in items}
             for k in present:
                 if k not in saved:
-                    sub = tree.join(path + (str(k),))
-                    if self.selected(sub) or any(self.selected(p) for p in _target_leaves(present[k], sub)):
-                        self.missing.append(sub)
+                    key = tree.join(path + (str(k),))
+                    if self.selected(key) or any(self.selected(p) for p in _target_leaves(present[k], key)):
+                        self.missing.append(key)
 
         def finish() -> Any:
             if free or target is _ABSENT or not isinstance(target, dict):
@@ -228,25 +229,35 @@ class Restorer:
 
     def read(self, *, verify: bool, threads: int) -> None:
         """Read every planned tensor: straight into the target's memory where its layout allows."""
-        direct: list[tuple[str, Any]] = []
+        reads: list[tuple[str, Any]] = []
         for name, job in self.jobs.items():
-            target = job[0]
             entry = self.ck.manifest.tensors[name]
-            adapter = adapter_for(target) if target is not _ABSENT else adapter_named(entry.kind)
-            if target is not _ABSENT and adapter.describe(target)[0] == entry.dtype \
-                    and adapter.writable_view(target) is not None:
-                direct.append((name, target))
-                job[2] = target
+            live = adapter_for(job.target) if job.target is not _ABSENT else None
+            if live is not None and live.describe(job.target)[0] == entry.dtype \
+                    and live.writable_view(job.target) is not None:
+                job.value = job.target
+                reads.append((name, job.target))
             else:  # absent, on an accelerator, non-contiguous, or a cast: read to host first
-                job[1] = adapter.empty(entry.dtype, entry.shape)
-                direct.append((name, job[1]))
-        self.ck.read_many(direct, verify=verify, threads=threads)
+                job.host = (live or adapter_named(entry.kind)).empty(entry.dtype, entry.shape)
+                reads.append((name, job.host))
+        self.ck.read_many(reads, verify=verify, threads=threads)
         for name, job in self.jobs.items():
-            if job[1] is not None:
-                kind = self.ck.manifest.tensors[name].kind
-                adapter = adapter_named("torch" if type(job[1]).__module__.startswith("torch") else "numpy")
-                host = adapter.finish(job[1], kind)
-                job[2] = host if job[0] is _ABSENT else adapter_for(job[0]).assign(job[0], host)
+            if job.host is not None:
+                host = _adapter(job.host).finish(job.host, self.ck.manifest.tensors[name].kind)
+                job.value = host if job.target is _ABSENT else _adapter(job.target).assign(job.target, host)
+
+
+@dataclass
+class _Job:
+    target: Any  # the live array to fill, or _ABSENT
+    host: Any = None  # a host buffer, when the target cannot be read into directly
+    value: Any = None  # the restored value
+
+
+def _adapter(value: Any) -> ModuleType:
+    adapter = adapter_for(value)
+    assert adapter is not None
+    return adapter
 
 
 def _target_leaves(value: Any, path: str) -> list[str]:

@@ -165,7 +165,7 @@ def tensor_names(node: Any) -> list[str]:
             raise CorruptCheckpointError(f"tree nests deeper than {MAX_DEPTH} levels")
         if isinstance(n, dict):
             if n.get("t") == "tensor":
-                out.append(n.get("name"))
+                out.append(str(n.get("name")))
             elif n.get("t") == "dict" and isinstance(n.get("v"), list):
                 for pair in n["v"]:
                     if isinstance(pair, list) and len(pair) == 2:

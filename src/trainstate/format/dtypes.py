@@ -18,7 +18,7 @@ from ..errors import CorruptCheckpointError, UnsupportedValueError
 @dataclass(frozen=True)
 class DType:
     code: str
-    numpy: np.dtype  # type: ignore[type-arg]
+    numpy: np.dtype
     torch_name: str
     safetensors: bool  # whether safetensors readers know this code
 
@@ -55,7 +55,7 @@ _TABLE = [
 ]
 
 BY_CODE: dict[str, DType] = {d.code: d for d in _TABLE}
-BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in _TABLE}  # type: ignore[type-arg]
+BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in _TABLE}
 BY_TORCH_NAME: dict[str, DType] = {d.torch_name: d for d in _TABLE}
 
 
@@ -66,7 +66,7 @@ def from_code(code: object) -> DType:
     raise CorruptCheckpointError(f"unknown dtype code {code!r}; known: {sorted(BY_CODE)}")
 
 
-def from_numpy(dtype: np.dtype) -> DType:  # type: ignore[type-arg]
+def from_numpy(dtype: np.dtype) -> DType:
     try:
         return BY_NUMPY[dtype.newbyteorder("=") if dtype.byteorder == "<" else dtype]
     except KeyError:

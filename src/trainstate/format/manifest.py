@@ -46,7 +46,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * dtypes.from_code(self.dtype).itemsize
+        return int(math.prod(self.shape)) * dtypes.from_code(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,10 @@ def _tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
     if kind not in ("torch", "numpy", "numpy-scalar"):
         raise CorruptCheckpointError(f"tensor {name}: unknown kind {kind!r:.40}")
     chunks = tuple(_chunk(name, c, dtype, shape, sizes) for c in _typed(t["chunks"], list, f"{name}.chunks"))
-    if sum(math.prod(c.shape) for c in chunks) != math.prod(shape) or (not chunks and math.prod(shape)):
+    covered = 0
+    for c in chunks:
+        covered += int(math.prod(c.shape))
+    if covered != int(math.prod(shape)):
         raise CorruptCheckpointError(f"tensor {name}: its chunks do not cover shape {list(shape)}")
     _check_disjoint(name, chunks)
     return TensorEntry(dtype=dtype.code, shape=shape, kind=kind, chunks=chunks)
@@ -257,5 +260,5 @@ def _check_disjoint(name: str, chunks: tuple[Chunk, ...]) -> None:
                 if all(
                     ao < bo + bs and bo < ao + as_
                     for ao, as_, bo, bs in zip(a.offset, a.shape, b.offset, b.shape)
-                ) and math.prod(a.shape) and math.prod(b.shape):
+                ) and int(math.prod(a.shape)) and int(math.prod(b.shape)):
                     raise CorruptCheckpointError(f"tensor {name}: chunks overlap")

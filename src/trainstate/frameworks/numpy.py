@@ -39,10 +39,10 @@ def byte_view(value: Any) -> memoryview:
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     arr = np.ascontiguousarray(arr)
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
-def empty(code: str, shape: tuple[int, ...]) -> np.ndarray:  # type: ignore[type-arg]
+def empty(code: str, shape: tuple[int, ...]) -> np.ndarray:
     return np.empty(shape, dtype=dtypes.from_code(code).numpy)
 
 
@@ -50,16 +50,16 @@ def writable_view(target: Any) -> memoryview | None:
     """Memory to read straight into ``target``, or None when its layout does not allow it."""
     if isinstance(target, np.ndarray) and target.flags.c_contiguous and target.flags.writeable \
             and target.dtype.byteorder != ">":
-        return memoryview(target.reshape(-1).view(np.uint8))
+        return target.reshape(-1).view(np.uint8).data
     return None
 
 
-def finish(array: np.ndarray, kind: str) -> Any:  # type: ignore[type-arg]
+def finish(array: np.ndarray, kind: str) -> Any:
     """Turn a freshly read array into what the saver held (a scalar stays a scalar)."""
     return array[()] if kind == "numpy-scalar" else array
 
 
-def assign(target: Any, source: np.ndarray) -> Any:  # type: ignore[type-arg]
+def assign(target: Any, source: np.ndarray) -> Any:
     """Copy ``source`` into ``target`` when it is a writable array, else return ``source``."""
     if isinstance(target, np.ndarray) and target.flags.writeable:
         target[...] = source

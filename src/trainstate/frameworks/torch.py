@@ -48,7 +48,7 @@ def byte_view(value: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.resolve_conj().resolve_neg().contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def empty(code: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -58,7 +58,7 @@ def empty(code: str, shape: tuple[int, ...]) -> torch.Tensor:
 def writable_view(target: Any) -> memoryview | None:
     if isinstance(target, torch.Tensor) and target.device.type == "cpu" and target.is_contiguous() \
             and target.layout == torch.strided and not target.is_conj() and not target.is_neg():
-        return memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+        return target.detach().reshape(-1).view(torch.uint8).numpy().data
     return None
 
 
@@ -75,7 +75,7 @@ def assign(target: Any, source: torch.Tensor) -> Any:
     return source
 
 
-def from_numpy(array: np.ndarray) -> torch.Tensor:  # type: ignore[type-arg]
+def from_numpy(array: np.ndarray) -> torch.Tensor:
     """A torch tensor sharing ``array``'s memory (bfloat16 / float8 go through a byte view)."""
     code = dtypes.from_numpy(array.dtype).code
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)

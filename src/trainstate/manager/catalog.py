@@ -6,6 +6,7 @@ or touched. A directory lock keeps a second manager out.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ class Catalog:
         self.directory = directory
         self._cache: dict[str, tuple[int, CheckpointInfo]] = {}
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints, oldest first."""
         out = []
         try:
@@ -86,7 +87,7 @@ class Catalog:
         commit.remove(self.directory / name)
         self._cache.pop(name, None)
 
-    def sweep(self) -> list[str]:
+    def sweep(self) -> builtins.list[str]:
         """Remove leftovers of crashed saves and deletes; returns what was removed."""
         removed = []
         for name in sorted(os.listdir(self.directory)):

@@ -8,6 +8,7 @@ new checkpoint has committed, so nothing is deleted before its replacement exist
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import time
@@ -154,7 +155,7 @@ class CheckpointManager:
 
     # -- queries (manifests only) -----------------------------------------------------------------
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints, oldest first."""
         return self.catalog.list()
 
@@ -178,7 +179,7 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.directory / naming.name_for(step)
 
-    def history(self) -> list[SaveRecord]:
+    def history(self) -> builtins.list[SaveRecord]:
         """Every save this manager made, with its timings (background ones once they finished)."""
         self._collect(block=False)
         return list(self._history)

@@ -25,7 +25,7 @@ class StagingBuffer:
     """A reusable host buffer holding one snapshot's arrays."""
 
     def __init__(self) -> None:
-        self._buf: np.ndarray | None = None  # type: ignore[type-arg]
+        self._buf: np.ndarray | None = None
         self._pinned: Any = None  # torch tensor keeping pinned memory alive
         self.in_use = threading.Event()
 
@@ -33,7 +33,7 @@ class StagingBuffer:
     def capacity(self) -> int:
         return 0 if self._buf is None else int(self._buf.nbytes)
 
-    def _ensure(self, nbytes: int, pinned: bool) -> np.ndarray:  # type: ignore[type-arg]
+    def _ensure(self, nbytes: int, pinned: bool) -> np.ndarray:
         if self._buf is None or self._buf.nbytes < nbytes or (pinned and self._pinned is None):
             self._buf, self._pinned = None, None
             if pinned:  # pragma: no cover - needs a GPU
