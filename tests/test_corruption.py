@@ -151,3 +151,21 @@ def test_checksums_can_be_skipped_for_speed(ckpt):
     data.write_bytes(bytes(raw))
     out = trainstate.load(ckpt, verify=False)  # the caller asked not to check: the damage shows in the data
     assert out["c"] != np.float32(1.5)  # the last stored tensor
+
+
+def test_a_damaged_tensor_never_reaches_the_live_state(tmp_path):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(64, 64)
+    trainstate.save(tmp_path / "c", {"model": model}, threads=1)
+    with trainstate.open(tmp_path / "c") as ck:
+        chunk = ck.manifest.tensors["model.weight"].chunks[0]
+    data = tmp_path / "c" / chunk.file
+    raw = bytearray(data.read_bytes())
+    raw[chunk.byte_range[0] + 100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    target = torch.nn.Linear(64, 64)
+    with torch.no_grad():
+        target.weight.fill_(7.0)
+    with pytest.raises(trainstate.CorruptCheckpointError, match="(?s)model.weight.*partly restored"):
+        trainstate.load(tmp_path / "c", {"model": target})
+    assert bool((target.weight == 7.0).all())  # untouched, not half-overwritten with damaged bytes

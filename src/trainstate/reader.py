@@ -129,20 +129,22 @@ class Checkpoint:
         view = adapter.writable_view(out)
         if view is None or view.nbytes != t.nbytes:
             raise ValueError(f"read_into needs a contiguous host array of {t.nbytes} bytes for {name}")
+        dst = np.frombuffer(view, dtype=np.uint8)
         if len(t.chunks) == 1 and t.chunks[0].shape == t.shape:
             c = t.chunks[0]
-            self._pread(c.file, view, c.byte_range[0])
-            if verify:
-                checksum.check(view, c.checksum, f"tensor {name} ({c.file})")
+            with self._stored(c, verify, f"tensor {name} ({c.file})") as src:
+                np.copyto(dst, np.frombuffer(src, dtype=np.uint8))
             return
-        whole = np.frombuffer(view, dtype=dtypes.from_code(t.dtype).numpy).reshape(t.shape)
-        for c in t.chunks:  # pieces written by several ranks: read each, place it in its box
-            piece = np.empty(c.shape, dtype=whole.dtype)
-            pview = piece.reshape(-1).view(np.uint8).data
-            self._pread(c.file, pview, c.byte_range[0])
-            if verify:
-                checksum.check(pview, c.checksum, f"tensor {name} chunk at {list(c.offset)} ({c.file})")
-            whole[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = piece
+        # Pieces written by several ranks: verify every piece before any byte reaches ``out``.
+        whole = dst.view(dtypes.from_code(t.dtype).numpy).reshape(t.shape)
+        sources = [self._stored(c, verify, f"tensor {name} chunk at {list(c.offset)} ({c.file})") for c in t.chunks]
+        try:
+            for c, src in zip(t.chunks, sources):
+                box = tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))
+                whole[box] = np.frombuffer(src, dtype=whole.dtype).reshape(c.shape)
+        finally:
+            for src in sources:
+                src.release()
 
     def load(self, *, framework: str = "numpy", verify: bool = True, threads: int = 2) -> Any:
         """The whole state as plain values and arrays (NumPy by default); tied tensors come back shared."""
@@ -161,18 +163,27 @@ class Checkpoint:
             return (c[0].file, c[0].byte_range[0]) if c else ("", 0)
 
         jobs = sorted(jobs, key=position)
-        if threads <= 1 or len(jobs) <= 1:
-            for name, out in jobs:
-                self.read_into(name, out, verify=verify)
-            return
-        lanes = _split_by_bytes(jobs, [self._entry(n).nbytes for n, _ in jobs], threads)
-        with ThreadPoolExecutor(len(lanes), thread_name_prefix="trainstate-read") as pool:
-            for f in [pool.submit(self._read_lane, lane, verify) for lane in lanes]:
-                f.result()
+        lanes = _split_by_bytes(jobs, [self._entry(n).nbytes for n, _ in jobs], max(1, threads))
+        failed = threading.Event()  # one damaged tensor stops every lane: nothing more is written
 
-    def _read_lane(self, lane: list[tuple[str, Any]], verify: bool) -> None:
-        for name, out in lane:
-            self.read_into(name, out, verify=verify)
+        def run(lane: list[tuple[str, Any]]) -> None:
+            for name, out in lane:
+                if failed.is_set():
+                    return
+                try:
+                    self.read_into(name, out, verify=verify)
+                except BaseException:
+                    failed.set()
+                    raise
+
+        if len(lanes) <= 1:
+            for lane in lanes:
+                run(lane)
+            return
+        with ThreadPoolExecutor(len(lanes), thread_name_prefix="trainstate-read") as pool:
+            futures = [pool.submit(run, lane) for lane in lanes]
+        for f in futures:
+            f.result()
 
     def verify(self) -> None:
         """Re-check every checksum (data-file headers and tensors); raises CorruptCheckpointError."""
@@ -213,6 +224,26 @@ class Checkpoint:
         self._pread(f.path, memoryview(blob), 0)
         checksum.check(memoryview(blob), f.header_checksum, f"the header of {f.path}")
 
+    def _stored(self, c: manifest.Chunk, verify: bool, what: str) -> memoryview:
+        """The chunk's stored bytes, straight from the page cache, checked before anyone copies them.
+
+        Verifying the source rather than the destination means a damaged tensor never lands in live
+        state: an in-place restore that fails on a checksum leaves that tensor (and all not yet read)
+        as they were.
+        """
+        begin, end = c.byte_range
+        if begin == end:
+            return memoryview(b"")
+        with memoryview(self._map(c.file)) as whole:
+            view = whole[begin:end]
+        if verify:
+            try:
+                checksum.check(view, c.checksum, what)
+            except BaseException:
+                view.release()
+                raise
+        return view
+
     def _fd(self, file: str) -> int:
         with self._lock:
             if file not in self._fds:
@@ -226,7 +257,9 @@ class Checkpoint:
         fd = self._fd(file)
         with self._lock:
             if file not in self._maps:
-                self._maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                mm = self._maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                if hasattr(mm, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
+                    mm.madvise(mmap.MADV_SEQUENTIAL)  # tensors are mostly read front to back
             return self._maps[file]
 
     def _pread(self, file: str, view: memoryview, offset: int, allow_short: bool = False) -> None:

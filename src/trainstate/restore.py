@@ -240,7 +240,13 @@ class Restorer:
             else:  # absent, on an accelerator, non-contiguous, or a cast: read to host first
                 job.host = (live or adapter_named(entry.kind)).empty(entry.dtype, entry.shape)
                 reads.append((name, job.host))
-        self.ck.read_many(reads, verify=verify, threads=threads)
+        try:
+            self.ck.read_many(reads, verify=verify, threads=threads)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(
+                f"{e}\nThe target is partly restored: tensors read before the damaged one hold the "
+                "checkpoint's values; the damaged one and the rest are unchanged. Load another checkpoint."
+            ) from None
         for name, job in self.jobs.items():
             if job.host is not None:
                 host = _adapter(job.host).finish(job.host, self.ck.manifest.tensors[name].kind)
