@@ -149,6 +149,14 @@ class Work:
         return rates[0], rates[1], bg
 
 
+def relative_rates(free_rates: list[float], *rows: Row) -> float:
+    """Turn the rows' matmul rates into fractions of the median rate with nothing in flight."""
+    idle = statistics.median(free_rates) if free_rates else 0.0
+    for row in rows:
+        row.work_rate = [x / idle for x in row.work_rate] if idle else []
+    return idle
+
+
 # -- trainstate ----------------------------------------------------------------------------------------
 
 def manager(path: Path, async_save: bool) -> trainstate.CheckpointManager:
@@ -198,16 +206,16 @@ def ts_async_idle(state: State, path: Path, repeats: int, steps: Any) -> tuple[R
 def ts_async_steady(state: State, path: Path, repeats: int, steps: Any, work: Work) -> tuple[Row, Row, float]:
     first = Row("trainstate", "async", "trainstate async_save=True, steady state, first save")
     later = Row("trainstate", "async", "trainstate async_save=True, steady state, later saves")
-    idle_rate = None
+    free_rates: list[float] = []
     with manager(path, True) as mgr:
         saved: list[int] = []
         t_returned: float | None = None
         for i in range(repeats + 1):
             n_done = len(mgr.history())
             busy_rate, free_rate, bg = work.run(state, lambda: len(mgr.history()) <= n_done, t_returned)
-            if i == 0:
-                idle_rate = free_rate
-            else:
+            if free_rate is not None:
+                free_rates.append(free_rate)
+            if i > 0:  # this interval followed save i-1
                 if bg is not None:
                     (first if i == 1 else later).background.append(bg)
                 if busy_rate is not None:
@@ -232,7 +240,7 @@ def ts_async_steady(state: State, path: Path, repeats: int, steps: Any, work: Wo
             raise AssertionError("trainstate async checkpoint does not hold the state as of save()")
     log(f"trainstate async steady: first {med(first.blocking):.3f}s, later {med(later.blocking):.3f}s "
         "(restore verified)")
-    return first, later, idle_rate or 0.0
+    return first, later, relative_rates(free_rates, first, later)
 
 
 # -- torch.distributed.checkpoint ----------------------------------------------------------------------
@@ -308,7 +316,8 @@ def dcp_async_steady(state: State, root: Path, repeats: int, dkw: dict[str, Any]
     first = Row("dcp", "async", "dcp.async_save, reused DefaultStager, steady state, first save")
     later = Row("dcp", "async", "dcp.async_save, reused DefaultStager, steady state, later saves")
     clean(root)
-    st, fut, idle_rate, t_returned = stager(), None, None, None
+    st, fut, t_returned = stager(), None, None
+    free_rates: list[float] = []
     paths: list[Path] = []
     try:
         for i in range(repeats + 1):
@@ -318,9 +327,9 @@ def dcp_async_steady(state: State, root: Path, repeats: int, dkw: dict[str, Any]
             pending = fut
             busy_rate, free_rate, bg = work.run(state, lambda: pending is not None and not pending.done(),
                                                 t_returned)
-            if i == 0:
-                idle_rate = free_rate
-            else:
+            if free_rate is not None:
+                free_rates.append(free_rate)
+            if i > 0:  # this interval followed save i-1
                 if bg is not None:
                     (first if i == 1 else later).background.append(bg)
                 if busy_rate is not None:
@@ -345,7 +354,7 @@ def dcp_async_steady(state: State, root: Path, repeats: int, dkw: dict[str, Any]
     clean(root)
     log(f"dcp async steady: first {med(first.blocking):.3f}s, later {med(later.blocking):.3f}s "
         "(restore verified)")
-    return first, later, idle_rate or 0.0
+    return first, later, relative_rates(free_rates, first, later)
 
 
 def probe_dcp(root: Path) -> list[str]:
@@ -530,6 +539,7 @@ def main() -> None:
             f"{time.perf_counter() - t0:.1f}s")
         steps, work = itertools.count(1), Work(work_s, args.work_kind)
         ts_dir, dcp_dir = root / "trainstate", root / "dcp"
+        refs = memcpy_rows(state, args.repeats)  # first, before any file is written or deleted
         rows: list[Row] = [ts_sync(state, ts_dir, args.repeats, steps)]
         rows += ts_async_idle(state, ts_dir, args.repeats, steps)
         *steady, ts_rate = ts_async_steady(state, ts_dir, args.repeats, steps, work)
@@ -539,8 +549,7 @@ def main() -> None:
         rows.append(dcp_async_default(state, dcp_dir, args.repeats, dkw))
         rows += dcp_async_reused(state, dcp_dir, args.repeats, dkw)
         *steady, dcp_rate = dcp_async_steady(state, dcp_dir, args.repeats, dkw, work)
-        rows += steady
-        rows += memcpy_rows(state, args.repeats)
+        rows += [*steady, *refs]
         r["idle_rate"] = {"trainstate": ts_rate, "dcp": dcp_rate}
     finally:
         if args.dcp_gloo and dist.is_initialized():

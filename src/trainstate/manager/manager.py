@@ -244,6 +244,7 @@ class CheckpointManager:
             buffer = self._free_buffer()  # waits for an in-flight save if all buffers are busy
         else:
             self._collect(block=True)  # one writer at a time: retention never races itself
+        self._raise_pending()  # a save we just waited for may have failed
         meta = {**self.metadata, **(metadata or {}), META_KEY: facts(step, epoch, metrics, reason, time.time())}
         snapshot = encode_state(state, meta)
         self._last_step, self._last_save_time = step, time.time()
