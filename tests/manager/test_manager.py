@@ -202,3 +202,26 @@ def test_damaged_latest_falls_back_to_the_one_before(tmp_path):
     with trainstate.CheckpointManager(tmp_path) as mgr:
         assert mgr.restore_latest(fresh) == 2
     assert fresh["step"] == 1
+
+
+def test_rng_is_captured_by_default_when_the_state_has_none(tmp_path):
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=1) as mgr:
+        mgr.save(0, state)
+        expected = torch.rand(3)
+    with trainstate.open(tmp_path / "step_00000000") as ck:
+        assert "_rng.torch" in ck.keys()
+    torch.rand(10)
+    fresh = small_state()
+    with trainstate.CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore_latest(fresh) == 1
+    assert torch.equal(torch.rand(3), expected)
+    assert "_rng" not in fresh  # the user's dict keeps its own keys
+
+
+def test_a_state_over_the_staging_budget_is_saved_synchronously(tmp_path):
+    state = {"w": torch.zeros(1 << 16)}  # 256 KB
+    with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True, staging_budget_bytes=1 << 10) as mgr:
+        mgr.save(0, state)
+        assert (tmp_path / "step_00000000" / "manifest.json").exists()  # already committed on return
+    assert not mgr.history()[0].background

@@ -18,7 +18,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..api import load
+from .. import tree
+from ..reader import Checkpoint
+from ..restore import restore
+from ..rng import RNGState
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..save import DEFAULT_THREADS, Snapshot, encode_state, write_checkpoint
 from . import naming
@@ -42,6 +45,7 @@ from .preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from .staging import StagingBuffer
 
 log = logging.getLogger("trainstate")
+RNG_KEY = "_rng"
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,11 @@ class CheckpointManager:
         keep_every_minutes: keep one checkpoint per N minutes of wall time.
         keep_best: ``(metric, "min" | "max", k)``: keep the k best by a metric passed to ``save``.
         async_save: copy the state to host memory and write it on a background thread.
-        max_in_flight: async saves allowed at once; each holds one staging buffer the size of the state.
+        max_in_flight: async saves allowed at once; each holds one staging buffer the size of the state's
+            arrays, so async saving needs ``max_in_flight`` × that much extra host memory.
+        staging_budget_bytes: a cap on one staging buffer; a state larger than this is saved synchronously.
+        capture_rng: when ``state`` is a dict without an :class:`RNGState`, save and restore one anyway
+            (under the key ``"_rng"``), so resumed runs draw the same random numbers.
         save_on_preemption: on SIGTERM / SIGINT / SIGUSR1, save at the next ``save()`` call.
         fsync: flush to stable storage before each commit.
         threads: writer threads per save.
@@ -103,6 +111,8 @@ class CheckpointManager:
         keep_best: tuple[str, str, int] | None = None,
         async_save: bool = False,
         max_in_flight: int = 1,
+        staging_budget_bytes: int | None = None,
+        capture_rng: bool = True,
         save_on_preemption: bool = True,
         preemption_signals: tuple[str, ...] = DEFAULT_SIGNALS,
         fsync: bool = True,
@@ -137,6 +147,9 @@ class CheckpointManager:
         if keep_best:
             self.retention.append(KeepBest(*keep_best))
         self.async_save = async_save
+        self.staging_budget_bytes = staging_budget_bytes
+        self.capture_rng = capture_rng
+        self._rng = RNGState()
         self.max_in_flight = max_in_flight
         self.fsync = fsync
         self.threads = threads
@@ -200,7 +213,7 @@ class CheckpointManager:
         """
         for info in reversed(self.list()):
             try:
-                load(self.directory / info.name, state, **load_kwargs)
+                self._restore_into(self.directory / info.name, state, **load_kwargs)
             except CorruptCheckpointError as e:
                 log.warning("checkpoint %s is damaged (%s); trying the one before it", info.name, e)
                 continue
@@ -210,7 +223,25 @@ class CheckpointManager:
         return None
 
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
-        return load(self.path_for(step), state, **load_kwargs)
+        """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`)."""
+        return self._restore_into(self.path_for(step), state, **load_kwargs)
+
+    def _restore_into(self, path: Path, state: Any, **load_kwargs: Any) -> Any:
+        with Checkpoint(path) as ck:
+            top = ck.manifest.tree
+            saved_rng = isinstance(top, dict) and top.get("t") == "dict" and any(
+                k == RNG_KEY for k, _ in tree.dict_items(top))
+            target = self._with_rng(state) if saved_rng else state
+            restore(ck, target, **load_kwargs)
+        if target is not state:
+            state.update((k, v) for k, v in target.items() if k != RNG_KEY)
+        return state
+
+    def _with_rng(self, state: Any) -> Any:
+        """The state plus the manager's own RNGState, unless the user's state already has one."""
+        if not self.capture_rng or not isinstance(state, dict) or any(isinstance(v, RNGState) for v in state.values()):
+            return state
+        return {**state, RNG_KEY: self._rng}
 
     # -- save ---------------------------------------------------------------------------------------
 
@@ -246,8 +277,14 @@ class CheckpointManager:
             self._collect(block=True)  # one writer at a time: retention never races itself
         self._raise_pending()  # a save we just waited for may have failed
         meta = {**self.metadata, **(metadata or {}), META_KEY: facts(step, epoch, metrics, reason, time.time())}
-        snapshot = encode_state(state, meta)
+        snapshot = encode_state(self._with_rng(state), meta)
         self._last_step, self._last_save_time = step, time.time()
+        if background and self.staging_budget_bytes is not None and snapshot.nbytes > self.staging_budget_bytes:
+            log.warning("step %d: state is %d bytes, over the staging budget of %d; saving synchronously",
+                        step, snapshot.nbytes, self.staging_budget_bytes)
+            background = False
+            self._collect(block=True)
+            self._raise_pending()
         if not background:
             record = self._write(step, reason, snapshot, background=False, blocking_start=start)
             self._history.append(record)
