@@ -26,7 +26,7 @@ compared with a fingerprint taken at save time, so a save that did not snapshot 
 Run from the repo root:
     .venv/bin/python bench/bench_async.py                   # ~1.5 GB state, ~3 min on 2 cores
     .venv/bin/python bench/bench_async.py --quick           # ~0.09 GB state, smoke run
-    .venv/bin/python bench/bench_async.py --dir /data/tmp --repeats 5 --work 4 --json async.json
+    .venv/bin/python bench/bench_async.py --dir /data/tmp --repeats 5 --work 6 --json async.json
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -477,6 +478,7 @@ def report(r: dict[str, Any], rows: list[Row]) -> str:
              f"- disk: {m['dir']} on {m['filesystem']}",
              f"- versions: python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
              f"trainstate {m['trainstate']}",
+             f"- trainstate source: {r['source']}",
              f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)",
              f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} "
              "(other work on the machine skews every number)",
@@ -493,11 +495,28 @@ def report(r: dict[str, Any], rows: list[Row]) -> str:
               "- background s: from the call's return until durable (trainstate: mgr.wait() returns, which "
               "includes retention; dcp: future.result()); in steady state, first seen by polling between "
               "matmuls (history() / future.done()), '—' if still in flight when the next save began",
+              "- first save: includes allocating and first touching the staging memory, which costs anything "
+              "from little (memory just freed by the previous manager) to about the 'freshly allocated' "
+              "reference row (memory new to the process)",
               "- history write+commit s: SaveRecord.write_seconds + commit_seconds from mgr.history()",
               "- work rate during bg: matmul rate while the background save was in flight, % of the rate with "
               "nothing in flight", "", "### targets (async blocking <= 15% of a synchronous save)", "",
               *targets(rows, sync, sync_write)]
     return "\n".join(lines)
+
+
+def source_version() -> str:
+    """The git revision of the trainstate being measured, and whether its sources had local changes."""
+    src = Path(trainstate.__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"{src} (not a git checkout)"
+    return f"{src} at git {rev}" + (f", with uncommitted changes in {len(dirty.splitlines())} path(s)"
+                                     if dirty else "")
 
 
 def main() -> None:
@@ -506,7 +525,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="a ~1/17-size state, for a smoke run")
     ap.add_argument("--work", type=float, default=None, help="seconds of fake training between steady-state "
-                    "saves (default 4, --quick 1)")
+                    "saves (default 6, --quick 1)")
     ap.add_argument("--work-kind", choices=["matmul", "sleep"], default="matmul")
     ap.add_argument("--dcp-gloo", action="store_true", help="run dcp under a 1-rank gloo process group "
                     "(file:// rendezvous) instead of no_dist=True")
@@ -514,11 +533,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    work_s = args.work if args.work is not None else (1.0 if args.quick else 4.0)
+    work_s = args.work if args.work is not None else (1.0 if args.quick else 6.0)
 
     root = Path(tempfile.mkdtemp(prefix="trainstate-async-", dir=args.dir or "/tmp"))
     r: dict[str, Any] = {"quick": args.quick, "repeats": args.repeats, "machine": core.machine(root),
-                         "load": os.getloadavg()[0], "work": work_s, "work_kind": args.work_kind}
+                         "load": os.getloadavg()[0], "work": work_s, "work_kind": args.work_kind,
+                         "source": source_version()}
     if r["machine"]["filesystem"].startswith("tmpfs"):
         log(f"warning: {root} is on tmpfs, so nothing reaches a disk; pass --dir")
     t0 = time.perf_counter()

@@ -7,6 +7,7 @@ from typing import Any
 
 from .reader import Checkpoint
 from .restore import restore
+from .storage import Storage
 
 _NO_TARGET = object()
 
@@ -21,6 +22,7 @@ def load(
     framework: str = "numpy",
     verify: bool = True,
     threads: int = 2,
+    storage: Storage | None = None,
 ) -> Any:
     """Load a checkpoint: into ``target`` in place, or as a fresh nested structure.
 
@@ -36,6 +38,7 @@ def load(
         framework: with no target, the array type returned: ``"numpy"`` or ``"torch"``.
         verify: check every tensor's checksum.
         threads: reader threads.
+        storage: where to read from (default: chosen from ``path``).
 
     Returns:
         The restored target, or the nested state when no target was given.
@@ -44,7 +47,7 @@ def load(
         >>> trainstate.load("ckpt/step_1200", state)              # in place
         >>> tree = trainstate.load("ckpt/step_1200")              # NumPy arrays and plain values
     """
-    with Checkpoint(path) as ck:
+    with Checkpoint(path, storage) as ck:
         if target is _NO_TARGET:
             return ck.load(framework=framework, verify=verify, threads=threads)
         return restore(ck, target, strict=strict, include=include, exclude=exclude, verify=verify,

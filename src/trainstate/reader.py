@@ -11,29 +11,26 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import stat
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
-from . import commit, tree
+from . import tree
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    StorageError,
 )
 from .format import checksum, datafile, dtypes, manifest
 from .frameworks import adapter_named, numpy_adapter
+from .storage import Storage, resolve
 
 MAX_MANIFEST = 1 << 30
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -56,12 +53,11 @@ class Checkpoint:
         ...     w = ck.read("model.fc.weight")
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self._fds: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap] = {}
+    def __init__(self, path: str | os.PathLike[str], storage: Storage | None = None) -> None:
+        self.storage, self.path = resolve(path, storage)
+        self._maps: dict[str, mmap.mmap | None] = {}
         self._lock = threading.Lock()
-        self.manifest = _read_manifest(self.path)
+        self.manifest = _read_manifest(self.storage, self.path)
         self._check_files()
         for name in tree.tensor_names(self.manifest.tree):
             if name not in self.manifest.tensors:
@@ -106,9 +102,9 @@ class Checkpoint:
             verify: check the checksum (touches every byte once).
         """
         t = self._entry(name)
-        if len(t.chunks) == 1 and t.nbytes:
+        mm = self._map(t.chunks[0].file) if len(t.chunks) == 1 and t.nbytes else None
+        if mm is not None:
             c = t.chunks[0]
-            mm = self._map(c.file)
             view = memoryview(mm)[c.byte_range[0] : c.byte_range[1]]
             if verify:
                 checksum.check(view, c.checksum, f"tensor {name} ({c.file})")
@@ -200,23 +196,24 @@ class Checkpoint:
         except KeyError:
             raise KeyError(f"no tensor {name!r} in {self.path}") from None
 
+    def _file(self, name: str) -> str:
+        return self.storage.join(self.path, name)
+
     def _check_files(self) -> None:
         for f in self.manifest.files:
-            p = self.path / f.path
-            try:
-                st = os.lstat(p)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"data file {f.path} of {self.path} is missing") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{p} is not a regular file (symlinks are refused)")
-            if st.st_size != f.size:
+            info = self.storage.stat(self._file(f.path))
+            if info is None:
+                raise CorruptCheckpointError(f"data file {f.path} of {self.path} is missing")
+            if not info.regular or info.is_dir:
+                raise CorruptCheckpointError(f"{self._file(f.path)} is not a regular file (symlinks are refused)")
+            if info.size != f.size:
                 raise CorruptCheckpointError(
-                    f"data file {f.path} has {st.st_size} bytes, the manifest says {f.size}: truncated or altered"
+                    f"data file {f.path} has {info.size} bytes, the manifest says {f.size}: truncated or altered"
                 )
 
     def _check_header(self, f: manifest.FileEntry) -> None:
         prefix = bytearray(8)
-        self._pread(f.path, memoryview(prefix), 0, allow_short=True)
+        self._pread(f.path, memoryview(prefix), 0)
         n = datafile.header_length(bytes(prefix))
         if n > f.size:
             raise CorruptCheckpointError(f"{f.path}: header length runs past the end of the file")
@@ -225,17 +222,23 @@ class Checkpoint:
         checksum.check(memoryview(blob), f.header_checksum, f"the header of {f.path}")
 
     def _stored(self, c: manifest.Chunk, verify: bool, what: str) -> memoryview:
-        """The chunk's stored bytes, straight from the page cache, checked before anyone copies them.
+        """The chunk's stored bytes, checked before anyone copies them anywhere.
 
-        Verifying the source rather than the destination means a damaged tensor never lands in live
-        state: an in-place restore that fails on a checksum leaves that tensor (and all not yet read)
-        as they were.
+        Straight from the page cache where the storage maps files, else through a buffer of the
+        chunk's size. Verifying the source rather than the destination means a damaged tensor never
+        lands in live state: an in-place restore that fails on a checksum leaves that tensor (and all
+        not yet read) as they were.
         """
         begin, end = c.byte_range
         if begin == end:
             return memoryview(b"")
-        with memoryview(self._map(c.file)) as whole:
-            view = whole[begin:end]
+        mm = self._map(c.file)
+        if mm is not None:
+            with memoryview(mm) as whole:
+                view = whole[begin:end]
+        else:
+            view = memoryview(bytearray(end - begin))
+            self._pread(c.file, view, begin)
         if verify:
             try:
                 checksum.check(view, c.checksum, what)
@@ -244,49 +247,25 @@ class Checkpoint:
                 raise
         return view
 
-    def _fd(self, file: str) -> int:
-        with self._lock:
-            if file not in self._fds:
-                try:
-                    self._fds[file] = os.open(self.path / file, os.O_RDONLY | _NOFOLLOW)
-                except OSError as e:
-                    raise CorruptCheckpointError(f"cannot open data file {file}: {e.strerror}") from e
-            return self._fds[file]
-
-    def _map(self, file: str) -> mmap.mmap:
-        fd = self._fd(file)
+    def _map(self, file: str) -> mmap.mmap | None:
         with self._lock:
             if file not in self._maps:
-                mm = self._maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-                if hasattr(mm, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
-                    mm.madvise(mmap.MADV_SEQUENTIAL)  # tensors are mostly read front to back
+                self._maps[file] = self.storage.map(self._file(file))
             return self._maps[file]
 
-    def _pread(self, file: str, view: memoryview, offset: int, allow_short: bool = False) -> None:
-        fd = self._fd(file)
-        pos = 0
-        try:
-            while pos < len(view):
-                n = os.preadv(fd, [view[pos : pos + (1 << 30)]], offset + pos)
-                if n == 0:
-                    if allow_short:
-                        return
-                    raise CorruptCheckpointError(f"{file} ended early at byte {offset + pos}")
-                pos += n
-        except OSError as e:
-            raise StorageError(e.errno, f"reading {file} failed: {e.strerror}") from e
+    def _pread(self, file: str, view: memoryview, offset: int) -> None:
+        if self.storage.read_into(self._file(file), offset, view) != len(view):
+            raise CorruptCheckpointError(f"{file} ended before byte {offset + len(view)}")
 
     def close(self) -> None:
         with self._lock:
             for mm in self._maps.values():
                 try:
-                    mm.close()
+                    if mm is not None:
+                        mm.close()
                 except BufferError:
                     pass  # arrays handed out still use it; it closes when they go
             self._maps.clear()
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -316,36 +295,35 @@ def _no_tensor(name: str) -> Any:
     raise CorruptCheckpointError(f"metadata refers to tensor {name!r}")
 
 
-def _read_manifest(path: Path) -> manifest.Manifest:
-    if not path.exists() and not commit.recover(path):
+def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
+    info = storage.stat(path)
+    if info is None and storage.recover(path):
+        info = storage.stat(path)
+    if info is None:
         raise CheckpointNotFoundError(f"no checkpoint at {path}")
-    if not path.is_dir():
+    if not info.is_dir:
         raise CheckpointNotFoundError(f"{path} is not a checkpoint directory")
-    mpath = path / manifest.MANIFEST_NAME
-    try:
-        fd = os.open(mpath, os.O_RDONLY | _NOFOLLOW)
-    except FileNotFoundError:
+    mpath = storage.join(path, manifest.MANIFEST_NAME)
+    minfo = storage.stat(mpath)
+    if minfo is None:
         raise IncompleteCheckpointError(
             f"{path} has no {manifest.MANIFEST_NAME}: the save that wrote it never committed"
-        ) from None
-    except OSError as e:
-        raise CorruptCheckpointError(f"cannot open {mpath}: {e.strerror} (symlinks are refused)") from e
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_MANIFEST:
-            raise CorruptCheckpointError(f"{mpath} is {size} bytes, larger than any real manifest")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            raw = fh.read(size)
-    finally:
-        os.close(fd)
-    return manifest.parse(raw, str(mpath))
+        )
+    if not minfo.regular or minfo.is_dir:
+        raise CorruptCheckpointError(f"{mpath} is not a regular file (symlinks are refused)")
+    if minfo.size > MAX_MANIFEST:
+        raise CorruptCheckpointError(f"{mpath} is {minfo.size} bytes, larger than any real manifest")
+    raw = bytearray(minfo.size)
+    if storage.read_into(mpath, 0, memoryview(raw)) != minfo.size:
+        raise CorruptCheckpointError(f"{mpath} changed while it was read")
+    return manifest.parse(bytes(raw), mpath)
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike[str], storage: Storage | None = None) -> Checkpoint:
     """Open a checkpoint lazily: reads the manifest now, tensors when asked.
 
     Example:
         >>> with trainstate.open("ckpt/step_1200") as ck:
         ...     print(ck.metadata, ck.keys()[:3], ck.info("model.fc.weight"))
     """
-    return Checkpoint(path)
+    return Checkpoint(path, storage)

@@ -13,14 +13,13 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import commit, tree
-from .errors import StorageError
+from . import tree
 from .format import checksum, datafile, dtypes, manifest
 from .frameworks import adapter_for
+from .storage import Storage, resolve
 
 log = logging.getLogger("trainstate")
 
@@ -86,6 +85,7 @@ def save(
     overwrite: bool = False,
     fsync: bool = True,
     threads: int = DEFAULT_THREADS,
+    storage: Storage | None = None,
 ) -> SaveResult:
     """Save ``state`` as a checkpoint directory at ``path``, atomically.
 
@@ -97,6 +97,7 @@ def save(
         overwrite: replace an existing checkpoint at ``path`` (atomically).
         fsync: flush files and directories to stable storage before the commit.
         threads: writer threads; tensors are spread over this many data files.
+        storage: where to write (default: chosen from ``path``; the local filesystem for plain paths).
 
     Returns:
         A :class:`SaveResult` with the path, bytes written and seconds taken.
@@ -105,9 +106,10 @@ def save(
         >>> trainstate.save("ckpt/step_1200", {"model": model, "step": 1200}, metadata={"run": "exp1"})
     """
     start = time.perf_counter()
-    commit.check_target(Path(path), overwrite)
+    backend, root = resolve(path, storage)
     snapshot = encode_state(state, metadata)
-    return write_checkpoint(Path(path), snapshot, overwrite=overwrite, fsync=fsync, threads=threads, start=start)
+    return write_checkpoint(root, snapshot, storage=backend, overwrite=overwrite, fsync=fsync, threads=threads,
+                            start=start)
 
 
 @dataclass
@@ -131,26 +133,30 @@ def encode_state(state: Any, metadata: Any = None) -> Snapshot:
 
 
 def write_checkpoint(
-    final: Path, snapshot: Snapshot, *, overwrite: bool = False, fsync: bool = True,
+    final: str, snapshot: Snapshot, *, storage: Storage, overwrite: bool = False, fsync: bool = True,
     threads: int = DEFAULT_THREADS, start: float | None = None,
 ) -> SaveResult:
-    """Write a snapshot as a checkpoint and commit it: the synchronous core of every save."""
+    """Write a snapshot as a checkpoint and commit it: the synchronous core of every save.
+
+    Data files first, the manifest last, then the backend's commit; on any failure the staging
+    location is thrown away and whatever was at ``final`` before is untouched.
+    """
     start = time.perf_counter() if start is None else start
-    tmp = commit.staging_dir(final)
+    tmp = storage.begin(final, overwrite=overwrite)
     try:
-        files, tensors = _write_files(tmp, snapshot.entries, fsync=fsync, threads=threads)
+        files, tensors = _write_files(storage, tmp, snapshot.entries, fsync=fsync, threads=threads)
         body = manifest.Manifest(
             tree=snapshot.tree, tensors=tensors, files=files, metadata=snapshot.metadata,
             created=time.time(), writer=f"trainstate {_version()}",
         )
-        _write_file(tmp / manifest.MANIFEST_NAME, [memoryview(body.to_json_bytes())], fsync)
+        raw = body.to_json_bytes()
+        storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
         written = time.perf_counter()
-        commit.check_target(final, overwrite)
-        commit.publish(tmp, final, fsync=fsync)
+        storage.commit(tmp, final, overwrite=overwrite, fsync=fsync)
     except BaseException:
-        commit.discard(tmp)
+        storage.abort(tmp)
         raise
-    total = sum(f.size for f in files) + len(body.to_json_bytes())
+    total = sum(f.size for f in files) + len(raw)
     end = time.perf_counter()
     log.debug("saved %s: %d tensors, %d bytes in %.3fs", final, len(tensors), total, end - start)
     return SaveResult(str(final), total, end - start, written - start, end - written)
@@ -175,15 +181,19 @@ def plan_files(entries: list[_Entry], n_files: int) -> list[list[_Entry]]:
 
 
 def _write_files(
-    tmp: Path, entries: list[_Entry], *, fsync: bool, threads: int
+    storage: Storage, tmp: str, entries: list[_Entry], *, fsync: bool, threads: int
 ) -> tuple[tuple[manifest.FileEntry, ...], dict[str, manifest.TensorEntry]]:
     groups = plan_files(entries, threads)
     names = [FILE_TEMPLATE.format(i) for i in range(len(groups))]
+
+    def write(name: str, group: list[_Entry]) -> tuple[int, str, list[tuple[int, int]], list[str]]:
+        return _write_group(storage, storage.join(tmp, name), group, fsync)
+
     if len(groups) == 1:
-        results = [_write_group(tmp / names[0], groups[0], fsync)]
+        results = [write(names[0], groups[0])]
     else:
         with ThreadPoolExecutor(len(groups), thread_name_prefix="trainstate-save") as pool:
-            results = list(pool.map(lambda ng: _write_group(tmp / ng[0], ng[1], fsync), zip(names, groups)))
+            results = list(pool.map(write, names, groups))
     files = []
     tensors: dict[str, manifest.TensorEntry] = {}
     for name, group, (size, header_sum, ranges, sums) in zip(names, groups, results):
@@ -195,7 +205,7 @@ def _write_files(
 
 
 def _write_group(
-    path: Path, group: list[_Entry], fsync: bool
+    storage: Storage, path: str, group: list[_Entry], fsync: bool
 ) -> tuple[int, str, list[tuple[int, int]], list[str]]:
     header_entries = []
     for e in group:
@@ -214,27 +224,5 @@ def _write_group(
             sums.append(checksum.digest(data))
             yield data
 
-    size = _write_file(path, views(), fsync)
+    size = storage.write(path, views(), fsync=fsync)
     return size, checksum.digest(header), ranges, sums
-
-
-def _write_file(path: Path, views: Any, fsync: bool) -> int:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-    except OSError as e:
-        raise StorageError(e.errno, f"cannot create {path}: {e.strerror}") from e
-    written = 0
-    try:
-        for view in views:
-            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-            pos = 0
-            while pos < len(view):
-                pos += os.write(fd, view[pos : pos + (1 << 30)])
-            written += pos
-        if fsync:
-            os.fsync(fd)
-    except OSError as e:
-        raise StorageError(e.errno, f"writing {path} failed: {e.strerror}") from e
-    finally:
-        os.close(fd)
-    return written

@@ -10,14 +10,14 @@ import builtins
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from .. import commit, tree
+from .. import tree
 from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..format.manifest import MANIFEST_NAME
 from ..reader import _read_manifest
+from ..storage import LocalStorage, Storage, is_staging_name
 from . import naming
 from .policies import CheckpointInfo
 
@@ -28,18 +28,18 @@ META_KEY = "trainstate"  # the manager's facts inside the manifest metadata
 
 
 class Catalog:
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._cache: dict[str, tuple[int, CheckpointInfo]] = {}
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.storage = storage
+        self.root = root
+        self._cache: dict[str, tuple[float, int, CheckpointInfo]] = {}
+
+    def path(self, name: str) -> str:
+        return self.storage.join(self.root, name)
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints, oldest first."""
         out = []
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
-        for name in names:
+        for name in self.storage.list(self.root):
             step = naming.step_of(name)
             if step is None:
                 continue
@@ -49,19 +49,17 @@ class Catalog:
         return sorted(out, key=lambda c: c.step)
 
     def _info(self, name: str, step: int) -> CheckpointInfo | None:
-        path = self.directory / name
-        try:
-            stamp = os.stat(path / MANIFEST_NAME).st_mtime_ns
-        except (FileNotFoundError, NotADirectoryError):
+        stamp = self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME))
+        if stamp is None:
             return None  # not committed
-        pinned = (path / PIN_FILE).exists()
+        pinned = self.storage.stat(self.storage.join(self.path(name), PIN_FILE)) is not None
         cached = self._cache.get(name)
-        if cached is not None and cached[0] == stamp:
-            return _with_pin(cached[1], pinned)
+        if cached is not None and cached[:2] == (stamp.mtime, stamp.size):
+            return _with_pin(cached[2], pinned)
         try:
-            m = _read_manifest(path)
+            m = _read_manifest(self.storage, self.path(name))
         except CorruptCheckpointError as e:
-            log.warning("skipping %s: %s", path, e)
+            log.warning("skipping %s: %s", self.path(name), e)
             return None
         meta = tree.decode(m.metadata, lambda n: None)
         facts = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
@@ -69,41 +67,40 @@ class Catalog:
             name=name, step=step, created=m.created, metrics=dict(facts.get("metrics") or {}),
             epoch=facts.get("epoch"), pinned=pinned, nbytes=sum(f.size for f in m.files),
         )
-        self._cache[name] = (stamp, info)
+        self._cache[name] = (stamp.mtime, stamp.size, info)
         return info
 
     def pin(self, name: str, reason: str = "") -> None:
-        path = self.directory / name
-        if not (path / MANIFEST_NAME).exists():
-            raise CheckpointError(f"cannot pin {path}: no committed checkpoint there")
-        (path / PIN_FILE).write_text(json.dumps({"reason": reason}))
+        if self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME)) is None:
+            raise CheckpointError(f"cannot pin {self.path(name)}: no committed checkpoint there")
+        pin = self.storage.join(self.path(name), PIN_FILE)
+        self.storage.delete(pin)
+        self.storage.write(pin, [memoryview(json.dumps({"reason": reason}).encode())], fsync=True)
 
     def unpin(self, name: str) -> None:
-        (self.directory / name / PIN_FILE).unlink(missing_ok=True)
+        self.storage.delete(self.storage.join(self.path(name), PIN_FILE))
 
     def delete(self, name: str) -> None:
         if naming.step_of(name) is None:
             raise CheckpointError(f"refusing to delete {name!r}: not a name this manager makes")
-        commit.remove(self.directory / name)
+        self.storage.delete(self.path(name))
         self._cache.pop(name, None)
 
     def sweep(self) -> builtins.list[str]:
         """Remove leftovers of crashed saves and deletes; returns what was removed."""
         removed = []
-        for name in sorted(os.listdir(self.directory)):
-            path = self.directory / name
-            if commit.is_staging_name(name):
-                if ".old-" in name:
-                    final = name[1:].split(".old-")[0]
-                    if commit.recover(self.directory / final):
-                        continue
-                shutil.rmtree(path, ignore_errors=True)
+        for name in self.storage.list(self.root):
+            if is_staging_name(name):
+                if ".old-" in name and self.storage.recover(self.path(name[1:].split(".old-")[0])):
+                    continue
+                self.storage.abort(self.path(name))
                 removed.append(name)
-            elif naming.step_of(name) is not None and path.is_dir() and not (path / MANIFEST_NAME).exists():
-                shutil.rmtree(path, ignore_errors=True)
+            elif naming.step_of(name) is not None and self.storage.stat(
+                    self.storage.join(self.path(name), MANIFEST_NAME)) is None:
+                self.storage.abort(self.path(name))
                 removed.append(name)
         if removed:
-            log.info("swept %d incomplete checkpoint(s) in %s: %s", len(removed), self.directory, removed)
+            log.info("swept %d incomplete checkpoint(s) in %s: %s", len(removed), self.root, removed)
         return removed
 
 
@@ -145,8 +142,9 @@ def facts(step: int, epoch: int | None, metrics: dict[str, Any] | None, reason: 
     return {"step": step, "epoch": epoch, "metrics": dict(metrics or {}), "reason": reason, "time": now}
 
 
-def ensure_directory(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StorageError(e.errno, f"cannot create checkpoint directory {directory}: {e.strerror}") from e
+def ensure_directory(storage: Storage, root: str) -> None:
+    if isinstance(storage, LocalStorage):
+        try:
+            Path(root).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot create checkpoint directory {root}: {e.strerror}") from e

@@ -22,6 +22,7 @@ from .. import tree
 from ..reader import Checkpoint
 from ..restore import restore
 from ..rng import RNGState
+from ..storage import LocalStorage, Storage, resolve
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..save import DEFAULT_THREADS, Snapshot, encode_state, write_checkpoint
 from . import naming
@@ -86,6 +87,7 @@ class CheckpointManager:
         fsync: flush to stable storage before each commit.
         threads: writer threads per save.
         metadata: plain values recorded in every checkpoint's manifest.
+        storage: where the checkpoints live (default: chosen from ``directory``).
 
     Example:
         >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
@@ -120,15 +122,16 @@ class CheckpointManager:
         metadata: dict[str, Any] | None = None,
         save_policies: list[SavePolicy] | None = None,
         retention_policies: list[RetentionPolicy] | None = None,
+        storage: Storage | None = None,
     ) -> None:
         for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
                             ("keep_every_steps", keep_every_steps), ("max_in_flight", max_in_flight)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
-        self.directory = Path(directory)
-        ensure_directory(self.directory)
-        self._lock = DirectoryLock(self.directory)
-        self.catalog = Catalog(self.directory)
+        self.storage, self.directory = resolve(directory, storage)
+        ensure_directory(self.storage, self.directory)
+        self._lock = DirectoryLock(Path(self.directory)) if isinstance(self.storage, LocalStorage) else None
+        self.catalog = Catalog(self.storage, self.directory)
         self.swept = self.catalog.sweep()
         self.save_policies: list[SavePolicy] = list(save_policies or [])
         if every_steps:
@@ -189,8 +192,8 @@ class CheckpointManager:
         pick = min if mode == "min" else max
         return pick(scored, key=lambda c: c.metrics[metric])
 
-    def path_for(self, step: int) -> Path:
-        return self.directory / naming.name_for(step)
+    def path_for(self, step: int) -> str:
+        return self.catalog.path(naming.name_for(step))
 
     def history(self) -> builtins.list[SaveRecord]:
         """Every save this manager made, with its timings (background ones once they finished)."""
@@ -213,7 +216,7 @@ class CheckpointManager:
         """
         for info in reversed(self.list()):
             try:
-                self._restore_into(self.directory / info.name, state, **load_kwargs)
+                self._restore_into(self.catalog.path(info.name), state, **load_kwargs)
             except CorruptCheckpointError as e:
                 log.warning("checkpoint %s is damaged (%s); trying the one before it", info.name, e)
                 continue
@@ -226,8 +229,8 @@ class CheckpointManager:
         """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`)."""
         return self._restore_into(self.path_for(step), state, **load_kwargs)
 
-    def _restore_into(self, path: Path, state: Any, **load_kwargs: Any) -> Any:
-        with Checkpoint(path) as ck:
+    def _restore_into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
+        with Checkpoint(path, self.storage) as ck:
             top = ck.manifest.tree
             saved_rng = isinstance(top, dict) and top.get("t") == "dict" and any(
                 k == RNG_KEY for k, _ in tree.dict_items(top))
@@ -299,8 +302,8 @@ class CheckpointManager:
 
     def _write(self, step: int, reason: str, snapshot: Snapshot, background: bool,
                blocking_start: float | None, blocking: float = 0.0) -> SaveRecord:
-        result = write_checkpoint(self.path_for(step), snapshot, overwrite=True, fsync=self.fsync,
-                                  threads=self.threads)
+        result = write_checkpoint(self.path_for(step), snapshot, storage=self.storage, overwrite=True,
+                                  fsync=self.fsync, threads=self.threads)
         deleted = self._apply_retention()
         if blocking_start is not None:
             blocking = time.perf_counter() - blocking_start
@@ -381,7 +384,8 @@ class CheckpointManager:
                 self._pool.shutdown(wait=True)
             if self._preemption is not None:
                 self._preemption.close()
-            self._lock.release()
+            if self._lock is not None:
+                self._lock.release()
 
     def _check_open(self) -> None:
         if self._closed:
