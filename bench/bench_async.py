@@ -236,7 +236,7 @@ def ts_async_steady(state: State, path: Path, repeats: int, steps: Any, work: Wo
             rec = by_step[step]
             (first if i == 0 else later).history_bg.append(rec.write_seconds + rec.commit_seconds)
         work.mutate(state)
-        trainstate.load(mgr.path_for(saved[-1]), state)
+        mgr.restore(saved[-1], state)
         if core.fingerprint(state) != reference:
             raise AssertionError("trainstate async checkpoint does not hold the state as of save()")
     log(f"trainstate async steady: first {med(first.blocking):.3f}s, later {med(later.blocking):.3f}s "

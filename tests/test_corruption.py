@@ -46,9 +46,8 @@ def test_every_flipped_data_byte_is_caught_on_load_or_verify(ckpt):
         with pytest.raises(trainstate.CorruptCheckpointError):
             with trainstate.open(ckpt) as ck:
                 ck.verify()
-        if pos >= len(original) - 10 * 8 - 4:  # tensor bytes: plain load catches them too
-            with pytest.raises(trainstate.CorruptCheckpointError, match="checksum mismatch in tensor"):
-                trainstate.load(ckpt)
+        with pytest.raises(trainstate.CorruptCheckpointError):
+            trainstate.load(ckpt)  # plain load catches it too, header bytes included
     data.write_bytes(original)
     trainstate.load(ckpt)
 

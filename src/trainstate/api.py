@@ -48,6 +48,8 @@ def load(
         >>> tree = trainstate.load("ckpt/step_1200")              # NumPy arrays and plain values
     """
     with Checkpoint(path, storage) as ck:
+        if verify:
+            ck.verify_headers()  # so a damaged safetensors header is caught here, not by the next tool
         if target is _NO_TARGET:
             return ck.load(framework=framework, verify=verify, threads=threads)
         return restore(ck, target, strict=strict, include=include, exclude=exclude, verify=verify,

@@ -8,6 +8,7 @@ range was validated by the manifest parser, so nothing outside the checkpoint is
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -25,6 +26,7 @@ from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    StorageError,
 )
 from .format import checksum, datafile, dtypes, manifest
 from .frameworks import adapter_named, numpy_adapter
@@ -57,8 +59,15 @@ class Checkpoint:
         self.storage, self.path = resolve(path, storage)
         self._maps: dict[str, mmap.mmap | None] = {}
         self._lock = threading.Lock()
-        self.manifest = _read_manifest(self.storage, self.path)
-        self._check_files()
+        try:
+            self.manifest = _read_manifest(self.storage, self.path)
+            self._check_files()
+            for f in self.manifest.files:  # map now: a checkpoint deleted after this stays readable (POSIX)
+                self._map(f.path)
+        except StorageError as e:
+            if e.errno == errno.ENOENT:  # retention (or a user) deleted it under our feet
+                raise CheckpointNotFoundError(f"{self.path} was deleted while it was being opened") from e
+            raise
         for name in tree.tensor_names(self.manifest.tree):
             if name not in self.manifest.tensors:
                 raise CorruptCheckpointError(f"the tree refers to tensor {name!r:.80}, which the manifest does not list")
@@ -183,8 +192,7 @@ class Checkpoint:
 
     def verify(self) -> None:
         """Re-check every checksum (data-file headers and tensors); raises CorruptCheckpointError."""
-        for f in self.manifest.files:
-            self._check_header(f)
+        self.verify_headers()
         for name in self.manifest.tensors:
             self.read(name, verify=True)
 
@@ -202,6 +210,8 @@ class Checkpoint:
     def _check_files(self) -> None:
         for f in self.manifest.files:
             info = self.storage.stat(self._file(f.path))
+            if info is None and self.storage.stat(self.storage.join(self.path, manifest.MANIFEST_NAME)) is None:
+                raise CheckpointNotFoundError(f"{self.path} was deleted while it was being opened")
             if info is None:
                 raise CorruptCheckpointError(f"data file {f.path} of {self.path} is missing")
             if not info.regular or info.is_dir:
@@ -210,6 +220,11 @@ class Checkpoint:
                 raise CorruptCheckpointError(
                     f"data file {f.path} has {info.size} bytes, the manifest says {f.size}: truncated or altered"
                 )
+
+    def verify_headers(self) -> None:
+        """Check every data file's safetensors header against the manifest (a few KB per file)."""
+        for f in self.manifest.files:
+            self._check_header(f)
 
     def _check_header(self, f: manifest.FileEntry) -> None:
         prefix = bytearray(8)

@@ -88,6 +88,7 @@ class CheckpointManager:
         threads: writer threads per save.
         metadata: plain values recorded in every checkpoint's manifest.
         storage: where the checkpoints live (default: chosen from ``directory``).
+        read_only: only list and restore: no lock, no sweep, no saves (for readers beside a running job).
 
     Example:
         >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
@@ -123,16 +124,22 @@ class CheckpointManager:
         save_policies: list[SavePolicy] | None = None,
         retention_policies: list[RetentionPolicy] | None = None,
         storage: Storage | None = None,
+        read_only: bool = False,
     ) -> None:
         for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
                             ("keep_every_steps", keep_every_steps), ("max_in_flight", max_in_flight)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         self.storage, self.directory = resolve(directory, storage)
-        ensure_directory(self.storage, self.directory)
-        self._lock = DirectoryLock(Path(self.directory)) if isinstance(self.storage, LocalStorage) else None
+        self.read_only = read_only
         self.catalog = Catalog(self.storage, self.directory)
-        self.swept = self.catalog.sweep()
+        self._lock = None
+        self.swept: builtins.list[str] = []
+        if not read_only:
+            ensure_directory(self.storage, self.directory)
+            if isinstance(self.storage, LocalStorage):
+                self._lock = DirectoryLock(Path(self.directory))
+            self.swept = self.catalog.sweep()
         self.save_policies: list[SavePolicy] = list(save_policies or [])
         if every_steps:
             self.save_policies.append(EverySteps(every_steps))
@@ -157,7 +164,7 @@ class CheckpointManager:
         self.fsync = fsync
         self.threads = threads
         self.metadata = dict(metadata or {})
-        self._preemption = PreemptionWatcher(preemption_signals) if save_on_preemption else None
+        self._preemption = PreemptionWatcher(preemption_signals) if save_on_preemption and not read_only else None
         self._preemption_saved = False
         self._last_save_time = time.time()
         self._last_step: int | None = None
@@ -364,9 +371,11 @@ class CheckpointManager:
 
     def pin(self, step: int, reason: str = "") -> None:
         """Keep this checkpoint whatever the retention policies say."""
+        self._check_open()
         self.catalog.pin(naming.name_for(step), reason)
 
     def unpin(self, step: int) -> None:
+        self._check_open()
         self.catalog.unpin(naming.name_for(step))
 
     def close(self, step: int | None = None, state: Any = None, *, metrics: dict[str, float] | None = None) -> None:
@@ -390,6 +399,8 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
+        if self.read_only:
+            raise CheckpointError("this CheckpointManager is read-only")
 
     def __enter__(self) -> CheckpointManager:
         return self

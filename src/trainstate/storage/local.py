@@ -213,7 +213,11 @@ class LocalStorage(Storage):
             return
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
         self._guard(str(target), "rename", lambda: self._rename(target, old))
-        self._guard(str(target), "rename", lambda: self._rename(tmp, target))
+        try:
+            self._guard(str(target), "rename", lambda: self._rename(tmp, target))
+        except BaseException:
+            os.rename(old, target)  # put the old one back; if even that fails, recover() will
+            raise
         shutil.rmtree(old, ignore_errors=True)
 
     @staticmethod

@@ -1,0 +1,112 @@
+"""SIGKILL at random moments: a child process saves in a loop (sync or async) and is killed, again and again.
+
+After each kill a new manager opens the directory (sweeping leftovers), and: nothing incomplete is listed,
+the newest listed checkpoint restores and holds exactly the state saved at its step, every other listed
+checkpoint restores too, and no staging leftovers remain. The next child continues from the newest step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trainstate
+from trainstate.storage import is_staging_name
+
+from .common import Row, check_numpy_state
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD = r"""
+import sys
+import trainstate
+from tools.reliability.common import numpy_state
+
+root, mode = sys.argv[1], sys.argv[2]
+mgr = trainstate.CheckpointManager(root, every_steps=1, keep_last=3, async_save=(mode == "async"))
+latest = mgr.latest()
+step = latest.step + 1 if latest else 0
+print("ready", flush=True)
+while True:
+    mgr.save(step, numpy_state(step, size=1 << 20))
+    step += 1
+"""
+
+
+def kill_once(root: Path, mode: str, rnd: random.Random) -> tuple[list[str], int]:
+    """One child, one SIGKILL; returns (problems found, leftovers swept on the next start)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(root), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    ready = proc.stdout.readline()
+    time.sleep(rnd.uniform(0.0, 0.4))
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    problems = []
+    if ready.strip() != "ready":
+        problems.append(f"child did not start: {err[-500:]}")
+    elif proc.returncode != -signal.SIGKILL:
+        problems.append(f"child died on its own (exit {proc.returncode}): {err[-500:]}")
+    with trainstate.CheckpointManager(root) as mgr:
+        swept = len(mgr.swept)
+        infos = mgr.list()
+        leftovers = [p.name for p in root.iterdir() if is_staging_name(p.name)]
+        if leftovers:
+            problems.append(f"leftovers after start: {leftovers}")
+        for info in infos:
+            try:
+                check_numpy_state(trainstate.load(root / info.name), info.step)
+            except Exception as e:  # noqa: BLE001 - any failure is a finding
+                problems.append(f"{info.name} is listed but does not restore exactly: {e!r}")
+        if not infos and root.exists() and any(n.startswith("step_") for n in os.listdir(root)):
+            problems.append("checkpoints exist but none is listed")
+    return problems, swept
+
+
+def campaign(mode: str, kills: int, seed: int = 0) -> Row:
+    rnd = random.Random(seed)
+    root = Path(tempfile.mkdtemp(prefix=f"trainstate-crash-{mode}-"))
+    row = Row(f"SIGKILL at a random moment, {mode} save loop", 0, 0, "survived")
+    interrupted = 0
+    try:
+        for i in range(kills):
+            problems, swept = kill_once(root / "run", mode, rnd)
+            row.trials += 1
+            interrupted += swept > 0
+            if problems:
+                row.notes.append(f"kill {i}: {'; '.join(problems)}")
+            else:
+                row.passed += 1
+        with trainstate.CheckpointManager(root / "run") as mgr:
+            last = mgr.latest()
+        row.notes.insert(0, f"{interrupted} of {kills} kills landed mid-save (a staging directory was swept "
+                            f"on the next start); the run reached step {last.step if last else None}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+def run(kills: int = 100, seed: int = 0) -> list[Row]:
+    return [campaign("sync", kills, seed), campaign("async", kills, seed + 1)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=100, help="per mode (sync and async)")
+    args = ap.parse_args()
+    for row in run(args.kills):
+        print(f"| {row.campaign} | {row.passed}/{row.trials} {row.measure} | {row.rate} |")
+        for note in row.notes[:10]:
+            print(f"|   {note} | | |")
+
+
+if __name__ == "__main__":
+    main()
