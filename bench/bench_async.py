@@ -47,6 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed import checkpoint as dcp
@@ -482,6 +483,9 @@ def report(r: dict[str, Any], rows: list[Row]) -> str:
              f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)",
              f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} "
              "(other work on the machine skews every number)",
+             f"- CPU seconds during the run: this benchmark {r['cpu_self']:.0f}, everything else on the machine "
+             f"{r['cpu_others']:.0f}, stolen by the hypervisor {r['cpu_steal']:.1f} "
+             f"(of {r['seconds'] * (m['cores'] or 1):.0f} available)",
              f"- steady state: {r['work']}s of fake training between saves ({r['work_kind']}; every state tensor "
              "updated in place first); its matmul rate with nothing in flight: "
              f"trainstate run {r['idle_rate']['trainstate']:.0f}/s, dcp run {r['idle_rate']['dcp']:.0f}/s",
@@ -503,6 +507,13 @@ def report(r: dict[str, Any], rows: list[Row]) -> str:
               "nothing in flight", "", "### targets (async blocking <= 15% of a synchronous save)", "",
               *targets(rows, sync, sync_write)]
     return "\n".join(lines)
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(busy CPU seconds of the whole machine, of this process, stolen by the hypervisor)."""
+    t, me = psutil.cpu_times(), psutil.Process().cpu_times()
+    return (t.user + t.nice + t.system + t.irq + t.softirq, me.user + me.system + me.children_user
+            + me.children_system, getattr(t, "steal", 0.0))
 
 
 def source_version() -> str:
@@ -541,7 +552,7 @@ def main() -> None:
                          "source": source_version()}
     if r["machine"]["filesystem"].startswith("tmpfs"):
         log(f"warning: {root} is on tmpfs, so nothing reaches a disk; pass --dir")
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_snapshot()
     try:
         if args.dcp_gloo:
             dist.init_process_group("gloo", init_method=f"file://{root}/pg-rendezvous", rank=0, world_size=1)
@@ -576,6 +587,9 @@ def main() -> None:
             dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
     r["seconds"], r["load"] = time.perf_counter() - t0, [r["load"], os.getloadavg()[0]]
+    cpu1 = cpu_snapshot()
+    r["cpu_self"], r["cpu_steal"] = cpu1[1] - cpu0[1], cpu1[2] - cpu0[2]
+    r["cpu_others"] = max(0.0, cpu1[0] - cpu0[0] - r["cpu_self"])
     print(report(r, rows) + f"\n\n(total {r['seconds']:.0f}s)")
     if args.json:
         args.json.write_text(json.dumps({**r, "rows": [x.as_dict() for x in rows]}, indent=2))

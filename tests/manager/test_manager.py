@@ -225,3 +225,20 @@ def test_a_state_over_the_staging_budget_is_saved_synchronously(tmp_path):
         mgr.save(0, state)
         assert (tmp_path / "step_00000000" / "manifest.json").exists()  # already committed on return
     assert not mgr.history()[0].background
+
+
+def test_prune_applies_retention_without_saving(tmp_path):
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=1) as mgr:
+        for step in range(5):
+            mgr.save(step, state)
+    with trainstate.CheckpointManager(tmp_path, keep_last=2) as mgr:
+        plan = mgr.prune(dry_run=True)
+        assert sorted(plan.delete) == ["step_00000000", "step_00000001", "step_00000002"]
+        assert [c.step for c in mgr.list()] == [0, 1, 2, 3, 4]  # a dry run deletes nothing
+        mgr.prune()
+        assert [c.step for c in mgr.list()] == [3, 4]
+    with trainstate.CheckpointManager(tmp_path, read_only=True) as reader:
+        assert [c.step for c in reader.list()] == [3, 4]
+        with pytest.raises(trainstate.CheckpointError, match="read-only"):
+            reader.prune()

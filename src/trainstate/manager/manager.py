@@ -320,6 +320,16 @@ class CheckpointManager:
         return SaveRecord(step, reason, result.path, background, blocking, result.write_seconds,
                           result.commit_seconds, result.nbytes, deleted)
 
+    def prune(self, *, dry_run: bool = False) -> RetentionPlan:
+        """Apply the retention policies now (without saving); returns what was kept and deleted, and why."""
+        self._check_open()
+        self._collect(block=True)
+        if dry_run:
+            return plan_retention(self.list(), self.retention)
+        self._apply_retention()
+        assert self.last_retention is not None
+        return self.last_retention
+
     def _apply_retention(self) -> tuple[str, ...]:
         plan = plan_retention(self.list(), self.retention)
         self.last_retention = plan

@@ -1,0 +1,48 @@
+"""The reliability campaigns, at test size: crashes, injected faults, a disk that fills up, concurrency.
+
+tools/reliability runs the same code at full size and writes docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from tools.reliability import concurrency, crash, faults
+
+
+def _clean(row) -> None:
+    assert row.trials > 0, row.campaign
+    assert row.passed == row.trials, f"{row.campaign}: " + "\n".join(row.notes)
+
+
+def test_sigkill_during_sync_and_async_saves(tmp_path):
+    for row in crash.run(kills=6, seed=7):
+        _clean(row)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_injected_write_fsync_rename_failure_is_clean(tmp_path, mode):
+    row = faults.injected(tmp_path, mode)
+    _clean(row)
+    assert row.trials >= 15  # every create, write, fsync and rename of a save was failed once
+
+
+def test_injected_io_error_and_overwrite(tmp_path):
+    _clean(faults.injected(tmp_path, "sync", errno.EIO))
+    _clean(faults.overwrite_faults(tmp_path))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_real_filesystem_filling_up(mode):
+    mnt = faults.mount_tmpfs("1m")
+    if mnt is None:
+        pytest.skip("mounting a tmpfs needs root")
+    faults.unmount(mnt)
+    _clean(faults.real_disk_full(mode, rounds=1))
+
+
+def test_concurrent_managers_and_readers():
+    for row in concurrency.run(saves=60):
+        _clean(row)
