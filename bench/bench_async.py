@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 import trainstate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_core as core  # noqa: E402  (the GPT-2-small state builder and the machine report)
+import bench_core as core
 
 State = dict[str, Any]
 GB = 1e9
@@ -214,7 +214,7 @@ def ts_async_steady(state: State, path: Path, repeats: int, steps: Any, work: Wo
         t_returned: float | None = None
         for i in range(repeats + 1):
             n_done = len(mgr.history())
-            busy_rate, free_rate, bg = work.run(state, lambda: len(mgr.history()) <= n_done, t_returned)
+            busy_rate, free_rate, bg = work.run(state, lambda n=n_done: len(mgr.history()) <= n, t_returned)
             if free_rate is not None:
                 free_rates.append(free_rate)
             if i > 0:  # this interval followed save i-1
@@ -327,7 +327,7 @@ def dcp_async_steady(state: State, root: Path, repeats: int, dkw: dict[str, Any]
                 shutil.rmtree(old, ignore_errors=True)
             paths = paths[-2:]
             pending = fut
-            busy_rate, free_rate, bg = work.run(state, lambda: pending is not None and not pending.done(),
+            busy_rate, free_rate, bg = work.run(state, lambda p=pending: p is not None and not p.done(),
                                                 t_returned)
             if free_rate is not None:
                 free_rates.append(free_rate)
@@ -427,8 +427,8 @@ def ratio_of(row: Row, sync: dict[str, float]) -> float | None:
 
 
 def table(rows: list[Row], sync: dict[str, float], nbytes: int) -> list[str]:
-    out = ["| method | saves | blocking s (median) | min–max | background s | history write+commit s "
-           "| work rate during bg | blocking / own sync save | ≤15% |",
+    out = [("| method | saves | blocking s (median) | min–max | background s | history write+commit s "
+           "| work rate during bg | blocking / own sync save | ≤15% |"),
            "|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         b = med(r.blocking)
@@ -477,34 +477,35 @@ def report(r: dict[str, Any], rows: list[Row]) -> str:
     lines = [f"# trainstate async-save benchmark ({kind} state, median of {r['repeats']})", "",
              f"- machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}",
              f"- disk: {m['dir']} on {m['filesystem']}",
-             f"- versions: python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
-             f"trainstate {m['trainstate']}",
+             (f"- versions: python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
+             f"trainstate {m['trainstate']}"),
              f"- trainstate source: {r['source']}",
              f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)",
-             f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} "
-             "(other work on the machine skews every number)",
-             f"- CPU seconds during the run: this benchmark {r['cpu_self']:.0f}, everything else on the machine "
+             (f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} "
+             "(other work on the machine skews every number)"),
+             (f"- CPU seconds during the run: this benchmark {r['cpu_self']:.0f}, everything else "
+             f"(incl. kernel I/O threads) "
              f"{r['cpu_others']:.0f}, stolen by the hypervisor {r['cpu_steal']:.1f} "
-             f"(of {r['seconds'] * (m['cores'] or 1):.0f} available)",
-             f"- steady state: {r['work']}s of fake training between saves ({r['work_kind']}; every state tensor "
+             f"(of {r['seconds'] * (m['cores'] or 1):.0f} available)"),
+             (f"- steady state: {r['work']}s of fake training between saves ({r['work_kind']}; every state tensor "
              "updated in place first); its matmul rate with nothing in flight: "
-             f"trainstate run {r['idle_rate']['trainstate']:.0f}/s, dcp run {r['idle_rate']['dcp']:.0f}/s",
-             "- trainstate: CheckpointManager(dir, every_steps=1, keep_last=2, fsync=True, threads=2); sync "
-             "blocking includes deleting the oldest checkpoint (keep_last); async does that in the background",
-             f"- dcp: FileSystemWriter(sync_files=True, thread_count={DCP_THREADS}), {r['dcp_mode']}; "
-             "checkpoints deleted between saves, untimed; get_state_dict() inside the timed region",
+             f"trainstate run {r['idle_rate']['trainstate']:.0f}/s, dcp run {r['idle_rate']['dcp']:.0f}/s"),
+             ("- trainstate: CheckpointManager(dir, every_steps=1, keep_last=2, fsync=True, threads=2); sync "
+             "blocking includes deleting the oldest checkpoint (keep_last); async does that in the background"),
+             (f"- dcp: FileSystemWriter(sync_files=True, thread_count={DCP_THREADS}), {r['dcp_mode']}; "
+             "checkpoints deleted between saves, untimed; get_state_dict() inside the timed region"),
              *[f"- {note}" for note in r["dcp_notes"]], ""]
     lines += ["### blocking time of a save (what the training loop waits for)", "",
               *table(rows, sync, n), "",
-              "- background s: from the call's return until durable (trainstate: mgr.wait() returns, which "
+              ("- background s: from the call's return until durable (trainstate: mgr.wait() returns, which "
               "includes retention; dcp: future.result()); in steady state, first seen by polling between "
-              "matmuls (history() / future.done()), '—' if still in flight when the next save began",
-              "- first save: includes allocating and first touching the staging memory, which costs anything "
+              "matmuls (history() / future.done()), '—' if still in flight when the next save began"),
+              ("- first save: includes allocating and first touching the staging memory, which costs anything "
               "from little (memory just freed by the previous manager) to about the 'freshly allocated' "
-              "reference row (memory new to the process)",
+              "reference row (memory new to the process)"),
               "- history write+commit s: SaveRecord.write_seconds + commit_seconds from mgr.history()",
-              "- work rate during bg: matmul rate while the background save was in flight, % of the rate with "
-              "nothing in flight", "", "### targets (async blocking <= 15% of a synchronous save)", "",
+              ("- work rate during bg: matmul rate while the background save was in flight, % of the rate with "
+              "nothing in flight"), "", "### targets (async blocking <= 15% of a synchronous save)", "",
               *targets(rows, sync, sync_write)]
     return "\n".join(lines)
 

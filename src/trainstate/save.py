@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
+from collections.abc import Iterator
 from typing import Any
 
 from . import tree
@@ -24,7 +25,7 @@ from .storage import Storage, resolve
 log = logging.getLogger("trainstate")
 
 DEFAULT_THREADS = 2
-FILE_TEMPLATE = "data-{:05d}.safetensors"
+FILE_TEMPLATE = "{}-{:05d}.safetensors"
 
 
 @dataclass
@@ -183,16 +184,21 @@ def plan_files(entries: list[_Entry], n_files: int) -> list[list[_Entry]]:
 def _write_files(
     storage: Storage, tmp: str, entries: list[_Entry], *, fsync: bool, threads: int
 ) -> tuple[tuple[manifest.FileEntry, ...], dict[str, manifest.TensorEntry]]:
-    groups = plan_files(entries, threads)
-    names = [FILE_TEMPLATE.format(i) for i in range(len(groups))]
+    n_files = threads
+    if storage.target_file_bytes:  # remote: many moderate files, uploaded several at a time
+        n_files = max(threads, -(-sum(e.nbytes for e in entries) // storage.target_file_bytes))
+    groups = plan_files(entries, n_files)
+    prefix = storage.new_file_prefix()
+    names = [FILE_TEMPLATE.format(prefix, i) for i in range(len(groups))]
 
     def write(name: str, group: list[_Entry]) -> tuple[int, str, list[tuple[int, int]], list[str]]:
         return _write_group(storage, storage.join(tmp, name), group, fsync)
 
-    if len(groups) == 1:
-        results = [write(names[0], groups[0])]
+    workers = min(len(groups), max(threads, 8 if storage.in_place else threads))
+    if workers <= 1:
+        results = [write(name, group) for name, group in zip(names, groups)]
     else:
-        with ThreadPoolExecutor(len(groups), thread_name_prefix="trainstate-save") as pool:
+        with ThreadPoolExecutor(workers, thread_name_prefix="trainstate-save") as pool:
             results = list(pool.map(write, names, groups))
     files = []
     tensors: dict[str, manifest.TensorEntry] = {}
@@ -215,14 +221,26 @@ def _write_group(
             header_entries.append(datafile.HeaderEntry(e.name, "U8", (e.nbytes,), e.nbytes))
     header, offsets = datafile.build_header(header_entries, {"format": "trainstate"})
     ranges = [(o, o + e.nbytes) for o, e in zip(offsets, group)]
-    sums: list[str] = []
+    views = _FileViews(header, group)
+    size = storage.write(path, views, fsync=fsync)
+    return size, checksum.digest(header), ranges, views.sums
 
-    def views() -> Any:
-        yield memoryview(header)
-        for e in group:
+
+class _FileViews:
+    """A data file's bytes as views of the live arrays; each tensor is hashed on the first pass.
+
+    Iterable more than once, so a storage may retry an upload from the start.
+    """
+
+    def __init__(self, header: bytes, group: list[_Entry]) -> None:
+        self.header = header
+        self.group = group
+        self.sums: list[str] = []
+
+    def __iter__(self) -> Iterator[memoryview]:
+        yield memoryview(self.header)
+        for i, e in enumerate(self.group):
             data = e.adapter.byte_view(e.value)
-            sums.append(checksum.digest(data))
+            if i == len(self.sums):
+                self.sums.append(checksum.digest(data))
             yield data
-
-    size = storage.write(path, views(), fsync=fsync)
-    return size, checksum.digest(header), ranges, sums

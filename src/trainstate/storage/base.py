@@ -35,6 +35,9 @@ def is_staging_name(name: str) -> bool:
 class Storage(ABC):
     """Where checkpoints live. Paths are plain strings; :meth:`join` builds them."""
 
+    in_place = False  # True: data files go straight to the final location under unique names (no rename)
+    target_file_bytes: int | None = None  # if set, the saver cuts the state into files of about this size
+
     @abstractmethod
     def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
         """Create the file ``path`` (it must not exist) from ``views`` in order; returns bytes written."""
@@ -76,6 +79,14 @@ class Storage(ABC):
     def recover(self, final: str) -> bool:
         """Put back a checkpoint a crash left mid-commit; True if it did."""
         return False
+
+    def new_file_prefix(self) -> str:
+        """The name prefix of this save's data files (unique per save where writes happen in place)."""
+        return "data"
+
+    def strip(self, url: str) -> str:
+        """A user's path or URL in this backend's own terms."""
+        return url
 
     def join(self, *parts: str) -> str:
         return posixpath.join(*parts)

@@ -157,6 +157,9 @@ class LocalStorage(Storage):
                 return True
         return False
 
+    def strip(self, url: str) -> str:
+        return url[len("file://"):] if url.startswith("file://") else url
+
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
 

@@ -1,0 +1,223 @@
+"""Object stores and other remote filesystems through fsspec: s3://, gs://, az://, memory://, ...
+
+Stores without rename get a different commit protocol from local disks: data files are written straight
+into the checkpoint's prefix under names unique to this save (``data-<save id>-00000.safetensors``), and
+the manifest — one atomic PUT — is written last and is the commit. Until it lands, readers see either
+nothing (a new checkpoint: no manifest) or the previous checkpoint whole (an overwrite: the old
+manifest still points at the old files, which were not touched). After the commit, data files the new
+manifest does not name are deleted; a failed save deletes what it wrote the same way.
+
+Reads are byte ranges (``cat_file(start, end)``), so opening a checkpoint fetches only its manifest and
+reading one tensor fetches only that tensor. Files are uploaded in parts of ``part_size`` bytes, and
+several files go up at once (the saver spreads tensors over many files for remote stores). Transient
+errors (connection resets, timeouts, throttling) are retried with exponential backoff. Credentials come
+from where fsspec and the store's SDK look (environment, config files, ``storage_options``), never from
+the checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import posixpath
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from ..errors import CheckpointExistsError, MissingDependencyError, StorageError
+from ..format.manifest import MANIFEST_NAME
+from .base import FileInfo, Storage
+
+log = logging.getLogger("trainstate")
+T = TypeVar("T")
+
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+_PERMANENT_ERRNO = {errno.ENOSPC, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EEXIST, errno.EINVAL}
+
+
+class FsspecStorage(Storage):
+    """Checkpoints on any fsspec filesystem.
+
+    Args:
+        fs: an ``fsspec.AbstractFileSystem``.
+        part_size: bytes per uploaded part.
+        retries: attempts after the first for transient errors.
+        backoff: seconds before the first retry; doubles each time (with jitter).
+
+    Example:
+        >>> storage = FsspecStorage.from_url("s3://bucket/run1", endpoint_url="http://127.0.0.1:9000")
+        >>> trainstate.save("s3://bucket/run1/step_5", state, storage=storage)
+    """
+
+    in_place = True  # data files are written into the final location, under unique names
+    target_file_bytes = 64 << 20  # the saver cuts state into files of about this size, uploaded in parallel
+
+    def __init__(self, fs: Any, *, part_size: int = 16 << 20, retries: int = 4, backoff: float = 0.2) -> None:
+        self.fs = fs
+        self.part_size = part_size
+        self.retries = retries
+        self.backoff = backoff
+
+    @classmethod
+    def from_url(cls, url: str, **storage_options: Any) -> FsspecStorage:
+        """A storage for ``url``'s protocol; ``storage_options`` go to fsspec (credentials, endpoint, ...)."""
+        try:
+            import fsspec  # type: ignore[import-untyped]
+        except ImportError as e:
+            raise MissingDependencyError("remote storage needs fsspec: pip install 'trainstate[s3]'") from e
+        protocol = url.split("://", 1)[0]
+        try:
+            fs = fsspec.filesystem(protocol, **storage_options)
+        except ImportError as e:
+            raise MissingDependencyError(
+                f"{protocol}:// needs an fsspec backend that is not installed ({e}); for S3: pip install "
+                "'trainstate[s3]'") from e
+        except ValueError as e:
+            raise StorageError(errno.EINVAL, f"unknown storage protocol {protocol!r}: {e}") from e
+        return cls(fs)
+
+    def strip(self, url: str) -> str:
+        return str(self.fs._strip_protocol(url))
+
+    # -- the abstract operations -----------------------------------------------------------------
+
+    def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
+        def upload() -> int:
+            written = 0
+            with self.fs.open(path, "wb", block_size=self.part_size) as f:
+                for view in views:
+                    f.write(view)
+                    written += view.nbytes
+            return written
+
+        return self._retry(f"write {path}", upload)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> int:
+        if not len(out):
+            return 0
+        data = self._retry(f"read {path}", lambda: self.fs.cat_file(path, start=offset, end=offset + len(out)))
+        out[: len(data)] = data
+        return len(data)
+
+    def stat(self, path: str) -> FileInfo | None:
+        try:
+            info = self._retry(f"stat {path}", lambda: self.fs.info(path))
+        except StorageError as e:
+            if e.errno == errno.ENOENT:
+                return None
+            raise
+        is_dir = info.get("type") == "directory"
+        return FileInfo(int(info.get("size") or 0), is_dir, info.get("type") in ("file", "directory"),
+                        _mtime(info))
+
+    def list(self, path: str) -> list[str]:
+        try:
+            entries = self._retry(f"list {path}", lambda: self.fs.ls(path, detail=False, refresh=True))
+        except StorageError as e:
+            if e.errno == errno.ENOENT:
+                return []
+            raise
+        return sorted({posixpath.basename(str(p).rstrip("/")) for p in entries} - {""})
+
+    def delete(self, path: str) -> None:
+        info = self.stat(path)
+        if info is None:
+            return
+        if info.is_dir:  # the manifest goes first: from then on the checkpoint is invisible
+            self._rm(posixpath.join(path, MANIFEST_NAME))
+            self._retry(f"delete {path}", lambda: self.fs.rm(path, recursive=True))
+        else:
+            self._rm(path)
+
+    def begin(self, final: str, *, overwrite: bool) -> str:
+        if self.stat(posixpath.join(final, MANIFEST_NAME)) is not None:
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"a checkpoint already exists at {final}; pass overwrite=True to replace it")
+        elif any(not _is_data_file(n) for n in self.list(final)):
+            raise CheckpointExistsError(f"{final} holds objects that are not a trainstate checkpoint; refusing")
+        return final
+
+    def commit(self, staging: str, final: str, *, overwrite: bool, fsync: bool) -> None:
+        # The manifest is already in place: that PUT was the commit. Now drop what it does not name.
+        self._drop_unreferenced(final)
+
+    # -- optional operations ---------------------------------------------------------------------
+
+    def abort(self, staging: str) -> None:
+        try:
+            self._drop_unreferenced(staging)
+        except StorageError as e:
+            log.warning("could not clean up after a failed save in %s: %s", staging, e)
+
+    def new_file_prefix(self) -> str:
+        return f"data-{uuid.uuid4().hex[:12]}"
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _drop_unreferenced(self, root: str) -> None:
+        keep: set[str] = set()
+        mpath = posixpath.join(root, MANIFEST_NAME)
+        if self.stat(mpath) is not None:
+            raw = self._retry(f"read {mpath}", lambda: self.fs.cat_file(mpath))
+            try:
+                keep = {f["path"] for f in json.loads(raw)["files"]}
+            except (ValueError, KeyError, TypeError):
+                return  # not ours to judge: leave everything
+        for name in self.list(root):
+            if _is_data_file(name) and name not in keep:
+                self._rm(posixpath.join(root, name))
+
+    def _rm(self, path: str) -> None:
+        try:
+            self._retry(f"delete {path}", lambda: self.fs.rm(path))
+        except StorageError as e:
+            if e.errno != errno.ENOENT:
+                raise
+
+    def _retry(self, what: str, op: Callable[[], T]) -> T:
+        for attempt in range(self.retries + 1):
+            try:
+                return op()
+            except Exception as e:  # noqa: BLE001 - every backend has its own error types
+                if _permanent(e) or attempt == self.retries:
+                    raise _translate(what, e) from e
+                delay = self.backoff * (2**attempt) * (0.5 + random.random())
+                log.warning("%s failed (%s); retrying in %.2fs", what, e, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+
+def _is_data_file(name: str) -> bool:
+    return name.startswith("data-") and name.endswith(".safetensors")
+
+
+def _permanent(e: BaseException) -> bool:
+    if isinstance(e, _PERMANENT):
+        return True
+    return isinstance(e, OSError) and e.errno in _PERMANENT_ERRNO
+
+
+def _translate(what: str, e: BaseException) -> StorageError:
+    if isinstance(e, StorageError):
+        return e
+    if isinstance(e, FileNotFoundError):
+        code = errno.ENOENT
+    elif isinstance(e, PermissionError):
+        code = errno.EACCES
+    else:
+        code = getattr(e, "errno", None) or errno.EIO
+    return StorageError(code, f"{what} failed: {type(e).__name__}: {e}")
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if value is not None and hasattr(value, "timestamp"):
+            return float(value.timestamp())
+    return 0.0
