@@ -28,6 +28,7 @@ from .reader import Checkpoint, TensorInfo
 from .reader import open_checkpoint as open
 from .rng import RNGState
 from .save import SaveResult, save
+from .storage import check as check_storage
 from .tree import Stateful
 
 __version__ = "0.1.0"
@@ -68,6 +69,7 @@ __all__ = [
     "TensorInfo",
     "UnsupportedValueError",
     "__version__",
+    "check_storage",
     "load",
     "open",
     "save",

@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import uuid
 
 from .base import FileInfo, Storage, is_staging_name
 from .local import LocalStorage
 
-__all__ = ["FileInfo", "LocalStorage", "Storage", "is_staging_name", "resolve"]  # FsspecStorage: .fsspec
+__all__ = ["FileInfo", "LocalStorage", "Storage", "check", "is_staging_name", "resolve"]  # FsspecStorage: .fsspec
 
 _LOCAL = LocalStorage()
 _REMOTE: dict[str, Storage] = {}
@@ -37,3 +39,31 @@ def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> tup
         backend = _REMOTE[protocol]
         return backend, backend.strip(text)
     return _LOCAL, text
+
+
+def check(location: str | os.PathLike[str], storage: Storage | None = None) -> None:
+    """Make sure ``location`` is reachable and writable: write, read back and delete a small probe.
+
+    Raises:
+        StorageError: with the backend's reason (no such bucket, permission denied, unreachable, ...).
+
+    Example:
+        >>> trainstate.check_storage("s3://bucket/run1")   # before a long job, not after it
+    """
+    from ..errors import StorageError
+
+    backend, root = resolve(location, storage)
+    probe = backend.join(root, f".trainstate-probe-{uuid.uuid4().hex[:12]}")
+    payload = os.urandom(64)
+    try:
+        if isinstance(backend, LocalStorage):
+            os.makedirs(root, exist_ok=True)
+        backend.write(probe, [memoryview(payload)], fsync=True)
+        back = bytearray(len(payload))
+        if backend.read_into(probe, 0, memoryview(back)) != len(payload) or bytes(back) != payload:
+            raise StorageError(errno.EIO, "the bytes read back differ from the bytes written")
+        backend.delete(probe)
+    except StorageError as e:
+        raise StorageError(e.errno, f"{os.fspath(location)} is not usable for checkpoints: {e}") from e
+    except OSError as e:
+        raise StorageError(e.errno, f"{os.fspath(location)} is not usable for checkpoints: {e}") from e
