@@ -269,7 +269,13 @@ class Checkpoint:
             return self._maps[file]
 
     def _pread(self, file: str, view: memoryview, offset: int) -> None:
-        if self.storage.read_into(self._file(file), offset, view) != len(view):
+        mm = self._map(file)  # mapped at open: still readable if the checkpoint was deleted since
+        if mm is not None:
+            got = len(view) if offset + len(view) <= len(mm) else max(0, len(mm) - offset)
+            view[:got] = mm[offset : offset + got]
+        else:
+            got = self.storage.read_into(self._file(file), offset, view)
+        if got != len(view):
             raise CorruptCheckpointError(f"{file} ended before byte {offset + len(view)}")
 
     def close(self) -> None:
@@ -320,6 +326,8 @@ def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
         raise CheckpointNotFoundError(f"{path} is not a checkpoint directory")
     mpath = storage.join(path, manifest.MANIFEST_NAME)
     minfo = storage.stat(mpath)
+    if minfo is None and storage.stat(path) is None:
+        raise CheckpointNotFoundError(f"{path} was deleted while it was being opened")
     if minfo is None:
         raise IncompleteCheckpointError(
             f"{path} has no {manifest.MANIFEST_NAME}: the save that wrote it never committed"
@@ -329,7 +337,13 @@ def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
     if minfo.size > MAX_MANIFEST:
         raise CorruptCheckpointError(f"{mpath} is {minfo.size} bytes, larger than any real manifest")
     raw = bytearray(minfo.size)
-    if storage.read_into(mpath, 0, memoryview(raw)) != minfo.size:
+    try:
+        got = storage.read_into(mpath, 0, memoryview(raw))
+    except StorageError as e:
+        if e.errno == errno.ENOENT:
+            raise CheckpointNotFoundError(f"{path} was deleted while it was being opened") from e
+        raise
+    if got != minfo.size:
         raise CorruptCheckpointError(f"{mpath} changed while it was read")
     return manifest.parse(bytes(raw), mpath)
 

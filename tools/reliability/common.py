@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -40,3 +46,19 @@ def check_numpy_state(state: dict, step: int) -> None:
         assert np.array_equal(state[key], expected[key]), key
     assert np.array_equal(state["opt"]["state"][0]["m"], expected["opt"]["state"][0]["m"])
     assert state["opt"]["lr"] == expected["opt"]["lr"]
+
+
+def spawn(code: str, *args: str) -> tuple[subprocess.Popen[str], str]:
+    """Start ``python -c code args`` with the repo importable; returns it and the first line it printed."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline()
+
+
+def print_rows(rows: list[Row], notes: int = 10) -> None:
+    for row in rows:
+        print(f"| {row.campaign} | {row.passed}/{row.trials} {row.measure} | {row.rate} |")
+        for note in row.notes[:notes]:
+            print(f"|   {note} | | |")

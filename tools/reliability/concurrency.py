@@ -9,19 +9,16 @@ anything partial, incomplete or wrong is a violation.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import trainstate
 
-from .common import Row, check_numpy_state
+from .common import Row, check_numpy_state, print_rows, spawn
 
-REPO = Path(__file__).resolve().parents[2]
 WRITER = r"""
 import sys
 import trainstate
@@ -36,11 +33,7 @@ with trainstate.CheckpointManager(root, every_steps=1, keep_last=2, async_save=(
 
 
 def _writer(root: Path, saves: int, mode: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(saves), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    proc.stdout.readline()
+    proc, first = spawn(WRITER, str(root), str(saves), mode)
     return proc
 
 
@@ -103,10 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--saves", type=int, default=300)
     args = ap.parse_args()
-    for row in run(args.saves):
-        print(f"| {row.campaign} | {row.passed}/{row.trials} {row.measure} | {row.rate} |")
-        for note in row.notes[:10]:
-            print(f"|   {note} | | |")
+    print_rows(run(args.saves))
 
 
 if __name__ == "__main__":

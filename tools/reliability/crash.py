@@ -12,8 +12,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,9 +19,8 @@ from pathlib import Path
 import trainstate
 from trainstate.storage import is_staging_name
 
-from .common import Row, check_numpy_state
+from .common import Row, check_numpy_state, print_rows, spawn
 
-REPO = Path(__file__).resolve().parents[2]
 CHILD = r"""
 import sys
 import trainstate
@@ -42,11 +39,8 @@ while True:
 
 def kill_once(root: Path, mode: str, rnd: random.Random) -> tuple[list[str], int]:
     """One child, one SIGKILL; returns (problems found, leftovers swept on the next start)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(root), mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    ready = proc.stdout.readline()
+    proc, first = spawn(CHILD, str(root), mode)
+    ready = first
     time.sleep(rnd.uniform(0.0, 0.4))
     proc.send_signal(signal.SIGKILL)
     _, err = proc.communicate()
@@ -102,10 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=100, help="per mode (sync and async)")
     args = ap.parse_args()
-    for row in run(args.kills):
-        print(f"| {row.campaign} | {row.passed}/{row.trials} {row.measure} | {row.rate} |")
-        for note in row.notes[:10]:
-            print(f"|   {note} | | |")
+    print_rows(run(args.kills))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import trainstate
 from trainstate.storage import LocalStorage, is_staging_name
 from trainstate.storage.faulty import OPERATIONS, FaultyStorage
 
-from .common import Row, check_numpy_state, numpy_state
+from .common import Row, check_numpy_state, numpy_state, print_rows
 
 MAX_CALLS = 200  # no save here makes more calls of one kind
 
@@ -219,10 +219,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    for row in run(args.quick):
-        print(f"| {row.campaign} | {row.passed}/{row.trials} {row.measure} | {row.rate} |")
-        for note in row.notes[:10]:
-            print(f"|   {note} | | |")
+    print_rows(run(args.quick))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import tree
-from ..errors import CheckpointError, CorruptCheckpointError, StorageError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StorageError,
+)
 from ..format.manifest import MANIFEST_NAME
 from ..reader import _read_manifest
 from ..storage import LocalStorage, Storage, is_staging_name
@@ -58,6 +64,8 @@ class Catalog:
             return _with_pin(cached[2], pinned)
         try:
             m = _read_manifest(self.storage, self.path(name))
+        except (CheckpointNotFoundError, IncompleteCheckpointError):
+            return None  # deleted (or being deleted) since we listed the directory
         except CorruptCheckpointError as e:
             log.warning("skipping %s: %s", self.path(name), e)
             return None
