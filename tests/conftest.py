@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
-
 
 def make_training_state(seed: int = 0, steps: int = 2) -> dict[str, Any]:
     """A small model trained a few steps with AdamW and a scheduler, plus counters and RNG."""
+    import torch
+
     import trainstate
 
     torch.manual_seed(seed)

@@ -83,8 +83,8 @@ class Checkpoint:
         return self.manifest.created
 
     def keys(self) -> list[str]:
-        """Tensor names, in the order they were saved."""
-        return list(self.manifest.tensors)
+        """Tensor names, in the order they appear in the saved state."""
+        return list(dict.fromkeys(tree.tensor_names(self.manifest.tree)))
 
     def __contains__(self, name: object) -> bool:
         return name in self.manifest.tensors

@@ -79,14 +79,18 @@ class Catalog:
         return info
 
     def pin(self, name: str, reason: str = "") -> None:
-        if self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME)) is None:
-            raise CheckpointError(f"cannot pin {self.path(name)}: no committed checkpoint there")
+        self._committed(name, "pin")
         pin = self.storage.join(self.path(name), PIN_FILE)
         self.storage.delete(pin)
         self.storage.write(pin, [memoryview(json.dumps({"reason": reason}).encode())], fsync=True)
 
     def unpin(self, name: str) -> None:
+        self._committed(name, "unpin")
         self.storage.delete(self.storage.join(self.path(name), PIN_FILE))
+
+    def _committed(self, name: str, what: str) -> None:
+        if self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME)) is None:
+            raise CheckpointNotFoundError(f"cannot {what} {self.path(name)}: no committed checkpoint there")
 
     def delete(self, name: str) -> None:
         if naming.step_of(name) is None:

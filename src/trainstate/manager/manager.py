@@ -88,7 +88,8 @@ class CheckpointManager:
         threads: writer threads per save.
         metadata: plain values recorded in every checkpoint's manifest.
         storage: where the checkpoints live (default: chosen from ``directory``).
-        read_only: only list and restore: no lock, no sweep, no saves (for readers beside a running job).
+        read_only: list, restore and pin only: no lock, no sweep, no saves or deletions (for tools
+            beside a running job).
 
     Example:
         >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
@@ -321,11 +322,14 @@ class CheckpointManager:
                           result.commit_seconds, result.nbytes, deleted)
 
     def prune(self, *, dry_run: bool = False) -> RetentionPlan:
-        """Apply the retention policies now (without saving); returns what was kept and deleted, and why."""
-        self._check_open()
-        self._collect(block=True)
+        """Apply the retention policies now (without saving); returns what was kept and deleted, and why.
+
+        A dry run only plans, and works on a read-only manager too.
+        """
         if dry_run:
             return plan_retention(self.list(), self.retention)
+        self._check_open()
+        self._collect(block=True)
         self._apply_retention()
         assert self.last_retention is not None
         return self.last_retention
@@ -380,12 +384,14 @@ class CheckpointManager:
         self._raise_pending()
 
     def pin(self, step: int, reason: str = "") -> None:
-        """Keep this checkpoint whatever the retention policies say."""
-        self._check_open()
+        """Keep this checkpoint whatever the retention policies say.
+
+        Allowed on a read-only manager: a pin is one small file beside the checkpoint, safe to add
+        while another process trains and prunes in the same directory.
+        """
         self.catalog.pin(naming.name_for(step), reason)
 
     def unpin(self, step: int) -> None:
-        self._check_open()
         self.catalog.unpin(naming.name_for(step))
 
     def close(self, step: int | None = None, state: Any = None, *, metrics: dict[str, float] | None = None) -> None:

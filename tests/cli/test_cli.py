@@ -1,0 +1,234 @@
+"""The ``trainstate`` command, run as a user would: in a subprocess, on checkpoints the library wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trainstate
+
+ENV = {**os.environ, "COLUMNS": "200"}
+
+
+def cli(*args: str, env: dict[str, str] | None = None, code: int | None = 0) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "trainstate", *args], capture_output=True, text=True, check=False,
+                          env=env or ENV, timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if code is not None:
+        assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    return proc
+
+
+def cli_json(*args: str, code: int = 0) -> object:
+    proc = cli(*args, "--json", code=code)
+    return json.loads(proc.stdout)  # stdout holds JSON and nothing else
+
+
+def state(scale: float = 1.0) -> dict[str, object]:
+    return {"model": {"w": np.arange(12, dtype=np.float32).reshape(3, 4) * scale, "b": np.zeros(3)},
+            "step": 7, "cfg": {"lr": 0.1, "betas": (0.9, 0.99)}}
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A manager directory: steps 0, 10, 20 committed, step 30 crashed, a staging leftover."""
+    d = tmp_path / "run"
+    mgr = trainstate.CheckpointManager(d, save_on_preemption=False, capture_rng=False)
+    for step, loss in ((0, 3.0), (10, 1.0), (20, 2.0)):
+        mgr.save(step, state(step + 1), metrics={"val_loss": loss}, force=True)
+    mgr.close()
+    (d / "step_00000030").mkdir()
+    (d / "step_00000030" / "data-00000.safetensors").write_bytes(b"partial")
+    (d / ".step_00000040.tmp-0123abcd").mkdir()
+    return d
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    trainstate.save(path, state(), metadata={"run": "exp1"})
+    return path
+
+
+def test_help_documents_exit_codes() -> None:
+    out = cli("--help").stdout
+    assert "exit codes" in out and "5  corrupt" in out and "3  not found" in out
+    for command in ("ls", "inspect", "verify", "diff", "prune", "pin", "unpin", "demo"):
+        assert command in out
+
+
+def test_ls_table_shows_complete_and_incomplete(run_dir: Path) -> None:
+    out = cli("ls", str(run_dir)).stdout
+    for name in ("step_00000000", "step_00000010", "step_00000020", "step_00000030", ".step_00000040.tmp-0123abcd"):
+        assert name in out
+    assert "val_loss=1" in out and "incomplete" in out
+    assert "3 complete, 2 incomplete" in out
+
+
+def test_ls_json(run_dir: Path) -> None:
+    doc = cli_json("ls", str(run_dir))
+    rows = {r["name"]: r for r in doc["checkpoints"]}
+    assert [rows[f"step_000000{s}"]["status"] for s in ("00", "10", "20", "30")] == \
+        ["complete", "complete", "complete", "incomplete"]
+    assert rows[".step_00000040.tmp-0123abcd"]["status"] == "incomplete"
+    assert rows[".step_00000040.tmp-0123abcd"]["step"] == 40
+    assert rows["step_00000010"]["metrics"] == {"val_loss": 1.0}
+    assert rows["step_00000010"]["step"] == 10 and rows["step_00000010"]["nbytes"] > 0
+    assert rows["step_00000010"]["created_iso"].startswith("20")
+    one = cli_json("ls", str(run_dir / "step_00000020"))
+    assert [(r["name"], r["step"], r["status"]) for r in one["checkpoints"]] == [("step_00000020", 20, "complete")]
+
+
+def test_plain_text_without_rich(run_dir: Path) -> None:
+    proc = cli("ls", str(run_dir), env={**ENV, "TRAINSTATE_NO_RICH": "1"})
+    assert "trainstate[cli]" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert "step_00000020" in proc.stdout and "incomplete" in proc.stdout
+
+
+def test_inspect_filter_and_json(ckpt: Path) -> None:
+    out = cli("inspect", str(ckpt), "--filter", "model.*").stdout
+    assert "model.w" in out and "F32" in out and "[3, 4]" in out and "2 of 2 tensors" in out
+    doc = cli_json("inspect", str(ckpt), "--filter", "*.w")
+    tensors = [(t["name"], t["dtype"], t["shape"], t["nbytes"]) for t in doc["tensors"]]
+    assert tensors == [("model.w", "F32", [3, 4], 48)]
+    assert doc["tensor_bytes"] == 48 and doc["tensor_count"] == 2
+    assert doc["metadata"] == {"run": "exp1"} and doc["format_version"] == trainstate.FORMAT_VERSION
+    everything = cli_json("inspect", str(ckpt))
+    assert {v["path"]: v["value"] for v in everything["values"]} == {"step": 7, "cfg.lr": 0.1, "cfg.betas.0": 0.9,
+                                                                    "cfg.betas.1": 0.99}
+
+
+def flip_byte(path: Path, tensor: str) -> None:
+    with trainstate.open(path) as ck:
+        chunk = ck.manifest.tensors[tensor].chunks[0]
+    data_file = path / chunk.file
+    raw = bytearray(data_file.read_bytes())
+    raw[chunk.byte_range[0] + 1] ^= 0xFF
+    data_file.write_bytes(raw)
+
+
+def test_verify_ok_and_corrupt(ckpt: Path) -> None:
+    assert "OK: 2 tensors" in cli("verify", str(ckpt)).stdout
+    flip_byte(ckpt, "model.w")
+    proc = cli("verify", str(ckpt), code=5)
+    assert "model.w" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    doc = cli_json("verify", str(ckpt), code=5)
+    assert doc["ok"] is False and [e["tensor"] for e in doc["errors"]] == ["model.w"]
+    assert "checksum mismatch" in doc["errors"][0]["message"]
+
+
+def test_diff(tmp_path: Path, ckpt: Path) -> None:
+    same = tmp_path / "same"
+    trainstate.save(same, state(), metadata={"run": "exp2"})
+    assert "identical state" in cli("diff", str(ckpt), str(same)).stdout
+    assert cli_json("diff", str(ckpt), str(same))["identical"] is True
+
+    other = state()
+    other["model"]["w"] = other["model"]["w"] + np.float32(0.25)
+    other["model"]["w"][1, 2] -= 3
+    del other["model"]["b"]
+    other["model"]["extra"] = np.ones(2, np.int8)
+    other["step"] = 8
+    other["cfg"]["betas"] = (0.9, 0.999)
+    changed = tmp_path / "changed"
+    trainstate.save(changed, other)
+    proc = cli("diff", str(ckpt), str(changed), code=1)
+    assert "model.w" in proc.stdout and "max |a-b| = 2.75" in proc.stdout
+    doc = cli_json("diff", str(ckpt), str(changed), code=1)
+    assert doc["identical"] is False
+    assert [t["name"] for t in doc["tensors"]["added"]] == ["model.extra"]
+    assert [t["name"] for t in doc["tensors"]["removed"]] == ["model.b"]
+    (w,) = doc["tensors"]["changed"]
+    assert (w["name"], w["reasons"], w["different"], w["numel"], w["max_abs_diff"]) == \
+        ("model.w", ["values"], 12, 12, 2.75)
+    assert {c["path"]: (c["a"], c["b"]) for c in doc["values"]["changed"]} == \
+        {"step": (7, 8), "cfg.betas.1": (0.99, 0.999)}
+
+
+def test_diff_dtype_shape_and_bfloat16(tmp_path: Path) -> None:
+    import ml_dtypes
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    trainstate.save(a, {"h": np.ones(4, ml_dtypes.bfloat16), "s": np.zeros(3), "i": np.arange(3)})
+    trainstate.save(b, {"h": np.full(4, 1.5, ml_dtypes.bfloat16), "s": np.zeros(4), "i": np.arange(3, dtype=np.int32)})
+    doc = cli_json("diff", str(a), str(b), code=1)
+    changed = {c["name"]: c for c in doc["tensors"]["changed"]}
+    assert changed["h"]["max_abs_diff"] == 0.5
+    assert changed["s"]["reasons"] == ["shape"]
+    assert changed["i"]["reasons"] == ["dtype"] and changed["i"]["different"] == 0
+
+
+def names(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in run_dir.iterdir() if p.name.startswith("step_"))
+
+
+def test_prune_dry_run_then_prune(run_dir: Path) -> None:
+    before = sorted(p.name for p in run_dir.iterdir())
+    doc = cli_json("prune", str(run_dir), "--keep-last", "1", "--keep-best", "val_loss:min:1", "--dry-run")
+    assert doc["dry_run"] is True and doc["delete"] == ["step_00000000"]
+    assert "best 1 val_loss (min)" in doc["keep"]["step_00000010"] and "newest" in doc["keep"]["step_00000020"]
+    assert sorted(doc["would_sweep"]) == [".step_00000040.tmp-0123abcd", "step_00000030"]
+    out = cli("prune", str(run_dir), "--keep-last", "1", "--keep-best", "val_loss:min:1", "--dry-run").stdout
+    assert "would delete" in out and "dry run" in out
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing deleted, nothing swept
+
+    out = cli("prune", str(run_dir), "--keep-last", "1").stdout
+    assert "deleted" in out and "step_00000030" in out  # the sweep of the crashed save is reported
+    assert names(run_dir) == ["step_00000020"]
+
+
+def test_prune_needs_a_policy(run_dir: Path) -> None:
+    assert "at least one policy" in cli("prune", str(run_dir), code=2).stderr
+    assert "METRIC:min|max" in cli("prune", str(run_dir), "--keep-best", "loss:avg", code=2).stderr
+
+
+def test_pin_and_unpin_show_in_ls(run_dir: Path) -> None:
+    cli("pin", str(run_dir), "10", "--reason", "best eval")
+    pinned = {r["name"]: r["pinned"] for r in cli_json("ls", str(run_dir))["checkpoints"]}
+    assert pinned["step_00000010"] is True and pinned["step_00000000"] is False
+    assert "pinned" in cli_json("prune", str(run_dir), "--keep-last", "1")["keep"]["step_00000010"]
+    assert names(run_dir) == ["step_00000010", "step_00000020"]
+    cli("unpin", str(run_dir), "10")
+    pinned = {r["name"]: r["pinned"] for r in cli_json("ls", str(run_dir))["checkpoints"]}
+    assert pinned == {"step_00000010": False, "step_00000020": False}
+    assert "step 99" in cli("pin", str(run_dir), "99", code=3).stderr
+
+
+@pytest.mark.parametrize("args", [["ls", "{missing}"], ["inspect", "{missing}"], ["verify", "{missing}"],
+                                  ["diff", "{ckpt}", "{missing}"], ["prune", "{missing}", "--keep-last", "1"]])
+def test_not_found_is_exit_3_and_one_line(tmp_path: Path, ckpt: Path, args: list[str]) -> None:
+    missing = tmp_path / "nope"
+    proc = cli(*(a.format(missing=missing, ckpt=ckpt) for a in args), code=3)
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1 and "nope" in proc.stderr
+    assert not missing.exists()  # prune did not create it
+
+
+def test_incomplete_and_manager_dir_given_as_checkpoint(run_dir: Path) -> None:
+    assert "never committed" in cli("inspect", str(run_dir / "step_00000030"), code=4).stderr
+    assert "trainstate ls" in cli("verify", str(run_dir), code=2).stderr
+
+
+def test_torch_checkpoint_without_importing_torch(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    a, b = tmp_path / "a", tmp_path / "b"
+    trainstate.save(a, {"model": model, "step": 1})
+    with torch.no_grad():
+        model.bias += 1
+    trainstate.save(b, {"model": model, "step": 1})
+    code = ("import sys; from trainstate.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'the CLI imported torch'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, "diff", str(a), str(b), "--json"], capture_output=True,
+                          text=True, check=False, env=ENV, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    (bias,) = json.loads(proc.stdout)["tensors"]["changed"]
+    assert bias["name"] == "model.bias" and bias["max_abs_diff"] == pytest.approx(1.0)
+    kinds = {t["name"]: t["kind"] for t in cli_json("inspect", str(a))["tensors"]}
+    assert kinds == {"model.weight": "torch", "model.bias": "torch"}
