@@ -135,16 +135,29 @@ def parse(raw: bytes, what: str = MANIFEST_NAME) -> Manifest:
             checksum.check(_canonical(body), expected, what)
         except ValueError as e:  # non-finite floats smuggled in
             raise CorruptCheckpointError(f"{what}: {e}") from None
-    try:
+    with malformed(what):
         return _build(body)
-    except CorruptCheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptCheckpointError(f"{what} is malformed: {type(e).__name__}: {e}") from None
+
+
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError)
+
+
+class malformed:
+    """Turn the errors a lying manifest provokes while being read into CorruptCheckpointError."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if kind is not None and issubclass(kind, _MALFORMED) and not isinstance(error, CorruptCheckpointError):
+            raise CorruptCheckpointError(f"{self.what} is malformed: {kind.__name__}: {error}") from None
 
 
 def _check_version(version: object, what: str) -> None:
-    if not isinstance(version, str) or not re.fullmatch(r"\d+\.\d+", version):
+    if not isinstance(version, str) or not re.fullmatch(r"\d{1,6}\.\d{1,6}", version):
         raise CorruptCheckpointError(f"{what}: bad format_version {version!r}")
     if int(version.split(".")[0]) != int(FORMAT_VERSION.split(".")[0]):
         raise FormatVersionError(
@@ -161,7 +174,9 @@ def _build(body: dict[str, Any]) -> Manifest:
     sizes = {f.path: f.size for f in files}
     if len(sizes) != len(files):
         raise CorruptCheckpointError("manifest lists a data file twice")
-    tensors = _LazyTensors(_typed(body["tensors"], dict, "tensors"), sizes)
+    raw_tensors = _typed(body["tensors"], dict, "tensors")
+    _check_byte_ranges(raw_tensors, sizes)
+    tensors = _LazyTensors(raw_tensors, sizes)
     created = body["created"]
     if isinstance(created, bool) or not isinstance(created, (int, float)):
         raise CorruptCheckpointError("manifest 'created' is not a number")
@@ -191,7 +206,9 @@ class _LazyTensors(Mapping[str, TensorEntry]):
     def __getitem__(self, name: str) -> TensorEntry:
         entry = self._done.get(name)
         if entry is None:
-            entry = self._done[name] = _tensor_entry(name, self._raw[name], self._sizes)
+            raw = self._raw[name]  # KeyError for a name that is not listed: the caller's mistake
+            with malformed(f"tensor {name!r:.80} in the manifest"):
+                entry = self._done[name] = _tensor_entry(name, raw, self._sizes)
         return entry
 
     def __iter__(self) -> Iterator[str]:
@@ -217,6 +234,38 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
     return items
 
 
+MAX_RANK = 32
+MAX_DIM = 1 << 48
+
+
+def _shape(value: Any, what: str) -> tuple[int, ...]:
+    """A shape NumPy and torch can allocate: bounded rank, dimensions and element count."""
+    shape = _ints(value, what)
+    if len(shape) > MAX_RANK or any(d >= MAX_DIM for d in shape):
+        raise CorruptCheckpointError(f"manifest field {what} is not a plausible shape: {list(shape)[:8]}")
+    if math.prod(d for d in shape if d) >= MAX_DIM:
+        raise CorruptCheckpointError(f"manifest field {what} has too many elements: {list(shape)[:8]}")
+    return shape
+
+
+def _check_byte_ranges(raw_tensors: dict[str, Any], sizes: dict[str, int]) -> None:
+    """No two stored chunks may share bytes, so the tensors can never add up to more than the files hold.
+
+    A cheap pass over the raw entries (the full per-tensor checks run when a tensor is first used).
+    """
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for t in raw_tensors.values():
+        for c in t.get("chunks", []) if isinstance(t, dict) and isinstance(t.get("chunks"), list) else []:
+            rng = c.get("byte_range") if isinstance(c, dict) else None
+            if isinstance(rng, list) and len(rng) == 2 and all(type(v) is int for v in rng) and rng[0] < rng[1]:
+                spans.setdefault(str(c.get("file")), []).append((rng[0], rng[1]))
+    for file, ranges in spans.items():
+        ranges.sort()
+        for (_, end), (begin, _) in zip(ranges, ranges[1:]):
+            if begin < end:
+                raise CorruptCheckpointError(f"manifest: two chunks share bytes of {file} (at byte {begin})")
+
+
 def check_file_name(name: Any) -> str:
     """A data file name must be a plain name inside the checkpoint: no separators, no '..', no hidden files."""
     if not isinstance(name, str) or not _FILE_NAME.match(name) or name == MANIFEST_NAME:
@@ -236,7 +285,7 @@ def _file_entry(f: Any) -> FileEntry:
 def _tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
     t = _typed(t, dict, f"tensors[{name}]")
     dtype = dtypes.from_code(t["dtype"])
-    shape = _ints(t["shape"], f"{name}.shape")
+    shape = _shape(t["shape"], f"{name}.shape")
     kind = t["kind"]
     if kind not in ("torch", "numpy", "numpy-scalar"):
         raise CorruptCheckpointError(f"tensor {name}: unknown kind {kind!r:.40}")
@@ -262,14 +311,15 @@ def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes
         )
     begin, end = byte_range
     offset = _ints(c["offset"], f"{name}.offset")
-    cshape = _ints(c["shape"], f"{name}.chunk.shape")
+    cshape = _shape(c["shape"], f"{name}.chunk.shape")
     if len(offset) != len(shape) or len(cshape) != len(shape):
         raise CorruptCheckpointError(f"tensor {name}: chunk rank does not match the tensor's rank {len(shape)}")
     if any(o + s > n for o, s, n in zip(offset, cshape, shape)):
         raise CorruptCheckpointError(f"tensor {name}: chunk at {list(offset)} of {list(cshape)} exceeds {list(shape)}")
-    transforms = tuple(_typed(x, dict, f"{name}.transforms[]") for x in c.get("transforms", []))
+    transforms = tuple(_typed(x, dict, f"{name}.transforms[]") for x in _typed(c.get("transforms", []), list,
+                                                                                  f"{name}.transforms"))
     for x in transforms:
-        if x.get("name") not in KNOWN_TRANSFORMS:
+        if not isinstance(x.get("name"), str) or x["name"] not in KNOWN_TRANSFORMS:
             raise FormatVersionError(
                 f"tensor {name} uses byte transform {x.get('name')!r:.40}, which this trainstate does not know"
             )
@@ -282,12 +332,20 @@ def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes
 
 
 def _check_disjoint(name: str, chunks: tuple[Chunk, ...]) -> None:
-    # Volumes already sum to the tensor's; pairwise-disjoint boxes inside it therefore tile it exactly.
-    if len(chunks) > 1:
-        for i, a in enumerate(chunks):
-            for b in chunks[i + 1 :]:
-                if all(
-                    ao < bo + bs and bo < ao + as_
-                    for ao, as_, bo, bs in zip(a.offset, a.shape, b.offset, b.shape)
-                ) and int(math.prod(a.shape)) and int(math.prod(b.shape)):
-                    raise CorruptCheckpointError(f"tensor {name}: chunks overlap")
+    """Boxes must not overlap (their volumes already add up to the tensor's, so disjoint boxes tile it).
+
+    Sweep along the axis with the most distinct offsets: for sharded tensors only neighbours are compared.
+    """
+    boxes = [c for c in chunks if math.prod(c.shape)]
+    if len(boxes) < 2:
+        return
+    axis = max(range(len(boxes[0].offset)), key=lambda a: len({c.offset[a] for c in boxes}))
+    boxes.sort(key=lambda c: c.offset[axis])
+    active: list[Chunk] = []
+    for box in boxes:
+        start = box.offset[axis]
+        active = [a for a in active if a.offset[axis] + a.shape[axis] > start]
+        for a in active:
+            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offset, a.shape, box.offset, box.shape)):
+                raise CorruptCheckpointError(f"tensor {name}: chunks overlap")
+        active.append(box)

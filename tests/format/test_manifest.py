@@ -1,0 +1,47 @@
+"""Manifest validation units: chunk tiling, byte-range aliasing, shape limits."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import trainstate
+from trainstate.format import manifest
+
+
+def _grid(rows: int, cols: int, dup: bool = False) -> tuple[manifest.Chunk, ...]:
+    boxes = [manifest.Chunk("d", (0, 4), (r, c), (1, 1), "x") for r in range(rows) for c in range(cols)]
+    if dup:
+        boxes.append(manifest.Chunk("d", (0, 4), (rows // 2, cols // 2), (1, 1), "x"))
+    return tuple(boxes)
+
+
+def test_many_disjoint_chunks_validate_without_quadratic_blowup():
+    chunks = _grid(200, 100)  # 20,000 boxes: pairwise checking would be 2e8 comparisons
+    start = time.perf_counter()
+    manifest._check_disjoint("t", chunks)
+    assert time.perf_counter() - start < 5.0  # a generous bound: this guards against a hang, not speed
+
+
+@pytest.mark.parametrize("rows, cols", [(50, 1), (1, 50), (7, 9)])
+def test_an_overlapping_chunk_is_found(rows, cols):
+    with pytest.raises(trainstate.CorruptCheckpointError, match="overlap"):
+        manifest._check_disjoint("t", _grid(rows, cols, dup=True))
+
+
+def test_byte_ranges_must_not_be_shared():
+    raw = {"a": {"chunks": [{"file": "f", "byte_range": [8, 72]}]},
+           "b": {"chunks": [{"file": "f", "byte_range": [64, 128]}]}}
+    with pytest.raises(trainstate.CorruptCheckpointError, match="share bytes"):
+        manifest._check_byte_ranges(raw, {"f": 128})
+    raw["b"]["chunks"][0]["byte_range"] = [72, 128]
+    manifest._check_byte_ranges(raw, {"f": 128})  # back to back is fine
+    raw["c"] = {"chunks": [{"file": "f", "byte_range": [72, 72]}]}  # empty tensors take no bytes
+    manifest._check_byte_ranges(raw, {"f": 128})
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63], [0] * 65, [2**40, 2**40], [-1]])
+def test_implausible_shapes_are_refused(shape):
+    with pytest.raises(trainstate.CorruptCheckpointError):
+        manifest._shape(shape, "t.shape")
