@@ -168,6 +168,8 @@ class Checkpoint:
             return (c[0].file, c[0].byte_range[0]) if c else ("", 0)
 
         jobs = sorted(jobs, key=position)
+        if self.storage.target_file_bytes:  # remote: latency-bound ranged GETs, so more of them at once
+            threads = max(threads, 8)
         lanes = _split_by_bytes(jobs, [self._entry(n).nbytes for n, _ in jobs], max(1, threads))
         failed = threading.Event()  # one damaged tensor stops every lane: nothing more is written
 

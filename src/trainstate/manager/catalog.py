@@ -31,6 +31,7 @@ log = logging.getLogger("trainstate")
 PIN_FILE = "pinned.json"
 LOCK_FILE = ".trainstate.lock"
 META_KEY = "trainstate"  # the manager's facts inside the manifest metadata
+REMOTE_SWEEP_AGE = 3600.0
 
 
 class Catalog:
@@ -99,18 +100,25 @@ class Catalog:
         self._cache.pop(name, None)
 
     def sweep(self) -> builtins.list[str]:
-        """Remove leftovers of crashed saves and deletes; returns what was removed."""
+        """Remove leftovers of crashed saves and deletes; returns what was removed.
+
+        On local disks the directory lock guarantees no save is in flight. Object stores have no lock, so
+        there only leftovers untouched for ``REMOTE_SWEEP_AGE`` seconds are removed: a save another
+        process is writing right now is never taken for a crash.
+        """
         removed = []
+        local = isinstance(self.storage, LocalStorage)
         for name in self.storage.list(self.root):
             if is_staging_name(name):
                 if ".old-" in name and self.storage.recover(self.path(name[1:].split(".old-")[0])):
                     continue
-                self.storage.abort(self.path(name))
-                removed.append(name)
-            elif naming.step_of(name) is not None and self.storage.stat(
-                    self.storage.join(self.path(name), MANIFEST_NAME)) is None:
-                self.storage.abort(self.path(name))
-                removed.append(name)
+            elif naming.step_of(name) is None or self.storage.stat(
+                    self.storage.join(self.path(name), MANIFEST_NAME)) is not None:
+                continue
+            if not local and getattr(self.storage, "age", lambda p: 0.0)(self.path(name)) < REMOTE_SWEEP_AGE:
+                continue
+            self.storage.abort(self.path(name))
+            removed.append(name)
         if removed:
             log.info("swept %d incomplete checkpoint(s) in %s: %s", len(removed), self.root, removed)
         return removed

@@ -103,8 +103,13 @@ class FsspecStorage(Storage):
         return len(data)
 
     def stat(self, path: str) -> FileInfo | None:
+        def fresh_info() -> Any:
+            # Never from a cached listing: another process may have committed (or deleted) since.
+            self.fs.invalidate_cache(path)
+            return self.fs.info(path)
+
         try:
-            info = self._retry(f"stat {path}", lambda: self.fs.info(path))
+            info = self._retry(f"stat {path}", fresh_info)
         except StorageError as e:
             if e.errno == errno.ENOENT:
                 return None
@@ -155,6 +160,18 @@ class FsspecStorage(Storage):
 
     def new_file_prefix(self) -> str:
         return f"data-{uuid.uuid4().hex[:12]}"
+
+    def age(self, path: str) -> float:
+        """Seconds since anything under ``path`` last changed (0 if unknown or empty)."""
+        newest = 0.0
+        for name in self.list(path):
+            info = self.stat(posixpath.join(path, name))
+            newest = max(newest, info.mtime if info else 0.0)
+        return time.time() - newest if newest else 0.0
+
+    def without_retries(self) -> FsspecStorage:
+        """The same filesystem, failing fast: for one-off checks such as check_storage()."""
+        return type(self)(self.fs, part_size=self.part_size, retries=0, backoff=self.backoff)
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -1,0 +1,1 @@
+"""Storage backend conformance tests (a package, so this conftest does not shadow tests/conftest.py)."""
