@@ -410,8 +410,7 @@ def test_a_second_manager_does_not_destroy_an_in_flight_save(backend: Backend, r
 
 def test_a_checkpoint_committed_by_another_process_is_seen(backend: Backend, request: Any) -> None:
     """Two clients of one store (a trainer and an evaluator): the reader must see what the writer committed
-    after the reader last listed the directory. s3fs caches directory listings, and FsspecStorage.stat
-    answers from that cache, so the reader reports "no checkpoint" for one that exists."""
+    after the reader last listed the directory (s3fs caches listings; stat must not answer from them)."""
     if backend.kind == "local":
         reader_storage = backend.storage
     elif backend.kind == "memory":
