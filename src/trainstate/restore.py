@@ -33,10 +33,12 @@ Finisher = Callable[[], Any]
 _ABSENT = object()
 
 
-def selector(include: str | list[str] | None, exclude: str | list[str] | None) -> Callable[[str], bool]:
-    """A predicate over dotted keys from glob patterns (``"model.*"``)."""
+def selector(include: str | list[str] | None, exclude: str | list[str] | None) -> Callable[[str], bool] | None:
+    """A predicate over dotted keys from glob patterns (``"model.*"``), or None when everything is selected."""
     inc = [include] if isinstance(include, str) else list(include or [])
     exc = [exclude] if isinstance(exclude, str) else list(exclude or [])
+    if not inc and not exc:
+        return None
 
     def selected(key: str) -> bool:
         if inc and not any(fnmatch.fnmatchcase(key, p) for p in inc):
@@ -64,10 +66,11 @@ def _describe(value: Any) -> str:
 
 
 class Restorer:
-    def __init__(self, ck: Checkpoint, *, strict: bool, selected: Callable[[str], bool]) -> None:
+    def __init__(self, ck: Checkpoint, *, strict: bool, selected: Callable[[str], bool] | None) -> None:
         self.ck = ck
         self.strict = strict
-        self.selected = selected
+        self.partial = selected is not None
+        self.selected: Callable[[str], bool] = selected or (lambda key: True)
         self.missing: list[str] = []
         self.unexpected: list[str] = []
         self.mismatched: list[tuple[str, str, str]] = []
@@ -85,7 +88,7 @@ class Restorer:
                 return lambda: target
             value = tree.decode(node, _corrupt_ref)
             return lambda: value
-        if not self._any_selected(node, path):
+        if self.partial and not self._any_selected(node, path):
             return lambda: target  # _ABSENT for a part the target lacks: its container drops it
         tag = node["t"]
         if tag == "tensor":
