@@ -469,6 +469,10 @@ def targets(rows: list[Row], sync: dict[str, float], sync_write: float | None) -
     return lines
 
 
+def busy_share(r: dict[str, Any]) -> float:
+    return float(r["cpu_others"]) / max(1e-9, r["seconds"] * (r["machine"]["cores"] or 1))
+
+
 def report(r: dict[str, Any], rows: list[Row]) -> str:
     m, n = r["machine"], r["state_bytes"]
     sync = {row.lib: med(row.blocking) for row in rows if row.kind == "sync"}
@@ -483,10 +487,12 @@ def report(r: dict[str, Any], rows: list[Row]) -> str:
              f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)",
              (f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} "
              "(other work on the machine skews every number)"),
-             (f"- CPU seconds during the run: this benchmark {r['cpu_self']:.0f}, everything else "
-             f"(incl. kernel I/O threads) "
-             f"{r['cpu_others']:.0f}, stolen by the hypervisor {r['cpu_steal']:.1f} "
+             (f"- CPU seconds during the run: this benchmark {r['cpu_self']:.0f}, kernel threads (writeback, "
+             f"journal, ...) {r['cpu_kernel']:.0f}, other processes {r['cpu_others']:.0f}, stolen by the "
+             f"hypervisor {r['cpu_steal']:.1f} "
              f"(of {r['seconds'] * (m['cores'] or 1):.0f} available)"),
+             *([(f"- WARNING: other processes used {100 * busy_share(r):.0f}% of the machine's CPU during this "
+                "run, so these numbers are skewed; rerun on an idle machine")] if busy_share(r) > 0.05 else []),
              (f"- steady state: {r['work']}s of fake training between saves ({r['work_kind']}; every state tensor "
              "updated in place first); its matmul rate with nothing in flight: "
              f"trainstate run {r['idle_rate']['trainstate']:.0f}/s, dcp run {r['idle_rate']['dcp']:.0f}/s"),
@@ -510,11 +516,19 @@ def report(r: dict[str, Any], rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def cpu_snapshot() -> tuple[float, float, float]:
-    """(busy CPU seconds of the whole machine, of this process, stolen by the hypervisor)."""
+def cpu_snapshot() -> tuple[float, float, float, float]:
+    """CPU seconds so far: (whole machine busy, this process, kernel threads, stolen by the hypervisor)."""
     t, me = psutil.cpu_times(), psutil.Process().cpu_times()
-    return (t.user + t.nice + t.system + t.irq + t.softirq, me.user + me.system + me.children_user
-            + me.children_system, getattr(t, "steal", 0.0))
+    kernel = 0.0
+    for p in psutil.process_iter():
+        try:
+            if p.ppid() == 2 or p.pid == 2:  # children of kthreadd: kworkers, jbd2, ... (also do our I/O)
+                c = p.cpu_times()
+                kernel += c.user + c.system
+        except psutil.Error:
+            pass
+    return (t.user + t.nice + t.system + t.irq + t.softirq,
+            me.user + me.system + me.children_user + me.children_system, kernel, getattr(t, "steal", 0.0))
 
 
 def source_version() -> str:
@@ -589,8 +603,8 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     r["seconds"], r["load"] = time.perf_counter() - t0, [r["load"], os.getloadavg()[0]]
     cpu1 = cpu_snapshot()
-    r["cpu_self"], r["cpu_steal"] = cpu1[1] - cpu0[1], cpu1[2] - cpu0[2]
-    r["cpu_others"] = max(0.0, cpu1[0] - cpu0[0] - r["cpu_self"])
+    r["cpu_self"], r["cpu_kernel"], r["cpu_steal"] = (cpu1[i] - cpu0[i] for i in (1, 2, 3))
+    r["cpu_others"] = max(0.0, cpu1[0] - cpu0[0] - r["cpu_self"] - r["cpu_kernel"])
     print(report(r, rows) + f"\n\n(total {r['seconds']:.0f}s)")
     if args.json:
         args.json.write_text(json.dumps({**r, "rows": [x.as_dict() for x in rows]}, indent=2))

@@ -31,6 +31,7 @@ from .reader import Checkpoint
 
 Finisher = Callable[[], Any]
 _ABSENT = object()
+RESERVED_RNG_KEY = "_rng"  # where CheckpointManager(capture_rng=True) puts the RNG it captures
 
 
 def selector(include: str | list[str] | None, exclude: str | list[str] | None) -> Callable[[str], bool] | None:
@@ -157,6 +158,8 @@ class Restorer:
                 finishers.append((k, self.plan(present[k], child, sub, free)))
             elif free or target is _ABSENT:
                 finishers.append((k, self.plan(_ABSENT, child, sub, free)))
+            elif not path and k == RESERVED_RNG_KEY:
+                continue  # the RNG a CheckpointManager saved on its own: restored only if asked for
             else:
                 self.unexpected.extend(p for p in self._leaves(child, sub) if self.selected(p))
         if not free and target is not _ABSENT:

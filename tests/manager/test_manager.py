@@ -242,3 +242,30 @@ def test_prune_applies_retention_without_saving(tmp_path):
         assert [c.step for c in reader.list()] == [3, 4]
         with pytest.raises(trainstate.CheckpointError, match="read-only"):
             reader.prune()
+
+
+def test_a_manager_checkpoint_loads_with_plain_load_into_the_users_state(tmp_path):
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=1) as mgr:
+        mgr.save(0, state)
+    fresh = small_state()
+    trainstate.load(mgr.path_for(0), fresh)  # the manager's own "_rng" is not "unexpected"
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+
+
+def test_a_failed_background_save_keeps_its_step_in_history(tmp_path, monkeypatch):
+    real = trainstate.manager.manager.write_checkpoint
+
+    def flaky(final, snapshot, **kwargs):
+        if str(final).endswith("3"):
+            raise trainstate.StorageError(28, "No space left on device")
+        return real(final, snapshot, **kwargs)
+
+    monkeypatch.setattr(trainstate.manager.manager, "write_checkpoint", flaky)
+    mgr = trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True)
+    mgr.save(3, small_state())
+    with pytest.raises(trainstate.StorageError):
+        mgr.wait()
+    mgr.close()
+    failed = [r for r in mgr.history() if r.error]
+    assert [(r.step, r.reason) for r in failed] == [(3, "every 1 steps")] and "No space" in failed[0].error

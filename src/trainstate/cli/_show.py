@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import posixpath
 import re
 from typing import Any
 
@@ -13,7 +14,8 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, Incomplete
 from ..manager import CheckpointInfo, CheckpointManager
 from ..manager.naming import step_of
 from ..reader import Checkpoint
-from ..storage import is_staging_name
+from ..errors import StorageError
+from ..storage import LocalStorage, Storage, is_staging_name, resolve
 from . import UsageError, _values
 from ._output import Printer, Table, clip, local_time, metrics_text, short, size
 
@@ -23,10 +25,23 @@ _STAGING_NOTE = {"tmp": "unfinished save", "old": "replaced checkpoint not yet r
 
 
 def require_dir(path: str) -> None:
-    if not os.path.lexists(path):
+    backend, root = resolve(path)
+    info = backend.stat(root)
+    if info is None:
         raise CheckpointNotFoundError(f"no such directory: {path}")
-    if not os.path.isdir(path):
+    if not info.is_dir:
         raise CheckpointNotFoundError(f"{path} is not a directory")
+
+
+def _is_dir(backend: Storage, path: str) -> bool:
+    info = backend.stat(path)
+    return info is not None and info.is_dir
+
+
+def _parent_and_name(backend: Storage, root: str) -> tuple[str, str]:
+    if isinstance(backend, LocalStorage):
+        return os.path.split(os.path.abspath(root))
+    return posixpath.dirname(root.rstrip("/")), posixpath.basename(root.rstrip("/"))
 
 
 def open_ckpt(path: str) -> Checkpoint:
@@ -34,7 +49,8 @@ def open_ckpt(path: str) -> Checkpoint:
     try:
         return open_checkpoint(path)
     except IncompleteCheckpointError:
-        if os.path.isdir(path) and any(step_of(n) is not None for n in os.listdir(path)):
+        backend, root = resolve(path)
+        if any(step_of(n) is not None for n in backend.list(root)):
             raise UsageError(f"{path} is a CheckpointManager directory, not a checkpoint; "
                              f"'trainstate ls {path}' lists its checkpoints") from None
         raise
@@ -50,61 +66,66 @@ def _row(info: CheckpointInfo, path: str) -> dict[str, Any]:
             "epoch": info.epoch, "pinned": info.pinned, "status": "complete", "note": ""}
 
 
-def _other_row(name: str, path: str, status: str, note: str) -> dict[str, Any]:
+def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -> dict[str, Any]:
     m = _STAGING.match(name)
     step = step_of(m.group(1) if m else name)
+    nbytes, modified = 0, None
     try:
-        nbytes = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(path) if e.is_file())
-        modified: float | None = os.lstat(path).st_mtime
-    except OSError:
-        nbytes, modified = 0, None
+        for entry in backend.list(path):
+            info = backend.stat(backend.join(path, entry))
+            nbytes += info.size if info is not None and not info.is_dir else 0
+        top = backend.stat(path)
+        modified = top.mtime if top is not None and top.mtime else None
+    except StorageError:
+        pass
     return {"name": name, "path": path, "step": step, "created": None, "created_iso": "", "modified": modified,
             "nbytes": nbytes, "metrics": {}, "epoch": None, "pinned": False, "status": status, "note": note}
 
 
-def _probe(name: str, path: str) -> dict[str, Any] | None:
+def _probe(backend: Storage, name: str, path: str) -> dict[str, Any] | None:
     """A row for a step directory the catalog did not list: incomplete, damaged, or committed just now."""
     try:
-        with open_checkpoint(path) as ck:
+        with open_checkpoint(path, backend) as ck:
             info = CheckpointInfo(name, step_of(name) or 0, ck.created, nbytes=ck.nbytes)
             return _row(info, path)
     except IncompleteCheckpointError:
-        return _other_row(name, path, "incomplete", "no manifest")
+        return _other_row(backend, name, path, "incomplete", "no manifest")
     except CorruptCheckpointError as e:
-        return _other_row(name, path, "corrupt", " ".join(str(e).split()))
+        return _other_row(backend, name, path, "corrupt", " ".join(str(e).split()))
     except CheckpointNotFoundError:
         return None  # deleted meanwhile
 
 
 def _directory_rows(directory: str) -> list[dict[str, Any]]:
+    backend, root = resolve(directory)
     logger = logging.getLogger("trainstate")
     level = logger.level
     logger.setLevel(logging.ERROR)  # damaged checkpoints become rows below, not warnings
     try:
-        infos = CheckpointManager(directory, read_only=True).list()
+        infos = CheckpointManager(root, read_only=True, storage=backend).list()
     finally:
         logger.setLevel(level)
-    rows = [_row(i, os.path.join(directory, i.name)) for i in infos]
+    rows = [_row(i, backend.join(root, i.name)) for i in infos]
     listed = {i.name for i in infos}
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name in listed or not os.path.isdir(path):
+    for name in backend.list(root):
+        path = backend.join(root, name)
+        if name in listed or not (step_of(name) is not None or is_staging_name(name)) or not _is_dir(backend, path):
             continue
         if step_of(name) is not None:
-            row = _probe(name, path)
+            row = _probe(backend, name, path)
             if row is not None:
                 rows.append(row)
-        elif is_staging_name(name):
+        else:
             m = _STAGING.match(name)
-            rows.append(_other_row(name, path, "incomplete", _STAGING_NOTE[m.group(2)] if m else "leftover"))
+            rows.append(_other_row(backend, name, path, "incomplete", _STAGING_NOTE[m.group(2)] if m else "leftover"))
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
     return rows
 
 
 def _single_row(path: str, ck: Checkpoint) -> dict[str, Any]:
-    parent, name = os.path.split(os.path.abspath(path))
+    parent, name = _parent_and_name(ck.storage, ck.path)
     if step_of(name) is not None:
-        for info in CheckpointManager(parent, read_only=True).list():
+        for info in CheckpointManager(parent, read_only=True, storage=ck.storage).list():
             if info.name == name:
                 return _row(info, path)
     row = _row(CheckpointInfo(name, 0, ck.created, nbytes=ck.nbytes), path)
@@ -120,9 +141,10 @@ def ls(out: Printer, path: str) -> int:
         with open_checkpoint(path) as ck:
             rows = [_single_row(path, ck)]
     except IncompleteCheckpointError:
-        name = os.path.basename(os.path.abspath(path))
+        backend, root = resolve(path)
+        name = _parent_and_name(backend, root)[1]
         if step_of(name) is not None or is_staging_name(name):
-            rows = [_other_row(name, path, "incomplete", "no manifest")]
+            rows = [_other_row(backend, name, root, "incomplete", "no manifest")]
         else:
             kind, rows = "directory", _directory_rows(path)
     if out.json_mode:

@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import tree
 from ..reader import Checkpoint
-from ..restore import restore
+from ..restore import RESERVED_RNG_KEY, restore
 from ..rng import RNGState
 from ..storage import LocalStorage, Storage, resolve
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -46,7 +46,7 @@ from .preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from .staging import StagingBuffer
 
 log = logging.getLogger("trainstate")
-RNG_KEY = "_rng"
+RNG_KEY = RESERVED_RNG_KEY
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,15 @@ class SaveRecord:
     nbytes: int = 0
     deleted: tuple[str, ...] = ()
     error: str | None = None
+
+
+@dataclass
+class _InFlight:
+    future: Future[SaveRecord]
+    buffer: StagingBuffer
+    step: int
+    reason: str
+    blocking: float
 
 
 class CheckpointManager:
@@ -172,7 +181,7 @@ class CheckpointManager:
         self._history: list[SaveRecord] = []
         self._buffers = [StagingBuffer() for _ in range(max_in_flight)] if async_save else []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-async") if async_save else None
-        self._in_flight: list[tuple[Future[SaveRecord], StagingBuffer]] = []
+        self._in_flight: list[_InFlight] = []
         self._error: BaseException | None = None
         self._closed = False
         self.last_retention: RetentionPlan | None = None
@@ -305,7 +314,7 @@ class CheckpointManager:
         assert self._pool is not None
         buffer.in_use.set()
         future = self._pool.submit(self._write, step, reason, staged, True, None, blocking)
-        self._in_flight.append((future, buffer))
+        self._in_flight.append(_InFlight(future, buffer, step, reason, blocking))
         log.debug("step %d: async save started, blocked %.3fs", step, blocking)
 
     def _write(self, step: int, reason: str, snapshot: Snapshot, background: bool,
@@ -344,28 +353,29 @@ class CheckpointManager:
     def _free_buffer(self) -> StagingBuffer:
         while len(self._in_flight) >= self.max_in_flight:
             self._collect(block=True, first_only=True)
-        busy = {id(b) for _, b in self._in_flight}
+        busy = {id(f.buffer) for f in self._in_flight}
         return next(b for b in self._buffers if id(b) not in busy)
 
     def _collect(self, block: bool, first_only: bool = False) -> None:
         """Move finished background saves into the history; remember the first error."""
         still = []
-        for i, (future, buffer) in enumerate(self._in_flight):
+        for i, job in enumerate(self._in_flight):
             if block and (not first_only or i == 0):
                 try:
-                    future.result()
+                    job.future.result()
                 except BaseException:
                     pass
-            if future.done():
-                buffer.in_use.clear()
-                error = future.exception()
+            if job.future.done():
+                job.buffer.in_use.clear()
+                error = job.future.exception()
                 if error is not None:
                     self._error = self._error or error
-                    self._history.append(SaveRecord(-1, "failed", "", True, 0.0, error=repr(error)))
+                    self._history.append(SaveRecord(job.step, job.reason, str(self.path_for(job.step)), True,
+                                                    job.blocking, error=repr(error)))
                 else:
-                    self._history.append(future.result())
+                    self._history.append(job.future.result())
             else:
-                still.append((future, buffer))
+                still.append(job)
         self._in_flight = still
 
     def _raise_pending(self) -> None:
