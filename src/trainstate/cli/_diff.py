@@ -16,7 +16,7 @@ import numpy as np
 
 from ..reader import Checkpoint, TensorInfo
 from . import DIFFERENT, OK, _values
-from ._output import Printer, Table, short, size
+from ._output import Printer, Progress, Table, short, size
 from ._show import open_ckpt
 
 BLOCK = 1 << 20  # elements per comparison block (8 MB per side in float64)
@@ -68,7 +68,9 @@ def _describe(i: TensorInfo) -> dict[str, Any]:
     return {"name": i.name, "dtype": i.dtype, "shape": list(i.shape), "nbytes": i.nbytes}
 
 
-def _tensor_changes(ca: Checkpoint, cb: Checkpoint) -> tuple[list[Any], list[Any], list[dict[str, Any]]]:
+def _tensor_changes(
+    ca: Checkpoint, cb: Checkpoint, progress: Progress
+) -> tuple[list[Any], list[Any], list[dict[str, Any]]]:
     names_a, names_b = ca.keys(), cb.keys()
     in_a, in_b = set(names_a), set(names_b)
     removed = [_describe(ca.info(n)) for n in names_a if n not in in_b]
@@ -81,7 +83,9 @@ def _tensor_changes(ca: Checkpoint, cb: Checkpoint) -> tuple[list[Any], list[Any
         reasons = [what for what, x, y in (("dtype", ia.dtype, ib.dtype), ("shape", ia.shape, ib.shape)) if x != y]
         entry: dict[str, Any] = {"name": name, "reasons": reasons, "a": _describe(ia), "b": _describe(ib)}
         if ia.shape == ib.shape:
+            progress.step(name)
             d = compare_values(np.asarray(ca.read(name)), np.asarray(cb.read(name)))
+            progress.advance(ia.nbytes)
             if d.equal_bytes and not reasons:
                 continue
             if not d.equal_bytes and "dtype" not in reasons:
@@ -114,7 +118,11 @@ def _detail(c: dict[str, Any]) -> str:
 
 def diff(out: Printer, path_a: str, path_b: str) -> int:
     with open_ckpt(path_a) as ca, open_ckpt(path_b) as cb:
-        added, removed, changed = _tensor_changes(ca, cb)
+        progress = Progress(out, sum(ca.info(n).nbytes for n in ca.keys() if n in cb), "comparing")
+        try:
+            added, removed, changed = _tensor_changes(ca, cb, progress)
+        finally:
+            progress.close()
         values = _values.compare(_values.state_values(ca), _values.state_values(cb))
         metadata = _values.compare(ca.metadata, cb.metadata)
     identical = not (added or removed or changed or values)

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,3 +196,39 @@ class Printer:
             print("  ".join(cells).rstrip())
             if n == 0 and t.show_header:
                 print("  ".join("-" * w for w in widths))
+
+
+PROGRESS_AFTER = 1.0  # seconds: quick checks print no bar
+
+
+class Progress:
+    """A rich progress bar on stderr that appears only once the work has run for a second."""
+
+    def __init__(self, out: Printer, total: int, label: str) -> None:
+        self.label = label
+        self.enabled = out.rich and sys.stderr.isatty()
+        self.total, self.done, self.start = total, 0, time.monotonic()
+        self.bar: Any = None
+        self.task: Any = None
+
+    def step(self, name: str) -> None:
+        if self.bar is None and self.enabled and time.monotonic() - self.start > PROGRESS_AFTER:
+            from rich.console import Console
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn(self.label), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                                TextColumn("{task.description}", markup=False),
+                                console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("", total=self.total, completed=self.done)
+        if self.bar is not None:
+            self.bar.update(self.task, description=clip(name, 50), completed=self.done)
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

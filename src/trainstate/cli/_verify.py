@@ -12,43 +12,8 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from . import CORRUPT, OK
-from ._output import Printer, Table, clip, size
+from ._output import Printer, Progress, Table, size
 from ._show import open_ckpt
-
-PROGRESS_AFTER = 1.0  # seconds: quick checks print no bar
-
-
-class _Progress:
-    """A rich progress bar on stderr that appears only once the check has run for a second."""
-
-    def __init__(self, out: Printer, total: int) -> None:
-        self.enabled = out.rich and sys.stderr.isatty()
-        self.total, self.done, self.start = total, 0, time.monotonic()
-        self.bar: Any = None
-        self.task: Any = None
-
-    def step(self, name: str) -> None:
-        if self.bar is None and self.enabled and time.monotonic() - self.start > PROGRESS_AFTER:
-            from rich.console import Console
-            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                                TextColumn("{task.description}", markup=False),
-                                console=Console(stderr=True), transient=True)
-            self.bar.start()
-            self.task = self.bar.add_task("", total=self.total, completed=self.done)
-        if self.bar is not None:
-            self.bar.update(self.task, description=clip(name, 50), completed=self.done)
-
-    def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        if self.bar is not None:
-            self.bar.update(self.task, completed=self.done)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
 
 def verify(out: Printer, path: str) -> int:
     start = time.perf_counter()
@@ -60,7 +25,7 @@ def verify(out: Printer, path: str) -> int:
             ck.verify_headers()
         except CorruptCheckpointError as e:
             errors.append({"tensor": None, "message": str(e)})
-        progress = _Progress(out, total)
+        progress = Progress(out, total, "verifying")
         try:
             for name in names:
                 progress.step(name)
