@@ -24,15 +24,11 @@ import argparse
 import os
 import platform
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterable
 from importlib import metadata
@@ -44,13 +40,12 @@ import numpy as np
 import trainstate
 from trainstate.storage.fsspec import FsspecStorage
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.s3_server import AWS_ISOLATION, MotoServer  # noqa: E402
+
 MB = 1e6
 BUCKET = "trainstate-bench"
-KEY = SECRET = "bench"
-REGION = "us-east-1"
 # boto must never look anywhere real for credentials or regions, and 127.0.0.1 must bypass any proxy.
-ISOLATION = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
-             "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
 
 
 def log(msg: str) -> None:
@@ -60,50 +55,16 @@ def log(msg: str) -> None:
 # -- the S3 server ------------------------------------------------------------------------------------
 
 
-class Moto:
-    """A moto S3 server process on 127.0.0.1 at a free port."""
+class Moto(MotoServer):
+    """The shared server, with this benchmark's bucket."""
 
     def __enter__(self) -> Moto:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, **ISOLATION, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                opener.open(self.endpoint + "/", timeout=0.5).close()
-                break
-            except urllib.error.HTTPError:
-                break  # it answered
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.__exit__()
-                    raise RuntimeError("the moto server did not start") from None
-                time.sleep(0.1)
-        import boto3
-
-        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
-                     region_name=REGION).create_bucket(Bucket=BUCKET)
+        super().__enter__()
+        self.create_bucket(BUCKET)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def filesystem(self) -> Any:
-        import s3fs
-
-        return s3fs.S3FileSystem(key=KEY, secret=SECRET, endpoint_url=self.endpoint,
-                                 client_kwargs={"region_name": REGION}, skip_instance_cache=True)
+    def filesystem(self, **kwargs: Any) -> Any:
+        return super().filesystem(skip_instance_cache=True, **kwargs)
 
 
 class Observed(FsspecStorage):
@@ -171,7 +132,7 @@ def timed(fn: Callable[[], Any], before: Callable[[], Any] | None = None, repeat
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    os.environ.update(ISOLATION)
+    os.environ.update(AWS_ISOLATION)
     sizes = (2, 2, 1 << 20, 2 << 20) if args.quick else (args.small, args.large, 1 << 20, args.large_elements)
     state = make_state(*sizes)
     arrays = [v for v in state["model"].values()]
