@@ -81,3 +81,19 @@ def test_sigkill_and_resume_in_a_new_process_is_bit_identical(tmp_path, loader_k
     start = int(resumed.stdout.split("start ")[1].split()[0])
     assert 0 < start <= kill_at + 1  # it really resumed, from a checkpoint at or before the kill
     assert_same(trainstate.load(tmp_path / "ref" / "final"), trainstate.load(tmp_path / "run" / "final"))
+
+
+def test_resumable_sampler_counts_samples_with_an_explicit_batch_sampler(tmp_path):
+    from torch.utils.data import BatchSampler, DataLoader
+
+    data = list(range(40))
+    sampler = trainstate.ResumableSampler(data, seed=3)
+    loader = sampler.attach(DataLoader(data, batch_sampler=BatchSampler(sampler, 8, drop_last=False)))
+    it = iter(loader)
+    next(it), next(it)
+    trainstate.save(tmp_path / "c", {"sampler": sampler})
+    rest = [b.tolist() for b in it]
+    fresh = trainstate.ResumableSampler(data, seed=3)
+    loader2 = fresh.attach(DataLoader(data, batch_sampler=BatchSampler(fresh, 8, drop_last=False)))
+    trainstate.load(tmp_path / "c", {"sampler": fresh})
+    assert fresh.consumed == 16 and [b.tolist() for b in loader2] == rest

@@ -220,3 +220,14 @@ def test_tensors_keep_their_device(tmp_path):  # pragma: no cover - GPU only
     target = torch.nn.Linear(4, 4).cuda()
     trainstate.load(tmp_path / "c", {"m": target})
     assert target.weight.device.type == "cuda" and torch.equal(target.weight, model.weight)
+
+
+def test_tied_in_the_checkpoint_but_separate_in_the_target(tmp_path):
+    w = np.arange(4, dtype=np.float32)
+    trainstate.save(tmp_path / "c", {"a": w, "b": w})
+    x, y = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    target = {"a": x, "b": y}
+    trainstate.load(tmp_path / "c", target)
+    assert target["a"] is x and target["b"] is y and (x == w).all() and (y == w).all()
+    with pytest.raises(trainstate.StateMismatchError, match="b"):
+        trainstate.load(tmp_path / "c", {"a": np.zeros(4, np.float32), "b": np.zeros((2, 2))})

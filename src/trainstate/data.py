@@ -47,6 +47,7 @@ class ResumableSampler(Sampler[int]):
         self._start = 0  # position the current epoch's iterator started from
         self._batches = 0  # batches the loop has received from it
         self._loader: DataLoader[Any] | None = None
+        self._batch_size = 1
         self._loader_rng: torch.Tensor | None = None  # RNG the epoch's iterator drew its base seed from
         self._resume_rng: torch.Tensor | None = None
 
@@ -54,14 +55,18 @@ class ResumableSampler(Sampler[int]):
         """Count what ``loader`` actually hands to the loop; returns the loader."""
         if loader.sampler is not self and getattr(loader.batch_sampler, "sampler", None) is not self:
             raise ValueError("attach() takes the DataLoader built with this sampler")
+        size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        if not isinstance(size, int) or size < 1:
+            raise ValueError("ResumableSampler needs a fixed batch size (batch_size=, or a BatchSampler) to "
+                             "count consumed samples")
+        self._batch_size = size
         self._loader = loader
         _hooks(loader).counter = self
         return loader
 
     @property
     def consumed(self) -> int:
-        size = self._loader.batch_size if self._loader is not None and self._loader.batch_size else 1
-        return min(self.n, self._start + self._batches * size)
+        return min(self.n, self._start + self._batches * self._batch_size)
 
     def _order(self) -> list[int]:
         if not self.shuffle:

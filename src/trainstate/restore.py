@@ -76,6 +76,7 @@ class Restorer:
         self.unexpected: list[str] = []
         self.mismatched: list[tuple[str, str, str]] = []
         self.jobs: dict[str, _Job] = {}
+        self.extra_jobs: list[tuple[str, _Job]] = []
 
     # -- plan -----------------------------------------------------------------------------------
 
@@ -107,9 +108,9 @@ class Restorer:
         entry = self.ck.manifest.tensors.get(name)
         if entry is None:
             raise CorruptCheckpointError(f"tree refers to tensor {name!r}, which the manifest does not list")
-        if name in self.jobs:  # a tied tensor met again
-            tied = self.jobs[name]
-            return lambda: tied.value
+        tied = self.jobs.get(name)
+        if tied is not None and (target is _ABSENT or target is tied.target):
+            return lambda: tied.value  # a tied tensor met again: one read, shared as in the checkpoint
         adapter = adapter_for(target) if target is not _ABSENT else None
         if target is not _ABSENT and adapter is None:
             self.mismatched.append((key, _describe(target), f"tensor {entry.dtype}{list(entry.shape)}"))
@@ -119,7 +120,11 @@ class Restorer:
             if shape != entry.shape or (code != entry.dtype and self.strict):
                 self.mismatched.append((key, f"tensor {code}{list(shape)}", f"tensor {entry.dtype}{list(entry.shape)}"))
                 return lambda: target
-        job = self.jobs[name] = _Job(target)
+        job = _Job(target)
+        if tied is None:
+            self.jobs[name] = job
+        else:  # tied in the checkpoint, two separate arrays in the target: fill both
+            self.extra_jobs.append((name, job))
         return lambda: job.value
 
     def _plan_stateful(self, target: Any, node: dict[str, Any], path: tuple[str, ...]) -> Finisher:
@@ -236,7 +241,8 @@ class Restorer:
     def read(self, *, verify: bool, threads: int) -> None:
         """Read every planned tensor: straight into the target's memory where its layout allows."""
         reads: list[tuple[str, Any]] = []
-        for name, job in self.jobs.items():
+        all_jobs = [*self.jobs.items(), *self.extra_jobs]
+        for name, job in all_jobs:
             entry = self.ck.manifest.tensors[name]
             live = adapter_for(job.target) if job.target is not _ABSENT else None
             if live is not None and live.describe(job.target)[0] == entry.dtype \
@@ -253,7 +259,7 @@ class Restorer:
                 f"{e}\nThe target is partly restored: tensors read before the damaged one hold the "
                 "checkpoint's values; the damaged one and the rest are unchanged. Load another checkpoint."
             ) from None
-        for name, job in self.jobs.items():
+        for name, job in all_jobs:
             if job.host is not None:
                 host = _adapter(job.host).finish(job.host, self.ck.manifest.tensors[name].kind)
                 job.value = host if job.target is _ABSENT else _adapter(job.target).assign(job.target, host)

@@ -269,3 +269,45 @@ def test_a_failed_background_save_keeps_its_step_in_history(tmp_path, monkeypatc
     mgr.close()
     failed = [r for r in mgr.history() if r.error]
     assert [(r.step, r.reason) for r in failed] == [(3, "every 1 steps")] and "No space" in failed[0].error
+
+
+def _damage(ckpt):
+    for data in ckpt.glob("*.safetensors"):
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0xFF
+        data.write_bytes(bytes(raw))
+
+
+def test_after_resuming_past_a_damaged_checkpoint_new_saves_are_kept(tmp_path):
+    """Retention orders by commit, not step: a damaged (or rolled-back) higher step never evicts new work."""
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=10, keep_last=1) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, state)
+    _damage(tmp_path / "step_00000030")
+    with trainstate.CheckpointManager(tmp_path, every_steps=10, keep_last=1) as mgr:
+        assert mgr.restore_latest(small_state()) is None  # keep_last=1 left only the damaged one
+        for step in (0, 10, 20):
+            mgr.save(step, state)
+            assert (tmp_path / f"step_{step:08d}" / "manifest.json").exists()
+        assert mgr.latest().step == 20
+    with trainstate.CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore_latest(small_state()) == 21  # the new timeline, not the stale step 30
+
+
+def test_a_pinned_step_is_never_saved_over(tmp_path):
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=1) as mgr:
+        mgr.save(10, state)
+        mgr.pin(10, "baseline")
+        with pytest.raises(trainstate.CheckpointExistsError, match="pinned"):
+            mgr.save(10, state, force=True)
+        assert mgr.list()[0].pinned
+
+
+def test_best_ignores_nan_metrics(tmp_path):
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, keep_best=("val", "min", 1)) as mgr:
+        for step, val in [(1, float("nan")), (2, 0.5), (3, 0.9)]:
+            mgr.save(step, state, metrics={"val": val}, force=True)
+        assert mgr.best().step == 2

@@ -59,7 +59,7 @@ class Catalog:
         stamp = self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME))
         if stamp is None:
             return None  # not committed
-        pinned = self.storage.stat(self.storage.join(self.path(name), PIN_FILE)) is not None
+        pinned = self.is_pinned(name)
         cached = self._cache.get(name)
         if cached is not None and cached[:2] == (stamp.mtime, stamp.size):
             return _with_pin(cached[2], pinned)
@@ -84,6 +84,9 @@ class Catalog:
         pin = self.storage.join(self.path(name), PIN_FILE)
         self.storage.delete(pin)
         self.storage.write(pin, [memoryview(json.dumps({"reason": reason}).encode())], fsync=True)
+
+    def is_pinned(self, name: str) -> bool:
+        return self.storage.stat(self.storage.join(self.path(name), PIN_FILE)) is not None
 
     def unpin(self, name: str) -> None:
         self._committed(name, "unpin")

@@ -23,7 +23,13 @@ from ..reader import Checkpoint
 from ..restore import RESERVED_RNG_KEY, restore
 from ..rng import RNGState
 from ..storage import LocalStorage, Storage, resolve
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from ..save import DEFAULT_THREADS, Snapshot, encode_state, write_checkpoint
 from . import naming
 from .catalog import META_KEY, Catalog, DirectoryLock, ensure_directory, facts
@@ -39,8 +45,10 @@ from .policies import (
     RetentionPlan,
     RetentionPolicy,
     SavePolicy,
+    finite,
     plan_retention,
     reason_to_save,
+    saved_order,
 )
 from .preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from .staging import StagingBuffer
@@ -193,8 +201,9 @@ class CheckpointManager:
         return self.catalog.list()
 
     def latest(self) -> CheckpointInfo | None:
+        """The most recently committed checkpoint (after a rollback: the new timeline's, not a higher step)."""
         items = self.list()
-        return items[-1] if items else None
+        return max(items, key=saved_order) if items else None
 
     def best(self, metric: str | None = None, mode: str | None = None) -> CheckpointInfo | None:
         """The best checkpoint by ``metric`` (default: the keep_best metric)."""
@@ -203,7 +212,7 @@ class CheckpointManager:
         mode = mode or (policy.mode if policy else "min")
         if metric is None:
             raise ValueError("best() needs a metric (or keep_best set on the manager)")
-        scored = [c for c in self.list() if isinstance(c.metrics.get(metric), (int, float))]
+        scored = [c for c in self.list() if finite(c.metrics.get(metric))]
         if not scored:
             return None
         pick = min if mode == "min" else max
@@ -228,14 +237,14 @@ class CheckpointManager:
         """Restore the newest loadable checkpoint into ``state``; returns the step to continue from.
 
         That is the saved step + 1 (``save(step)`` records that ``step`` is done), or None when there is
-        nothing to resume. A checkpoint that turns out damaged is skipped with a warning for the one
-        before it.
+        nothing to resume. "Newest" is the most recently committed. A checkpoint that turns out damaged
+        (or was deleted meanwhile) is skipped with a warning for the one before it.
         """
-        for info in reversed(self.list()):
+        for info in sorted(self.list(), key=saved_order, reverse=True):
             try:
                 self._restore_into(self.catalog.path(info.name), state, **load_kwargs)
-            except CorruptCheckpointError as e:
-                log.warning("checkpoint %s is damaged (%s); trying the one before it", info.name, e)
+            except (CorruptCheckpointError, CheckpointNotFoundError, IncompleteCheckpointError) as e:
+                log.warning("checkpoint %s cannot be restored (%s); trying the one before it", info.name, e)
                 continue
             log.info("resumed from %s", info.name)
             self._last_step = info.step
@@ -283,6 +292,9 @@ class CheckpointManager:
             reason = reason_to_save(self.save_policies, step, now, self._last_save_time)
         if reason is None or (step == self._last_step and not preempting and not force):
             return False
+        if self.catalog.is_pinned(naming.name_for(step)):
+            raise CheckpointExistsError(
+                f"step {step} is pinned in {self.directory}; unpin it (mgr.unpin({step})) to save over it")
         self._save(step, state, reason, metrics, epoch, metadata, background=self.async_save and not preempting)
         if preempting:
             self._preemption_saved = True

@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+def saved_order(c: CheckpointInfo) -> tuple[float, int]:
+    """The order checkpoints were committed in. After a rollback (resuming from an older step) the
+    fresh checkpoints are the newest, whatever their step numbers say."""
+    return (c.created, c.step)
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """What a manager knows about one committed checkpoint, from its manifest alone."""
@@ -81,7 +87,7 @@ class KeepLast:
     n: int
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
-        ordered = sorted(checkpoints, key=lambda c: c.step, reverse=True)
+        ordered = sorted(checkpoints, key=saved_order, reverse=True)
         return {c.name: (f"last {self.n}" if i < self.n else None) for i, c in enumerate(ordered)}
 
 
@@ -124,13 +130,13 @@ class KeepBest:
             raise ValueError(f"keep_best mode must be 'min' or 'max', got {self.mode!r}")
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
-        scored = [c for c in checkpoints if _finite(c.metrics.get(self.metric))]
+        scored = [c for c in checkpoints if finite(c.metrics.get(self.metric))]
         scored.sort(key=lambda c: (c.metrics[self.metric] if self.mode == "min" else -c.metrics[self.metric], -c.step))
         return {c.name: (f"best {self.k} {self.metric} ({self.mode})" if i < self.k else None)
                 for i, c in enumerate(scored)}
 
 
-def _finite(value: object) -> bool:
+def finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -145,7 +151,7 @@ def plan_retention(checkpoints: Sequence[CheckpointInfo], policies: Sequence[Ret
     keep: dict[str, list[str]] = {c.name: [] for c in checkpoints}
     released: set[str] = set()
     if checkpoints:
-        newest = max(checkpoints, key=lambda c: c.step)
+        newest = max(checkpoints, key=saved_order)  # the one just committed, even after a rollback
         keep[newest.name].append("newest")
     for c in checkpoints:
         if c.pinned:

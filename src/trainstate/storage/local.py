@@ -120,12 +120,17 @@ class LocalStorage(Storage):
         if fsync:
             self._guard(staging, "fsync", lambda: self._fsync_dir(tmp))
         self._check_target(target, overwrite)
+        replaced = None
         if target.exists() and any(target.iterdir()):
-            self._replace(tmp, target)
+            replaced = self._replace(tmp, target)
         else:  # onto nothing, or onto an empty directory
             self._guard(final, "rename", lambda: self._rename(tmp, target))
-        if fsync:
-            self._guard(final, "fsync", lambda: self._fsync_dir(target.parent))
+        try:
+            if fsync:  # the rename is durable before the checkpoint it replaced is deleted
+                self._guard(final, "fsync", lambda: self._fsync_dir(target.parent))
+        finally:
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
 
     # -- optional operations ---------------------------------------------------------------------
 
@@ -210,10 +215,10 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(e.errno, f"{what} failed for {path}: {e.strerror or e}") from e
 
-    def _replace(self, tmp: Path, target: Path) -> None:
+    def _replace(self, tmp: Path, target: Path) -> Path:
+        """Put ``tmp`` in ``target``'s place; returns where the old checkpoint now is (to delete)."""
         if self._guard(str(target), "rename", lambda: self._exchange(tmp, target)):
-            shutil.rmtree(tmp, ignore_errors=True)  # now holds the old checkpoint
-            return
+            return tmp  # now holds the old checkpoint
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
         self._guard(str(target), "rename", lambda: self._rename(target, old))
         try:
@@ -221,7 +226,7 @@ class LocalStorage(Storage):
         except BaseException:
             os.rename(old, target)  # put the old one back; if even that fails, recover() will
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        return old
 
     @staticmethod
     def _check_target(final: Path, overwrite: bool) -> None:
