@@ -210,7 +210,8 @@ def ts_async_steady(state: State, path: Path, repeats: int, steps: Any, work: Wo
     later = Row("trainstate", "async", "trainstate async_save=True, steady state, later saves")
     free_rates: list[float] = []
     with manager(path, True) as mgr:
-        saved: list[int] = []
+        mgr.prepare(state)  # what restore_latest() does at the top of a real loop: the buffer is reserved
+        saved: list[int] = []  # on a helper thread while the first steps train
         t_returned: float | None = None
         for i in range(repeats + 1):
             n_done = len(mgr.history())

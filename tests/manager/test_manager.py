@@ -311,3 +311,25 @@ def test_best_ignores_nan_metrics(tmp_path):
         for step, val in [(1, float("nan")), (2, 0.5), (3, 0.9)]:
             mgr.save(step, state, metrics={"val": val}, force=True)
         assert mgr.best().step == 2
+
+
+def test_prepare_reserves_the_staging_buffer_before_the_first_save(tmp_path, monkeypatch):
+    import time
+
+    allocations = []
+    real_empty = np.empty
+
+    def counting_empty(*args, **kwargs):
+        allocations.append(args[0] if args else kwargs.get("shape"))
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(staging.np, "empty", counting_empty)
+    state = small_state()
+    with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True) as mgr:
+        assert mgr.restore_latest(state) is None  # nothing to resume, but the buffer gets ready
+        deadline = time.monotonic() + 10
+        while not mgr._buffers[0].capacity and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(allocations) == 1  # reserved on a helper thread
+        mgr.save(0, state)
+    assert len(allocations) == 1  # the first save reused it

@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -248,8 +249,22 @@ class CheckpointManager:
                 continue
             log.info("resumed from %s", info.name)
             self._last_step = info.step
+            self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
             return info.step + 1
+        self.prepare(state)
         return None
+
+    def prepare(self, state: Any) -> None:
+        """Get async saving ready for ``state``: allocate and touch its staging buffer on a helper thread.
+
+        Called by :meth:`restore_latest`; call it yourself if you do not restore. Without it the first
+        async save pays for fresh memory while the loop waits.
+        """
+        if not self.async_save or self.read_only or self._buffers[0].capacity:
+            return
+        snapshot = encode_state(self._with_rng(state))  # cheap: no array is copied
+        threading.Thread(target=self._buffers[0].reserve, args=(snapshot,), name="trainstate-reserve",
+                         daemon=True).start()
 
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
         """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`)."""
