@@ -97,3 +97,15 @@ def test_resumable_sampler_counts_samples_with_an_explicit_batch_sampler(tmp_pat
     loader2 = fresh.attach(DataLoader(data, batch_sampler=BatchSampler(fresh, 8, drop_last=False)))
     trainstate.load(tmp_path / "c", {"sampler": fresh})
     assert fresh.consumed == 16 and [b.tolist() for b in loader2] == rest
+
+
+def test_resumable_sampler_moves_to_the_next_epoch_when_the_loop_stops_on_the_last_batch():
+    from torch.utils.data import DataLoader
+
+    data = list(range(12))
+    sampler = trainstate.ResumableSampler(data, seed=1)
+    loader = sampler.attach(DataLoader(data, batch_size=4, sampler=sampler))
+    first = [b.tolist() for _, b in zip(range(3), loader)]  # all 3 batches, StopIteration never seen
+    second = [b.tolist() for b in loader]
+    assert len(second) == 3 and sorted(sum(second, [])) == data and second != first
+    assert sampler.epoch == 2

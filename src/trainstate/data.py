@@ -102,6 +102,8 @@ class ResumableSampler(Sampler[int]):
         if self._batches:  # a new iterator after a partial one (a break): continue where the loop stopped
             self._start = self.consumed
         self._batches = 0
+        if self._start >= self.n:  # the loop took the last batch but never saw StopIteration
+            self._epoch_finished()
 
     def _iterator_started(self, loader_rng: torch.Tensor) -> None:
         self._loader_rng = loader_rng

@@ -81,8 +81,9 @@ class Catalog:
 
     def pin(self, name: str, reason: str = "") -> None:
         self._committed(name, "pin")
+        if self.is_pinned(name):
+            return  # already pinned: never remove a pin to rewrite it (a crash in between would unpin)
         pin = self.storage.join(self.path(name), PIN_FILE)
-        self.storage.delete(pin)
         self.storage.write(pin, [memoryview(json.dumps({"reason": reason}).encode())], fsync=True)
 
     def is_pinned(self, name: str) -> bool:
