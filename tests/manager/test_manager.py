@@ -15,6 +15,20 @@ from trainstate.manager import staging
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture
+def allocations(monkeypatch):
+    """Every staging-buffer allocation (np.empty in staging.py), by size."""
+    seen = []
+    real_empty = np.empty
+
+    def counting_empty(*args, **kwargs):
+        seen.append(args[0] if args else kwargs.get("shape"))
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(staging.np, "empty", counting_empty)
+    return seen
+
+
 def small_state():
     model = torch.nn.Linear(32, 16)
     return {"model": model, "optim": torch.optim.AdamW(model.parameters()), "step": 0}
@@ -119,15 +133,7 @@ def test_async_snapshot_is_isolated_from_later_mutation(tmp_path):
     assert float(trainstate.load(tmp_path / "step_00000000")["w"].max()) == 0.0
 
 
-def test_async_reuses_one_staging_buffer(tmp_path, monkeypatch):
-    allocations = []
-    real_empty = np.empty
-
-    def counting_empty(*args, **kwargs):
-        allocations.append(args[0] if args else kwargs.get("shape"))
-        return real_empty(*args, **kwargs)
-
-    monkeypatch.setattr(staging.np, "empty", counting_empty)
+def test_async_reuses_one_staging_buffer(tmp_path, allocations):
     state = small_state()
     with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True) as mgr:
         for step in range(5):
@@ -313,17 +319,9 @@ def test_best_ignores_nan_metrics(tmp_path):
         assert mgr.best().step == 2
 
 
-def test_prepare_reserves_the_staging_buffer_before_the_first_save(tmp_path, monkeypatch):
+def test_prepare_reserves_the_staging_buffer_before_the_first_save(tmp_path, allocations):
     import time
 
-    allocations = []
-    real_empty = np.empty
-
-    def counting_empty(*args, **kwargs):
-        allocations.append(args[0] if args else kwargs.get("shape"))
-        return real_empty(*args, **kwargs)
-
-    monkeypatch.setattr(staging.np, "empty", counting_empty)
     state = small_state()
     with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True) as mgr:
         assert mgr.restore_latest(state) is None  # nothing to resume, but the buffer gets ready

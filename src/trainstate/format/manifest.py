@@ -175,7 +175,7 @@ def _build(body: dict[str, Any]) -> Manifest:
     if len(sizes) != len(files):
         raise CorruptCheckpointError("manifest lists a data file twice")
     raw_tensors = _typed(body["tensors"], dict, "tensors")
-    _check_byte_ranges(raw_tensors, sizes)
+    _check_byte_ranges(raw_tensors)
     tensors = _LazyTensors(raw_tensors, sizes)
     created = body["created"]
     if isinstance(created, bool) or not isinstance(created, (int, float)):
@@ -248,7 +248,7 @@ def _shape(value: Any, what: str) -> tuple[int, ...]:
     return shape
 
 
-def _check_byte_ranges(raw_tensors: dict[str, Any], sizes: dict[str, int]) -> None:
+def _check_byte_ranges(raw_tensors: dict[str, Any]) -> None:
     """No two stored chunks may share bytes, so the tensors can never add up to more than the files hold.
 
     A cheap pass over the raw entries (the full per-tensor checks run when a tensor is first used).

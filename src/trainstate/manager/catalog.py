@@ -119,7 +119,7 @@ class Catalog:
             elif naming.step_of(name) is None or self.storage.stat(
                     self.storage.join(self.path(name), MANIFEST_NAME)) is not None:
                 continue
-            if not local and getattr(self.storage, "age", lambda p: 0.0)(self.path(name)) < REMOTE_SWEEP_AGE:
+            if not local and self.storage.age(self.path(name)) < REMOTE_SWEEP_AGE:
                 continue
             self.storage.abort(self.path(name))
             removed.append(name)

@@ -53,8 +53,7 @@ def check(location: str | os.PathLike[str], storage: Storage | None = None) -> N
     from ..errors import StorageError
 
     backend, root = resolve(location, storage)
-    if hasattr(backend, "without_retries"):
-        backend = backend.without_retries()  # a pre-flight check should fail fast, not back off for a minute
+    backend = backend.without_retries()  # a pre-flight check should fail fast, not back off for a minute
     probe = backend.join(root, f".trainstate-probe-{uuid.uuid4().hex[:12]}")
     payload = os.urandom(64)
     try:

@@ -76,6 +76,14 @@ class Storage(ABC):
         """A read-only memory map of the file, where the storage allows one."""
         return None
 
+    def age(self, path: str) -> float:
+        """Seconds since anything under ``path`` last changed; infinity where the backend cannot tell."""
+        return float("inf")
+
+    def without_retries(self) -> Storage:
+        """This storage failing fast, for one-off checks; backends that retry override it."""
+        return self
+
     def recover(self, final: str) -> bool:
         """Put back a checkpoint a crash left mid-commit; True if it did."""
         return False
