@@ -15,7 +15,10 @@ def test_all_is_sorted_and_complete():
 
 def test_error_tree():
     assert issubclass(trainstate.CheckpointNotFoundError, FileNotFoundError)
-    assert issubclass(trainstate.FormatVersionError, trainstate.CorruptCheckpointError)
+    # A newer writer's checkpoint is not damage: code that skips damaged checkpoints must not skip it.
+    assert not issubclass(trainstate.FormatVersionError, trainstate.CorruptCheckpointError)
+    assert issubclass(trainstate.InvalidArgumentError, ValueError)
+    assert issubclass(trainstate.InvalidArgumentError, TypeError)
     assert issubclass(trainstate.MissingDependencyError, ImportError)
     for name in trainstate.__all__:
         obj = getattr(trainstate, name)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .reader import Checkpoint
-from .restore import restore
+from .restore import ABSENT, load_from
 from .storage import Storage
 
 _NO_TARGET = object()
@@ -33,7 +32,8 @@ def load(
             in their containers. Omit it to get plain values and arrays back.
         strict: report missing and unexpected keys (always: shape mismatches; with strict: dtype
             mismatches) in one :class:`StateMismatchError` before anything is changed.
-        include: glob patterns over dotted keys (``"model.*"``) to restore only those.
+        include: glob patterns over dotted keys (``"model.*"``) to restore only those (with or without a
+            target: without one, only the selected parts come back).
         exclude: glob patterns of keys to leave alone.
         framework: with no target, the array type returned: ``"numpy"`` or ``"torch"``.
         verify: check every tensor's checksum.
@@ -47,10 +47,6 @@ def load(
         >>> trainstate.load("ckpt/step_1200", state)              # in place
         >>> tree = trainstate.load("ckpt/step_1200")              # NumPy arrays and plain values
     """
-    with Checkpoint(path, storage) as ck:
-        if verify:
-            ck.verify_headers()  # so a damaged safetensors header is caught here, not by the next tool
-        if target is _NO_TARGET:
-            return ck.load(framework=framework, verify=verify, threads=threads)
-        return restore(ck, target, strict=strict, include=include, exclude=exclude, verify=verify,
-                       threads=threads)
+    return load_from(path, ABSENT if target is _NO_TARGET else target, storage=storage, strict=strict,
+                     include=include, exclude=exclude, framework=framework if target is _NO_TARGET else None,
+                     verify=verify, threads=threads)

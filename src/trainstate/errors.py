@@ -8,11 +8,12 @@ fit — comes out as one of these, never as a traceback from deep inside a depen
     ├── CheckpointExistsError        (also FileExistsError)
     ├── IncompleteCheckpointError    no manifest: the save never committed
     ├── CorruptCheckpointError       checksum mismatch, malformed or lying manifest / data file
-    │   └── FormatVersionError       written by a newer, incompatible format
+    ├── FormatVersionError           written by a newer trainstate: not damage, upgrade to read it
     ├── StateMismatchError           restore target does not fit (missing / unexpected / shape / dtype)
     ├── UnsupportedValueError        (also TypeError) a value the format cannot hold
     ├── StorageError                 (also OSError) disk full, I/O error, permission denied
-    └── MissingDependencyError       (also ImportError) an optional extra is not installed
+    ├── MissingDependencyError       (also ImportError) an optional extra is not installed
+    └── InvalidArgumentError         (also ValueError and TypeError) a call's argument is wrong
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "CorruptCheckpointError",
     "FormatVersionError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
     "MissingDependencyError",
     "StateMismatchError",
     "StorageError",
@@ -51,8 +53,10 @@ class CorruptCheckpointError(CheckpointError):
     """The checkpoint's bytes do not match what its manifest promises, or the manifest is malformed."""
 
 
-class FormatVersionError(CorruptCheckpointError):
-    """The manifest was written by a newer major format version than this reader understands."""
+class FormatVersionError(CheckpointError):
+    """The checkpoint was written by a newer trainstate (a newer major format version, or a byte
+    transform this version does not know). It is not damaged: upgrade trainstate to read it. A manager
+    refuses to start beside one rather than skip it and later save over it."""
 
 
 class StateMismatchError(CheckpointError):
@@ -97,6 +101,13 @@ class StorageError(CheckpointError, OSError):
 
 class MissingDependencyError(CheckpointError, ImportError):
     """An optional dependency is needed; the message names the extra to install."""
+
+
+class InvalidArgumentError(CheckpointError, ValueError, TypeError):
+    """An argument to a trainstate call is wrong (``every_steps=0``, ``save("10", ...)``, a NaN metric).
+
+    Also a ``ValueError`` and a ``TypeError``, so code written against the built-in errors still catches it.
+    """
 
 
 def _short(keys: list[str], limit: int = 10) -> str:

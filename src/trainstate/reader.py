@@ -151,15 +151,16 @@ class Checkpoint:
             for src in sources:
                 src.release()
 
-    def load(self, *, framework: str = "numpy", verify: bool = True, threads: int = 2) -> Any:
-        """The whole state as plain values and arrays (NumPy by default); tied tensors come back shared."""
-        adapter = adapter_named(framework)
-        arrays = {}
-        for name in dict.fromkeys(tree.tensor_names(self.manifest.tree)):
-            t = self._entry(name)
-            arrays[name] = adapter.empty(t.dtype, t.shape)
-        self.read_many(list(arrays.items()), verify=verify, threads=threads)
-        return tree.decode(self.manifest.tree, lambda name: adapter.finish(arrays[name], self._entry(name).kind))
+    def load(self, *, framework: str = "numpy", verify: bool = True, threads: int = 2,
+             include: str | list[str] | None = None, exclude: str | list[str] | None = None) -> Any:
+        """The state as plain values and arrays (NumPy by default); tied tensors come back shared.
+
+        ``include`` / ``exclude`` glob patterns keep only the matching parts.
+        """
+        from .restore import ABSENT, restore  # restore builds on this module
+
+        return restore(self, ABSENT, include=include, exclude=exclude, framework=framework, verify=verify,
+                       threads=threads)
 
     def read_many(self, jobs: list[tuple[str, Any]], *, verify: bool = True, threads: int = 2) -> None:
         """``read_into`` for many ``(name, out)`` pairs, in file order, on ``threads`` threads."""

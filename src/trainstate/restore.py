@@ -18,6 +18,7 @@ Matching rules:
 from __future__ import annotations
 
 import fnmatch
+import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from . import tree
 from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from .frameworks import adapter_for, adapter_named
 from .reader import Checkpoint
+from .storage import Storage
 
 Finisher = Callable[[], Any]
 _ABSENT = object()
@@ -58,6 +60,10 @@ def _is_data_loader(obj: Any) -> bool:
                for c in type(obj).__mro__)
 
 
+def _is_structure(value: Any) -> bool:
+    return tree.is_stateful(value) or isinstance(value, (Mapping, list, tuple))
+
+
 def _describe(value: Any) -> str:
     adapter = adapter_for(value)
     if adapter is not None:
@@ -67,9 +73,12 @@ def _describe(value: Any) -> str:
 
 
 class Restorer:
-    def __init__(self, ck: Checkpoint, *, strict: bool, selected: Callable[[str], bool] | None) -> None:
+    def __init__(self, ck: Checkpoint, *, strict: bool, selected: Callable[[str], bool] | None,
+                 framework: str | None = None, optional: tuple[str, ...] = ()) -> None:
         self.ck = ck
         self.strict = strict
+        self.framework = framework  # array type for tensors the target lacks; None: what the saver held
+        self.optional = optional  # top-level target keys the checkpoint may lack without a complaint
         self.partial = selected is not None
         self.selected: Callable[[str], bool] = selected or (lambda key: True)
         self.missing: list[str] = []
@@ -84,11 +93,13 @@ class Restorer:
         """A finisher that yields the restored value for ``target`` once the reads are done."""
         key = tree.join(path)
         if not isinstance(node, dict) or node.get("t") not in ("dict", "list", "tuple", "stateful", "tensor"):
-            if target is not _ABSENT and adapter_for(target) is not None and self.selected(key):
-                self.mismatched.append((key, _describe(target), "a plain value"))
             if not self.selected(key):
                 return lambda: target
             value = tree.decode(node, _corrupt_ref)
+            if target is not _ABSENT and (adapter_for(target) is not None or (not free and _is_structure(target))):
+                # never replace a live tensor, object or container with a saved plain value
+                self.mismatched.append((key or "<root>", _describe(target), f"a plain value ({value!r:.40})"))
+                return lambda: target
             return lambda: value
         if self.partial and not self._any_selected(node, path):
             return lambda: target  # _ABSENT for a part the target lacks: its container drops it
@@ -170,7 +181,7 @@ class Restorer:
         if not free and target is not _ABSENT:
             saved = {k for k, _ in items}
             for k in present:
-                if k not in saved:
+                if k not in saved and not (not path and k in self.optional):
                     key = tree.join(path + (str(k),))
                     if self.selected(key) or any(self.selected(p) for p in _target_leaves(present[k], key)):
                         self.missing.append(key)
@@ -250,7 +261,7 @@ class Restorer:
                 job.value = job.target
                 reads.append((name, job.target))
             else:  # absent, on an accelerator, non-contiguous, or a cast: read to host first
-                job.host = (live or adapter_named(entry.kind)).empty(entry.dtype, entry.shape)
+                job.host = (live or adapter_named(self.framework or entry.kind)).empty(entry.dtype, entry.shape)
                 reads.append((name, job.host))
         try:
             self.ck.read_many(reads, verify=verify, threads=threads)
@@ -292,17 +303,40 @@ def _corrupt_ref(name: str) -> Any:
     raise CorruptCheckpointError(f"unexpected tensor reference {name!r}")
 
 
+ABSENT = _ABSENT  # restore() with this target returns the checkpoint's own structure
+
+
 def restore(ck: Checkpoint, target: Any, *, strict: bool = True, include: str | list[str] | None = None,
-            exclude: str | list[str] | None = None, verify: bool = True, threads: int = 2) -> Any:
-    """Restore ``ck`` into ``target`` in place; returns the restored target."""
-    r = Restorer(ck, strict=strict, selected=selector(include, exclude))
+            exclude: str | list[str] | None = None, verify: bool = True, threads: int = 2,
+            framework: str | None = None, optional: tuple[str, ...] = ()) -> Any:
+    """Restore ``ck`` into ``target`` in place; returns the restored target.
+
+    With ``target=ABSENT`` it returns the checkpoint's own structure (arrays of ``framework``), honouring
+    ``include`` / ``exclude`` the same way.
+    """
+    r = Restorer(ck, strict=strict, selected=selector(include, exclude), framework=framework, optional=optional)
     finish = r.plan(target, ck.manifest.tree, (), free=False)
     r.check()
     r.read(verify=verify, threads=threads)
     result = finish()
-    if "torch.utils.data" in sys.modules:
+    if target is not _ABSENT and "torch.utils.data" in sys.modules:
         from .data import arm_exact_resume
 
         arm_exact_resume(result)
     return result
 
+
+def load_from(path: str | os.PathLike[str], target: Any = _ABSENT, *, storage: Storage | None = None,
+              strict: bool = True, include: str | list[str] | None = None, exclude: str | list[str] | None = None,
+              framework: str | None = None, verify: bool = True, threads: int = 2,
+              optional: tuple[str, ...] = ()) -> Any:
+    """The one way a checkpoint is loaded: ``trainstate.load`` and ``CheckpointManager`` both come here.
+
+    Opens the checkpoint (manifest validated), checks every data-file header when ``verify``, then
+    plans and reads. Any damage surfaces as a CheckpointError subclass.
+    """
+    with Checkpoint(path, storage) as ck:
+        if verify:
+            ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
+        return restore(ck, target, strict=strict, include=include, exclude=exclude, verify=verify,
+                       threads=threads, framework=framework, optional=optional)

@@ -47,10 +47,17 @@ def join(path: tuple[str, ...]) -> str:
     return ".".join(path)
 
 
-def encode(value: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: tuple[str, ...] = ()) -> Any:
-    """The node for ``value``; ``on_tensor(path, array)`` registers an array and returns its table name."""
-    if len(path) > MAX_DEPTH:
-        raise UnsupportedValueError(f"state nests deeper than {MAX_DEPTH} levels at {join(path[:5])}...")
+def encode(value: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: tuple[str, ...] = (),
+           depth: int = 0) -> Any:
+    """The node for ``value``; ``on_tensor(path, array)`` registers an array and returns its table name.
+
+    ``depth`` counts the container and stateful nodes above this one, by the same rule as :func:`validate`,
+    so whatever saves also opens.
+    """
+    if depth > MAX_DEPTH:
+        raise UnsupportedValueError(
+            f"{join(path[:5]) or 'the state'}...: state nests deeper than {MAX_DEPTH} levels "
+            "(lists, tuples, dicts and state_dict() objects count one level each)")
     if value is None or isinstance(value, (bool, str)) and type(value) in (bool, str):
         return value
     if adapter_for(value) is not None:
@@ -69,25 +76,25 @@ def encode(value: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: t
     if is_stateful(value):
         cls = type(value)
         return {"t": "stateful", "type": f"{cls.__module__}.{cls.__qualname__}",
-                "v": encode(value.state_dict(), on_tensor, path)}
+                "v": encode(value.state_dict(), on_tensor, path, depth + 1)}
     if isinstance(value, Mapping):
         items = []
         for k, v in value.items():
-            key = encode_key(k, path)
-            items.append([key, encode(v, on_tensor, path + (str(k),))])
+            key = encode_key(k, path, depth + 1)
+            items.append([key, encode(v, on_tensor, path + (str(k),), depth + 1)])
         return {"t": "dict", "v": items}
     if isinstance(value, (list, tuple)):
         tag = "tuple" if isinstance(value, tuple) else "list"
-        return {"t": tag, "v": [encode(v, on_tensor, path + (str(i),)) for i, v in enumerate(value)]}
+        return {"t": tag, "v": [encode(v, on_tensor, path + (str(i),), depth + 1) for i, v in enumerate(value)]}
     raise UnsupportedValueError(
         f"{join(path) or 'the state'}: {type(value).__qualname__} cannot be stored without pickle; "
         "give it state_dict() / load_state_dict(), or convert it to arrays and plain values"
     )
 
 
-def encode_key(key: Any, path: tuple[str, ...]) -> Any:
+def encode_key(key: Any, path: tuple[str, ...], depth: int = 0) -> Any:
     if key is None or isinstance(key, (str, int, float, bool)) or isinstance(key, tuple):
-        return encode(key, _no_tensors(path), path)
+        return encode(key, _no_tensors(path), path, depth)
     raise UnsupportedValueError(f"{join(path) or 'the state'}: dict key {key!r:.40} of type "
                                 f"{type(key).__qualname__} cannot be stored")
 
@@ -105,9 +112,10 @@ def encode_plain(value: Any) -> Any:
 
 
 def decode(node: Any, on_tensor: Callable[[str], Any], depth: int = 0) -> Any:
-    """The value for ``node``; ``on_tensor(name)`` supplies arrays. Stateful nodes decode to their state."""
-    if depth > MAX_DEPTH:
-        raise CorruptCheckpointError(f"tree nests deeper than {MAX_DEPTH} levels")
+    """The value for ``node``; ``on_tensor(name)`` supplies arrays. Stateful nodes decode to their state.
+
+    ``node`` comes from a parsed manifest, which :func:`validate` already checked (grammar and depth).
+    """
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
     if not isinstance(node, dict):
@@ -157,24 +165,75 @@ def dict_items(node: Any) -> list[tuple[Any, Any]]:
 
 
 def tensor_names(node: Any) -> list[str]:
-    """Every tensor name referenced under ``node``, in tree order."""
+    """Every tensor name referenced under a validated ``node``, in tree order."""
     out: list[str] = []
 
-    def walk(n: Any, depth: int) -> None:
-        if depth > MAX_DEPTH:
-            raise CorruptCheckpointError(f"tree nests deeper than {MAX_DEPTH} levels")
+    def walk(n: Any) -> None:
         if isinstance(n, dict):
-            if n.get("t") == "tensor":
-                out.append(str(n.get("name")))
-            elif n.get("t") == "dict" and isinstance(n.get("v"), list):
-                for pair in n["v"]:
-                    if isinstance(pair, list) and len(pair) == 2:
-                        walk(pair[1], depth + 1)
-            elif isinstance(n.get("v"), (list, dict)):
-                walk(n["v"], depth + 1)
-        elif isinstance(n, list):
-            for item in n:
-                walk(item, depth + 1)
+            tag = n.get("t")
+            if tag == "tensor":
+                out.append(n["name"])
+            elif tag == "dict":
+                for _, child in n["v"]:
+                    walk(child)
+            elif tag in ("list", "tuple"):
+                for child in n["v"]:
+                    walk(child)
+            elif tag == "stateful":
+                walk(n["v"])
 
-    walk(node, 0)
+    walk(node)
     return out
+
+
+_SCALARS = (str, int, float, bool)
+
+
+def validate(node: Any, *, tensors: bool = True, what: str = "tree") -> None:
+    """Check a parsed node against the grammar above, so no later walker meets a malformed node.
+
+    The one depth rule: each list, tuple, dict and stateful node is one level, and a node more than
+    :data:`MAX_DEPTH` levels down is refused (:func:`encode` refuses to write one by the same count).
+    Iterative, so a hostile manifest cannot exhaust the stack. Raises CorruptCheckpointError.
+    """
+    stack: list[tuple[Any, int, bool, bool]] = [(node, 0, tensors, False)]
+    while stack:
+        n, depth, allow_tensors, is_key = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError(f"{what} nests deeper than {MAX_DEPTH} levels")
+        if n is None or isinstance(n, _SCALARS):
+            if isinstance(n, float) and not math.isfinite(n):
+                raise CorruptCheckpointError(f"{what}: a bare non-finite number (the grammar tags them)")
+            continue
+        if not isinstance(n, dict):
+            raise CorruptCheckpointError(f"{what}: malformed node {n!r:.80}")
+        tag, v = n.get("t"), n.get("v")
+        if tag == "tensor":
+            if not allow_tensors:
+                raise CorruptCheckpointError(f"{what}: tensor {n.get('name')!r:.40} where none may be")
+            if not isinstance(n.get("name"), str):
+                raise CorruptCheckpointError(f"{what}: tensor node without a name")
+        elif tag == "float":
+            if v not in ("nan", "inf", "-inf"):
+                raise CorruptCheckpointError(f"{what}: malformed float node {v!r:.40}")
+        elif tag == "bytes":
+            if not isinstance(v, str):
+                raise CorruptCheckpointError(f"{what}: malformed bytes node")
+        elif tag in ("list", "tuple"):
+            if not isinstance(v, list) or (is_key and tag == "list"):
+                raise CorruptCheckpointError(f"{what}: malformed {tag} node")
+            stack.extend((child, depth + 1, allow_tensors, is_key) for child in v)
+        elif tag == "dict" and not is_key:
+            if not isinstance(v, list):
+                raise CorruptCheckpointError(f"{what}: malformed dict node")
+            for pair in v:
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise CorruptCheckpointError(f"{what}: malformed dict item")
+                stack.append((pair[0], depth + 1, False, True))
+                stack.append((pair[1], depth + 1, allow_tensors, False))
+        elif tag == "stateful" and not is_key:
+            if not isinstance(n.get("type"), str) or "v" not in n:
+                raise CorruptCheckpointError(f"{what}: malformed stateful node")
+            stack.append((v, depth + 1, allow_tensors, False))
+        else:
+            raise CorruptCheckpointError(f"{what}: unknown tree node {n!r:.80}")

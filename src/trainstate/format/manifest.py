@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, FormatVersionError
+from .. import tree
 from . import checksum, dtypes
 
 FORMAT_NAME = "trainstate"
@@ -178,8 +179,10 @@ def _build(body: dict[str, Any]) -> Manifest:
     _check_byte_ranges(raw_tensors)
     tensors = _LazyTensors(raw_tensors, sizes)
     created = body["created"]
-    if isinstance(created, bool) or not isinstance(created, (int, float)):
-        raise CorruptCheckpointError("manifest 'created' is not a number")
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+        raise CorruptCheckpointError(f"manifest 'created' is not a finite number: {created!r:.40}")
+    tree.validate(body["tree"])
+    tree.validate(body["metadata"], tensors=False, what="metadata")
     return Manifest(
         tree=body["tree"],
         tensors=tensors,

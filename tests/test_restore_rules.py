@@ -1,0 +1,83 @@
+"""Restore rules users meet by habit: partial loads without a target, objects vs saved plain values, depth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import trainstate
+
+
+def test_load_without_target_honours_include_and_exclude(tmp_path):
+    state = {"model": {"w": np.ones(3), "b": np.zeros(2)}, "optim": {"m": np.arange(4)}, "step": 7}
+    trainstate.save(tmp_path / "c", state)
+    only_model = trainstate.load(tmp_path / "c", include="model.*")
+    assert set(only_model) == {"model"} and set(only_model["model"]) == {"w", "b"}
+    no_bias = trainstate.load(tmp_path / "c", exclude=["model.b", "optim.*"])
+    assert set(no_bias) == {"model", "step"} and set(no_bias["model"]) == {"w"}
+    with trainstate.open(tmp_path / "c") as ck:
+        assert set(ck.load(include="optim.*")) == {"optim"}
+
+
+class _Averaged:
+    """Stands in for torch.optim.swa_utils.AveragedModel: an object with state."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+
+    def state_dict(self):
+        return {"n": np.zeros(1)}
+
+    def load_state_dict(self, state):
+        self.loaded = True
+
+
+@pytest.mark.parametrize("live", [_Averaged(), {"n": np.zeros(1)}, [np.zeros(1)]], ids=["object", "dict", "list"])
+def test_a_saved_plain_value_never_replaces_a_live_object(tmp_path, live):
+    trainstate.save(tmp_path / "c", {"ema": None, "step": 3})
+    target = {"ema": live, "step": 0}
+    with pytest.raises(trainstate.StateMismatchError, match="ema"):
+        trainstate.load(tmp_path / "c", target)
+    assert target["ema"] is live and target["step"] == 0  # nothing was touched
+
+
+def _nest(levels: int):
+    value: object = np.arange(3)
+    for i in range(levels):
+        value = {"k": value} if i % 2 else [value]
+    return value
+
+
+def test_what_saves_also_opens_at_the_depth_limit(tmp_path):
+    deepest = _nest(trainstate.tree.MAX_DEPTH)
+    trainstate.save(tmp_path / "deep", {"x": _nest(trainstate.tree.MAX_DEPTH - 1)})
+    back = trainstate.load(tmp_path / "deep")
+    with trainstate.open(tmp_path / "deep") as ck:
+        assert len(ck.keys()) == 1
+    node = back["x"]
+    for _ in range(trainstate.tree.MAX_DEPTH - 1):
+        node = node["k"] if isinstance(node, dict) else node[0]
+    assert np.array_equal(node, np.arange(3))
+    trainstate.save(tmp_path / "deepest", deepest)
+    trainstate.load(tmp_path / "deepest")
+    with pytest.raises(trainstate.UnsupportedValueError, match="deeper"):
+        trainstate.save(tmp_path / "too", {"x": deepest})
+    assert not (tmp_path / "too").exists()
+
+
+def test_a_stateful_chain_counts_levels_like_containers(tmp_path):
+    class Wrap:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def state_dict(self):
+            return self.inner
+
+        def load_state_dict(self, s):
+            pass
+
+    value: object = 1
+    for _ in range(trainstate.tree.MAX_DEPTH + 1):
+        value = Wrap(value)
+    with pytest.raises(trainstate.UnsupportedValueError, match="deeper"):
+        trainstate.save(tmp_path / "c", value)
