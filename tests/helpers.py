@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
+
+from trainstate.format import checksum
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:
@@ -43,3 +47,13 @@ def _torch_bytes(t: Any) -> bytes:
     import torch
 
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def reseal_manifest(path: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
+    """Apply ``edit`` to the manifest body and re-seal it with a valid checksum (a lying manifest)."""
+    body = json.loads((path / "manifest.json").read_bytes())
+    body.pop("checksum")
+    edit(body)
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body["checksum"] = checksum.digest(raw)
+    (path / "manifest.json").write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())

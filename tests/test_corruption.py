@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 import trainstate
-from trainstate.format import checksum
+from helpers import reseal_manifest
 
 
 def _state():
@@ -24,16 +23,6 @@ def ckpt(tmp_path):
     path = tmp_path / "c"
     trainstate.save(path, _state(), threads=1)
     return path
-
-
-def _rewrite_manifest(path, edit):
-    """Apply ``edit`` to the manifest body and re-seal it with a valid checksum (a lying manifest)."""
-    body = json.loads((path / "manifest.json").read_bytes())
-    body.pop("checksum")
-    edit(body)
-    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    body["checksum"] = checksum.digest(raw)
-    (path / "manifest.json").write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 def test_every_flipped_data_byte_is_caught_on_load_or_verify(ckpt):
@@ -82,20 +71,20 @@ def test_missing_checkpoint_and_missing_manifest(tmp_path, ckpt):
 
 
 def test_newer_major_version_is_refused(ckpt):
-    _rewrite_manifest(ckpt, lambda b: b.update(format_version="2.0"))
+    reseal_manifest(ckpt, lambda b: b.update(format_version="2.0"))
     with pytest.raises(trainstate.FormatVersionError, match="upgrade trainstate"):
         trainstate.load(ckpt)
 
 
 def test_unknown_transform_is_a_newer_writer_not_damage(ckpt):
-    _rewrite_manifest(ckpt, lambda b: _first_chunk(b).update(transforms=[{"name": "zstd"}]))
+    reseal_manifest(ckpt, lambda b: _first_chunk(b).update(transforms=[{"name": "zstd"}]))
     with pytest.raises(trainstate.FormatVersionError, match="does not know") as info:
         trainstate.load(ckpt, _state())
     assert not isinstance(info.value, trainstate.CorruptCheckpointError)
 
 
 def test_newer_minor_version_loads(ckpt):
-    _rewrite_manifest(ckpt, lambda b: b.update(format_version="1.7", future_field={"x": 1}))
+    reseal_manifest(ckpt, lambda b: b.update(format_version="1.7", future_field={"x": 1}))
     with trainstate.open(ckpt) as ck:
         assert ck.manifest.extra == {"future_field": {"x": 1}}
         assert np.array_equal(ck.read("b"), np.arange(10))
@@ -120,7 +109,7 @@ def _first_chunk(b):
     (lambda b: b["files"][0].update(size=-1), "negative|outside|size"),
 ])
 def test_lying_manifests_are_refused(ckpt, edit, message):
-    _rewrite_manifest(ckpt, edit)
+    reseal_manifest(ckpt, edit)
     with pytest.raises(trainstate.CorruptCheckpointError, match=message):
         with trainstate.open(ckpt) as ck:
             ck.load()
@@ -135,7 +124,7 @@ def test_deeply_nested_tree_is_refused(ckpt):
         child = {"t": "list", "v": []}
         node["v"].append(child)
         node = child
-    _rewrite_manifest(ckpt, lambda b: b.update(tree=deep))
+    reseal_manifest(ckpt, lambda b: b.update(tree=deep))
     with pytest.raises(trainstate.CorruptCheckpointError, match="deeper"):
         trainstate.load(ckpt)
 

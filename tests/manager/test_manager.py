@@ -292,7 +292,8 @@ def test_after_resuming_past_a_damaged_checkpoint_new_saves_are_kept(tmp_path):
             mgr.save(step, state)
     _damage(tmp_path / "step_00000030")
     with trainstate.CheckpointManager(tmp_path, every_steps=10, keep_last=1) as mgr:
-        assert mgr.restore_latest(small_state()) is None  # keep_last=1 left only the damaged one
+        with pytest.raises(trainstate.CorruptCheckpointError, match="step_00000030"):
+            mgr.restore_latest(small_state())  # keep_last=1 left only the damaged one: never "nothing to resume"
         for step in (0, 10, 20):
             mgr.save(step, state)
             assert (tmp_path / f"step_{step:08d}" / "manifest.json").exists()

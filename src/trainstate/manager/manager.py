@@ -13,27 +13,28 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .. import tree
-from ..reader import Checkpoint
-from ..restore import RESERVED_RNG_KEY, restore
-from ..rng import RNGState
-from ..storage import LocalStorage, Storage, resolve
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
-    CheckpointNotFoundError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
+    FormatVersionError,
+    InvalidArgumentError,
+    StateMismatchError,
 )
+from ..restore import RESERVED_RNG_KEY, load_from
+from ..rng import RNGState
 from ..save import DEFAULT_THREADS, Snapshot, encode_state, write_checkpoint
-from . import naming
-from .catalog import META_KEY, Catalog, DirectoryLock, ensure_directory, facts
+from ..storage import LocalStorage, Storage, resolve
+from . import arguments, naming
+from .catalog import META_KEY, Catalog, ensure_directory, facts
+from .lock import DirectoryLock
 from .policies import (
     AtSteps,
     CheckpointInfo,
@@ -81,6 +82,7 @@ class _InFlight:
     step: int
     reason: str
     blocking: float
+    previous: tuple[int | None, float]  # (last step, last save time) to go back to if this save fails
 
 
 class CheckpointManager:
@@ -145,61 +147,110 @@ class CheckpointManager:
         storage: Storage | None = None,
         read_only: bool = False,
     ) -> None:
-        for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
-                            ("keep_every_steps", keep_every_steps), ("max_in_flight", max_in_flight)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        self.storage, self.directory = resolve(directory, storage)
-        self.read_only = read_only
-        self.catalog = Catalog(self.storage, self.directory)
-        self._lock = None
-        self.swept: builtins.list[str] = []
-        if not read_only:
-            ensure_directory(self.storage, self.directory)
-            if isinstance(self.storage, LocalStorage):
-                self._lock = DirectoryLock(Path(self.directory))
-            self.swept = self.catalog.sweep()
-        self.save_policies: list[SavePolicy] = list(save_policies or [])
-        if every_steps:
-            self.save_policies.append(EverySteps(every_steps))
-        if every_seconds:
-            self.save_policies.append(EverySeconds(every_seconds))
+        # Every argument is checked before anything is acquired (lock, signal handlers, threads).
+        save_list: list[SavePolicy] = list(save_policies or [])
+        if every_steps is not None:
+            save_list.append(EverySteps(arguments.positive_int(every_steps, "every_steps")))
+        if every_seconds is not None:
+            save_list.append(EverySeconds(arguments.positive_number(every_seconds, "every_seconds")))
         if at_steps:
-            self.save_policies.append(AtSteps(frozenset(at_steps)))
-        self.retention: list[RetentionPolicy] = list(retention_policies or [])
-        if keep_last:
-            self.retention.append(KeepLast(keep_last))
-        if keep_every_steps:
-            self.retention.append(KeepEverySteps(keep_every_steps))
-        if keep_every_minutes:
-            self.retention.append(KeepEveryMinutes(keep_every_minutes))
-        if keep_best:
-            self.retention.append(KeepBest(*keep_best))
-        self.async_save = async_save
-        self.staging_budget_bytes = staging_budget_bytes
-        self.capture_rng = capture_rng
+            save_list.append(AtSteps(frozenset(arguments.step(s, "at_steps[]") for s in at_steps)))
+        keep: list[RetentionPolicy] = list(retention_policies or [])
+        if keep_last is not None:
+            keep.append(KeepLast(arguments.positive_int(keep_last, "keep_last")))
+        if keep_every_steps is not None:
+            keep.append(KeepEverySteps(arguments.positive_int(keep_every_steps, "keep_every_steps")))
+        if keep_every_minutes is not None:
+            keep.append(KeepEveryMinutes(arguments.positive_number(keep_every_minutes, "keep_every_minutes")))
+        if keep_best is not None:
+            keep.append(KeepBest(*arguments.keep_best(keep_best)))
+        max_in_flight = arguments.positive_int(max_in_flight, "max_in_flight")
+        threads = arguments.positive_int(threads, "threads")
+        if staging_budget_bytes is not None and (isinstance(staging_budget_bytes, bool) or
+                                                 not isinstance(staging_budget_bytes, int) or staging_budget_bytes < 0):
+            raise InvalidArgumentError(f"staging_budget_bytes must be a non-negative int, got {staging_budget_bytes!r}")
+        for name in preemption_signals:
+            if not isinstance(name, str) or not name.startswith("SIG"):
+                raise InvalidArgumentError(f"preemption_signals takes names like 'SIGTERM', got {name!r}")
+        storage_, root = resolve(directory, storage)
+        self._config = _Config(
+            directory=root, storage=storage_, save_policies=tuple(save_list), retention=tuple(keep),
+            async_save=bool(async_save), max_in_flight=max_in_flight, staging_budget_bytes=staging_budget_bytes,
+            capture_rng=bool(capture_rng), fsync=bool(fsync), threads=threads, metadata=dict(metadata or {}),
+            read_only=bool(read_only),
+        )
+        self.catalog = Catalog(storage_, root)
         self._rng = RNGState()
-        self.max_in_flight = max_in_flight
-        self.fsync = fsync
-        self.threads = threads
-        self.metadata = dict(metadata or {})
-        self._preemption = PreemptionWatcher(preemption_signals) if save_on_preemption and not read_only else None
-        self._preemption_saved = False
-        self._last_save_time = time.time()
-        self._last_step: int | None = None
-        self._history: list[SaveRecord] = []
-        self._buffers = [StagingBuffer() for _ in range(max_in_flight)] if async_save else []
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-async") if async_save else None
-        self._in_flight: list[_InFlight] = []
+        self._history: builtins.list[SaveRecord] = []
+        self._in_flight: builtins.list[_InFlight] = []
         self._error: BaseException | None = None
         self._closed = False
+        self._preemption_saved = False
+        self._last_save_time = time.monotonic()  # a clock that never steps back
+        self._last_step: int | None = None
+        self._seq = 0  # the highest commit sequence number this manager has handed out
         self.last_retention: RetentionPlan | None = None
+        self.swept: builtins.list[str] = []
+        self._lock: DirectoryLock | None = None
+        self._preemption: PreemptionWatcher | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._buffers: builtins.list[StagingBuffer] = []
+        try:
+            if not read_only:
+                ensure_directory(storage_, root)
+                if isinstance(storage_, LocalStorage):
+                    self._lock = DirectoryLock(Path(root))
+                self.swept = self.catalog.sweep()
+                self.list()  # refuses to start beside a checkpoint written by a newer trainstate
+                if save_on_preemption:
+                    self._preemption = PreemptionWatcher(preemption_signals)
+            if async_save:
+                self._buffers = [StagingBuffer() for _ in range(max_in_flight)]
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-async")
+        except BaseException:
+            _release(self._lock, self._preemption, self._pool)
+            raise
+        # Dropped without close() (a notebook cell run again): let go of the lock and the signal handlers.
+        self._finalizer = weakref.finalize(self, _release, self._lock, self._preemption, self._pool)
+
+    # -- configuration (fixed at construction) ----------------------------------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _Config.__dataclass_fields__ and "_config" in self.__dict__:
+            raise InvalidArgumentError(
+                f"CheckpointManager.{name} is fixed when the manager is built; create a new manager "
+                f"with {name}={value!r:.40} (close() this one first)")
+        super().__setattr__(name, value)
+
+    directory = property(lambda self: self._config.directory, doc="Where the checkpoints go.")
+    storage = property(lambda self: self._config.storage, doc="The storage backend.")
+    async_save = property(lambda self: self._config.async_save, doc="Whether saves run in the background.")
+    max_in_flight = property(lambda self: self._config.max_in_flight)
+    staging_budget_bytes = property(lambda self: self._config.staging_budget_bytes)
+    capture_rng = property(lambda self: self._config.capture_rng)
+    fsync = property(lambda self: self._config.fsync)
+    threads = property(lambda self: self._config.threads)
+    metadata = property(lambda self: dict(self._config.metadata), doc="A copy of the metadata every save records.")
+    save_policies = property(lambda self: self._config.save_policies)
+    retention = property(lambda self: self._config.retention)
+    read_only = property(lambda self: self._config.read_only)
 
     # -- queries (manifests only) -----------------------------------------------------------------
 
     def list(self) -> builtins.list[CheckpointInfo]:
-        """Committed checkpoints, oldest first."""
-        return self.catalog.list()
+        """Committed checkpoints, by step.
+
+        Raises:
+            FormatVersionError: a checkpoint here was written by a newer trainstate (a read-only manager
+                lists the others instead).
+        """
+        items = self.catalog.list()
+        if self.catalog.newer and not self.read_only:
+            name, why = next(iter(self.catalog.newer.items()))
+            raise FormatVersionError(
+                f"{self.catalog.path(name)} was written by a newer trainstate ({why}). Resuming from an older "
+                "checkpoint would save over it: upgrade trainstate to continue this run.")
+        return items
 
     def latest(self) -> CheckpointInfo | None:
         """The most recently committed checkpoint (after a rollback: the new timeline's, not a higher step)."""
@@ -212,7 +263,9 @@ class CheckpointManager:
         metric = metric or (policy.metric if policy else None)
         mode = mode or (policy.mode if policy else "min")
         if metric is None:
-            raise ValueError("best() needs a metric (or keep_best set on the manager)")
+            raise InvalidArgumentError("best() needs a metric (or keep_best set on the manager)")
+        if mode not in ("min", "max"):
+            raise InvalidArgumentError(f"best() mode must be 'min' or 'max', got {mode!r:.40}")
         scored = [c for c in self.list() if finite(c.metrics.get(metric))]
         if not scored:
             return None
@@ -220,7 +273,7 @@ class CheckpointManager:
         return pick(scored, key=lambda c: c.metrics[metric])
 
     def path_for(self, step: int) -> str:
-        return self.catalog.path(naming.name_for(step))
+        return self.catalog.path(naming.name_for(arguments.step(step)))
 
     def history(self) -> builtins.list[SaveRecord]:
         """Every save this manager made, with its timings (background ones once they finished)."""
@@ -237,20 +290,40 @@ class CheckpointManager:
     def restore_latest(self, state: Any, **load_kwargs: Any) -> int | None:
         """Restore the newest loadable checkpoint into ``state``; returns the step to continue from.
 
-        That is the saved step + 1 (``save(step)`` records that ``step`` is done), or None when there is
-        nothing to resume. "Newest" is the most recently committed. A checkpoint that turns out damaged
-        (or was deleted meanwhile) is skipped with a warning for the one before it.
+        That is the saved step + 1 (``save(step)`` records that ``step`` is done), or None when the
+        directory has no checkpoint at all. "Newest" is the most recently committed. A checkpoint that
+        cannot be restored (damaged, deleted meanwhile, a lying manifest) is skipped with a warning for
+        the one before it, which is then restored completely, so nothing half-restored from the bad one
+        remains.
+
+        Raises:
+            CorruptCheckpointError: there are checkpoints, but none could be restored (the message lists
+                each one and why); ``state`` may be partly overwritten: do not train from it.
+            StateMismatchError: ``state`` does not fit the newest checkpoint (a user error, not damage).
+            FormatVersionError: a checkpoint here was written by a newer trainstate.
         """
-        for info in sorted(self.list(), key=saved_order, reverse=True):
+        candidates = sorted(self.list(), key=saved_order, reverse=True)
+        failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]
+        for info in candidates:
             try:
                 self._restore_into(self.catalog.path(info.name), state, **load_kwargs)
-            except (CorruptCheckpointError, CheckpointNotFoundError, IncompleteCheckpointError) as e:
-                log.warning("checkpoint %s cannot be restored (%s); trying the one before it", info.name, e)
+            except (StateMismatchError, FormatVersionError, InvalidArgumentError):
+                raise
+            except CheckpointError as e:
+                log.warning("checkpoint %s cannot be restored (%s); trying the one before it", info.name,
+                            " ".join(str(e).split())[:300])
+                failures.append((info.name, " ".join(str(e).split())[:300]))
                 continue
             log.info("resumed from %s", info.name)
             self._last_step = info.step
             self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
             return info.step + 1
+        if failures:
+            lines = "\n".join(f"  {name}: {why}" for name, why in failures)
+            raise CorruptCheckpointError(
+                f"none of the {len(failures)} checkpoint(s) in {self.directory} could be restored:\n{lines}\n"
+                "The state may be partly overwritten by the attempts; do not train from it. Restore a copy, "
+                "or move the damaged checkpoints away to start over.")
         self.prepare(state)
         return None
 
@@ -271,12 +344,10 @@ class CheckpointManager:
         return self._restore_into(self.path_for(step), state, **load_kwargs)
 
     def _restore_into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
-        with Checkpoint(path, self.storage) as ck:
-            top = ck.manifest.tree
-            saved_rng = isinstance(top, dict) and top.get("t") == "dict" and any(
-                k == RNG_KEY for k, _ in tree.dict_items(top))
-            target = self._with_rng(state) if saved_rng else state
-            restore(ck, target, **load_kwargs)
+        """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state."""
+        target = self._with_rng(state)
+        load_from(path, target, storage=self.storage, optional=(RNG_KEY,) if target is not state else (),
+                  **load_kwargs)
         if target is not state:
             state.update((k, v) for k, v in target.items() if k != RNG_KEY)
         return state
@@ -285,6 +356,10 @@ class CheckpointManager:
         """The state plus the manager's own RNGState, unless the user's state already has one."""
         if not self.capture_rng or not isinstance(state, dict) or any(isinstance(v, RNGState) for v in state.values()):
             return state
+        if RNG_KEY in state:
+            raise InvalidArgumentError(
+                f"the state has a key {RNG_KEY!r}, where CheckpointManager(capture_rng=True) keeps the RNG it "
+                f"captures; rename your key, put a trainstate.RNGState() in the state, or pass capture_rng=False")
         return {**state, RNG_KEY: self._rng}
 
     # -- save ---------------------------------------------------------------------------------------
@@ -293,55 +368,67 @@ class CheckpointManager:
              force: bool = False, metadata: dict[str, Any] | None = None) -> bool:
         """Save ``state`` as step ``step`` if a policy says so (or ``force``); returns whether it did.
 
-        Raises the error of a failed background save, if one failed since the last call.
+        ``step``, ``epoch`` and metric values may be NumPy scalars or one-element tensors.
+        Raises the error of a failed background save, if one failed since the last call; a preemption
+        checkpoint is written first, and such an older error reported after it.
         """
         self._check_open()
-        self._raise_pending()
-        now = time.time()
+        step = arguments.step(step)
+        epoch = None if epoch is None else arguments.step(epoch, "epoch")
+        values = arguments.metrics(metrics)
         preempting = self._preemption is not None and self._preemption.requested and not self._preemption_saved
+        stale = self._take_error() if preempting else None
+        if not preempting:
+            self._raise_pending()
         if preempting:
             reason: str | None = f"preemption ({self._preemption.signal_name})"  # type: ignore[union-attr]
         elif force:
             reason = "forced"
         else:
-            reason = reason_to_save(self.save_policies, step, now, self._last_save_time)
+            reason = reason_to_save(self.save_policies, step, time.monotonic(), self._last_save_time)
         if reason is None or (step == self._last_step and not preempting and not force):
             return False
         if self.catalog.is_pinned(naming.name_for(step)):
             raise CheckpointExistsError(
                 f"step {step} is pinned in {self.directory}; unpin it (mgr.unpin({step})) to save over it")
-        self._save(step, state, reason, metrics, epoch, metadata, background=self.async_save and not preempting)
+        self._save(step, state, reason, values, epoch, metadata, background=self.async_save and not preempting)
         if preempting:
             self._preemption_saved = True
+            if stale is not None:
+                _raise(stale)
         return True
 
-    def _save(self, step: int, state: Any, reason: str, metrics: dict[str, float] | None, epoch: int | None,
+    def _save(self, step: int, state: Any, reason: str, metrics: dict[str, float], epoch: int | None,
               metadata: dict[str, Any] | None, background: bool) -> None:
         start = time.perf_counter()
         if background:
             buffer = self._free_buffer()  # waits for an in-flight save if all buffers are busy
+            self._raise_pending()  # the save we just waited for may have failed
         else:
             self._collect(block=True)  # one writer at a time: retention never races itself
-        self._raise_pending()  # a save we just waited for may have failed
-        meta = {**self.metadata, **(metadata or {}), META_KEY: facts(step, epoch, metrics, reason, time.time())}
+        self._seq = max(self._seq, self.catalog.next_seq() - 1) + 1
+        meta = {**self._config.metadata, **(metadata or {}),
+                META_KEY: facts(step, epoch, metrics, reason, time.time(), self._seq)}
         snapshot = encode_state(self._with_rng(state), meta)
-        self._last_step, self._last_save_time = step, time.time()
         if background and self.staging_budget_bytes is not None and snapshot.nbytes > self.staging_budget_bytes:
             log.warning("step %d: state is %d bytes, over the staging budget of %d; saving synchronously",
                         step, snapshot.nbytes, self.staging_budget_bytes)
             background = False
             self._collect(block=True)
             self._raise_pending()
+        previous = (self._last_step, self._last_save_time)
         if not background:
             record = self._write(step, reason, snapshot, background=False, blocking_start=start)
-            self._history.append(record)
+            self._history.append(record)  # only now is the step saved: a failed save leaves it unsaved
+            self._last_step, self._last_save_time = step, time.monotonic()
             return
         staged = buffer.stage(snapshot, threads=self.threads)
         blocking = time.perf_counter() - start
         assert self._pool is not None
         buffer.in_use.set()
         future = self._pool.submit(self._write, step, reason, staged, True, None, blocking)
-        self._in_flight.append(_InFlight(future, buffer, step, reason, blocking))
+        self._in_flight.append(_InFlight(future, buffer, step, reason, blocking, previous))
+        self._last_step, self._last_save_time = step, time.monotonic()  # taken back if the write fails
         log.debug("step %d: async save started, blocked %.3fs", step, blocking)
 
     def _write(self, step: int, reason: str, snapshot: Snapshot, background: bool,
@@ -372,10 +459,9 @@ class CheckpointManager:
 
     def _apply_retention(self) -> tuple[str, ...]:
         plan = plan_retention(self.list(), self.retention)
-        self.last_retention = plan
-        for name in plan.delete:
-            self.catalog.delete(name)
-        return tuple(plan.delete)
+        deleted = tuple(name for name in plan.delete if self.catalog.delete(name))  # a pin found late wins
+        self.last_retention = RetentionPlan(plan.keep, list(deleted)) if deleted != tuple(plan.delete) else plan
+        return deleted
 
     def _free_buffer(self) -> StagingBuffer:
         while len(self._in_flight) >= self.max_in_flight:
@@ -384,19 +470,24 @@ class CheckpointManager:
         return next(b for b in self._buffers if id(b) not in busy)
 
     def _collect(self, block: bool, first_only: bool = False) -> None:
-        """Move finished background saves into the history; remember the first error."""
+        """Move finished background saves into the history; remember the first error.
+
+        Waiting is interruptible: a second Ctrl-C (KeyboardInterrupt) goes through to the caller.
+        """
         still = []
         for i, job in enumerate(self._in_flight):
             if block and (not first_only or i == 0):
                 try:
                     job.future.result()
-                except BaseException:
+                except Exception:  # noqa: BLE001 - recorded just below
                     pass
             if job.future.done():
                 job.buffer.in_use.clear()
                 error = job.future.exception()
                 if error is not None:
                     self._error = self._error or error
+                    if self._last_step == job.step:  # the step is not saved: a later save(step) must write it
+                        self._last_step, self._last_save_time = job.previous
                     self._history.append(SaveRecord(job.step, job.reason, str(self.path_for(job.step)), True,
                                                     job.blocking, error=repr(error)))
                 else:
@@ -405,13 +496,15 @@ class CheckpointManager:
                 still.append(job)
         self._in_flight = still
 
-    def _raise_pending(self) -> None:
+    def _take_error(self) -> BaseException | None:
         self._collect(block=False)
-        if self._error is not None:
-            error, self._error = self._error, None
-            if isinstance(error, CheckpointError):
-                raise error
-            raise CheckpointError(f"a background save failed: {error!r}") from error
+        error, self._error = self._error, None
+        return error
+
+    def _raise_pending(self) -> None:
+        error = self._take_error()
+        if error is not None:
+            _raise(error)
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -420,34 +513,40 @@ class CheckpointManager:
         self._collect(block=True)
         self._raise_pending()
 
-    def pin(self, step: int, reason: str = "") -> None:
-        """Keep this checkpoint whatever the retention policies say.
+    def pin(self, step: int, reason: str = "") -> bool:
+        """Keep this checkpoint whatever the retention policies say; False if it was already pinned.
 
-        Allowed on a read-only manager: a pin is one small file beside the checkpoint, safe to add
-        while another process trains and prunes in the same directory.
+        An existing pin keeps its reason (unpin, then pin, to change it). Allowed on a read-only manager:
+        a pin is one small file beside the checkpoint, safe to add while another process trains and
+        prunes in the same directory — a pin this returns from is never deleted.
         """
-        self.catalog.pin(naming.name_for(step), reason)
+        return self.catalog.pin(naming.name_for(arguments.step(step)), str(reason))
 
     def unpin(self, step: int) -> None:
-        self.catalog.unpin(naming.name_for(step))
+        self.catalog.unpin(naming.name_for(arguments.step(step)))
 
     def close(self, step: int | None = None, state: Any = None, *, metrics: dict[str, float] | None = None) -> None:
-        """Wait for in-flight saves; with ``step`` and ``state``, save a final checkpoint first."""
+        """Wait for in-flight saves; with ``step`` and ``state``, save a final checkpoint first.
+
+        The final checkpoint is written even if an earlier background save failed; that error is raised
+        afterwards. A failed final save raises its own error.
+        """
         if self._closed:
             return
         try:
-            if state is not None and step is not None and step != self._last_step:
+            if state is not None and step is not None:
+                step = arguments.step(step)
+                values = arguments.metrics(metrics)
                 self._collect(block=True)
-                self._save(step, state, "at close", metrics, None, None, background=False)
+                stale = self._take_error()
+                if step != self._last_step:
+                    self._save(step, state, "at close", values, None, None, background=False)
+                if stale is not None:
+                    _raise(stale)
             self.wait()
         finally:
             self._closed = True
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            if self._preemption is not None:
-                self._preemption.close()
-            if self._lock is not None:
-                self._lock.release()
+            self._finalizer()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -461,3 +560,36 @@ class CheckpointManager:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class _Config:
+    directory: str
+    storage: Storage
+    save_policies: tuple[SavePolicy, ...]
+    retention: tuple[RetentionPolicy, ...]
+    async_save: bool
+    max_in_flight: int
+    staging_budget_bytes: int | None
+    capture_rng: bool
+    fsync: bool
+    threads: int
+    metadata: dict[str, Any]
+    read_only: bool
+
+
+def _release(lock: DirectoryLock | None, preemption: PreemptionWatcher | None,
+             pool: ThreadPoolExecutor | None) -> None:
+    """Give back what a manager holds; also its finalizer, so it must not refer to the manager."""
+    if pool is not None:
+        pool.shutdown(wait=True)
+    if preemption is not None:
+        preemption.close()
+    if lock is not None:
+        lock.release()
+
+
+def _raise(error: BaseException) -> None:
+    if isinstance(error, CheckpointError):
+        raise error
+    raise CheckpointError(f"a background save failed: {error!r}") from error

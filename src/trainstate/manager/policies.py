@@ -13,11 +13,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..errors import InvalidArgumentError
 
-def saved_order(c: CheckpointInfo) -> tuple[float, int]:
-    """The order checkpoints were committed in. After a rollback (resuming from an older step) the
-    fresh checkpoints are the newest, whatever their step numbers say."""
-    return (c.created, c.step)
+
+def saved_order(c: CheckpointInfo) -> tuple[int, int]:
+    """The order checkpoints were committed in: by the manager's commit sequence number, never a clock.
+
+    Each save takes the highest sequence number in the directory + 1, so after a rollback (resuming from
+    an older step) the fresh checkpoints are the newest whatever their step numbers say, and a host whose
+    clock is behind the last one's cannot make its new saves look old. Checkpoints without a number
+    (written by hand, or by trainstate before 0.2) come first, by step.
+    """
+    return (c.seq if c.seq is not None else -1, c.step)
 
 
 @dataclass(frozen=True)
@@ -26,11 +33,13 @@ class CheckpointInfo:
 
     name: str
     step: int
-    created: float
+    created: float  # wall-clock time of the save: for display (and one-per-N-minutes), never for order
     metrics: Mapping[str, float] = field(default_factory=dict)
     epoch: int | None = None
     pinned: bool = False
     nbytes: int = 0
+    seq: int | None = None  # commit sequence number: what "newest" means
+    pin_reason: str = ""
 
 
 # -- when to save -----------------------------------------------------------------------------------
@@ -127,7 +136,7 @@ class KeepBest:
 
     def __post_init__(self) -> None:
         if self.mode not in ("min", "max"):
-            raise ValueError(f"keep_best mode must be 'min' or 'max', got {self.mode!r}")
+            raise InvalidArgumentError(f"keep_best mode must be 'min' or 'max', got {self.mode!r}")
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
         scored = [c for c in checkpoints if finite(c.metrics.get(self.metric))]

@@ -1,0 +1,94 @@
+"""Checks and conversions for what users pass to a manager: steps, epochs, metrics, policy settings.
+
+Users pass NumPy scalars (``np.int64`` steps from a counter array, ``np.float32`` losses) and 0-d torch
+tensors (``loss.detach()``) where plain numbers are expected; these are accepted and turned into plain
+Python numbers here, once. Everything else that is wrong raises :class:`InvalidArgumentError` naming the
+argument (and, for metrics, the key).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import InvalidArgumentError
+
+
+def step(value: Any, what: str = "step") -> int:
+    """A non-negative integer step or epoch: ints, NumPy integers and 0-d integer tensors."""
+    if isinstance(value, bool) or isinstance(value, str):
+        raise InvalidArgumentError(f"{what} must be a non-negative integer, got {type(value).__name__} {value!r:.40}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{what} must be a non-negative integer, got {type(value).__name__} {value!r:.40}") from None
+    if number < 0:
+        raise InvalidArgumentError(f"{what} must be non-negative, got {number}")
+    return number
+
+
+def number(value: Any, what: str) -> float:
+    """A plain float from an int, float, NumPy scalar or one-element tensor; NaN and inf are kept."""
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        raise InvalidArgumentError(f"{what} must be a number, got {type(value).__name__} {value!r:.40}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    size = getattr(value, "size", None)
+    size = size() if callable(size) and not isinstance(size, int) else size  # torch: size() is the shape
+    numel = getattr(value, "numel", None)
+    count = numel() if callable(numel) else (size if isinstance(size, int) else None)
+    if callable(item) and count == 1:
+        try:
+            return float(item())
+        except (TypeError, ValueError):
+            pass
+    raise InvalidArgumentError(f"{what} must be a number (a float, a NumPy scalar or a one-element tensor), "
+                               f"got {type(value).__name__} {value!r:.60}")
+
+
+def metrics(values: Mapping[str, Any] | None) -> dict[str, float]:
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise InvalidArgumentError(f"metrics must be a dict of name -> number, got {type(values).__name__}")
+    out = {}
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise InvalidArgumentError(f"metric names must be strings, got {key!r:.40}")
+        out[key] = number(value, f"metrics[{key!r}]")
+    return out
+
+
+def positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be a positive integer, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be a positive integer, got {type(value).__name__} {value!r:.40}") \
+            from None
+    if n < 1:
+        raise InvalidArgumentError(f"{what} must be at least 1, got {n}")
+    return n
+
+
+def positive_number(value: Any, what: str) -> float:
+    x = number(value, what)
+    if not math.isfinite(x) or x <= 0:
+        raise InvalidArgumentError(f"{what} must be a positive, finite number, got {value!r:.40}")
+    return x
+
+
+def keep_best(value: Any) -> tuple[str, str, int]:
+    """``(metric, "min" | "max")`` or ``(metric, "min" | "max", k)``."""
+    if not isinstance(value, (tuple, list)) or len(value) not in (2, 3) or not isinstance(value[0], str):
+        raise InvalidArgumentError(f"keep_best must be (metric, 'min' | 'max', k), got {value!r:.60}")
+    metric, mode = value[0], value[1]
+    if mode not in ("min", "max"):
+        raise InvalidArgumentError(f"keep_best mode must be 'min' or 'max', got {mode!r:.40}")
+    k = positive_int(value[2], "keep_best k") if len(value) == 3 else 1
+    return metric, mode, k
