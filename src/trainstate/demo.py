@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._optional import missing, optional
+
 STEPS = 120
 EVERY = 10
 
@@ -90,19 +92,30 @@ def _train(workdir: Path, steps: int, kill_at: int) -> None:
     (workdir / "summary.json").write_text(json.dumps(summary))
 
 
-def _digits() -> tuple[Any, Any]:
-    """scikit-learn's bundled digits (1797 8x8 images), read from its data file without importing sklearn."""
+def _check_dependencies() -> None:
+    """Fail before any training process starts when torch or scikit-learn's digits are missing."""
+    with optional("torch", extra="demo", needed_for="trainstate demo"):
+        import torch  # noqa: F401
+    _digits_file()
+
+
+def _digits_file() -> Path:
+    """scikit-learn's bundled digits data file, found without importing sklearn (which is slow)."""
     import importlib.util
 
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" \
+        if spec is not None and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        raise missing("scikit-learn", extra="demo", needed_for="trainstate demo (for its digits data set)")
+    return path
+
+
+def _digits() -> tuple[Any, Any]:
+    """scikit-learn's bundled digits (1797 8x8 images), read from its data file."""
     import numpy as np
 
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
-        from .errors import MissingDependencyError
-
-        raise MissingDependencyError("the demo needs scikit-learn's digits: pip install 'trainstate[demo]'")
-    raw = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz",
-                     delimiter=",", dtype=np.float32)
+    raw = np.loadtxt(_digits_file(), delimiter=",", dtype=np.float32)
     return raw[:, :-1] / 16.0, raw[:, -1].astype(np.int64)
 
 
@@ -191,4 +204,5 @@ def main(argv: list[str]) -> int:
     if args.worker:
         _train(args.worker, args.steps, args.kill_at)
         return 0
+    _check_dependencies()
     return 0 if run(args.dir, args.steps, args.seed) else 1

@@ -81,8 +81,6 @@ def exit_code(error: BaseException) -> int:
 
 def one_line(error: BaseException) -> str:
     text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
-    if isinstance(error, ImportError) and not isinstance(error, CheckpointError):
-        text += " (pip install 'trainstate[demo]' for the demo)"
     if exit_code(error) == INTERNAL:
         return f"internal error: {type(error).__name__}: {text} (TRAINSTATE_DEBUG=1 shows the traceback)"
     return text or type(error).__name__

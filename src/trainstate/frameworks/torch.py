@@ -1,4 +1,4 @@
-"""torch tensors: the only module besides rng.py that imports torch.
+"""torch tensors: with data.py, the only module that imports torch (rng.py uses it only if imported).
 
 Tensors on an accelerator are staged through host memory; reads into them go through a host buffer
 and ``copy_``, so a restored tensor keeps its device.
@@ -9,10 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
+from .._optional import optional
 from ..errors import UnsupportedValueError
 from ..format import dtypes
+
+with optional("torch", extra="torch", needed_for="torch tensors (framework='torch')"):
+    import torch
 
 KIND = "torch"
 
