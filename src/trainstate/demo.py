@@ -27,6 +27,7 @@ from typing import Any
 
 from ._optional import missing, optional
 
+DESCRIPTION = "train, get killed, resume in a fresh process, and prove the result is exact"  # -OO drops __doc__
 STEPS = 120
 EVERY = 10
 
@@ -194,7 +195,7 @@ def _print_report(steps: int, kill_at: int, run: dict[str, Any], ref: dict[str, 
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="trainstate demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="trainstate demo", description=DESCRIPTION)
     ap.add_argument("--dir", type=Path, help="where to put the runs (default: a new temporary directory)")
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--seed", type=int, help="seed for the kill step (default: random)")

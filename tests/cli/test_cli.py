@@ -63,6 +63,24 @@ def test_help_documents_exit_codes() -> None:
         assert command in out
 
 
+@pytest.mark.parametrize("args", [["--help"], ["verify", "--help"], ["demo", "--help"]])
+def test_help_works_without_docstrings(args: list[str]) -> None:
+    """``python -OO`` strips docstrings; help text (and every exit code in it) must not come from them."""
+    from trainstate import cli as cli_module
+
+    proc = subprocess.run([sys.executable, "-OO", "-m", "trainstate", *args], capture_output=True, text=True,
+                          check=False, env=ENV, timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "usage: trainstate" in proc.stdout
+    if args[0] != "demo":
+        listed = {int(line.split()[0]) for line in proc.stdout.split("exit codes:", 1)[1].splitlines()
+                  if line.strip()[:1].isdigit()}
+        codes = {getattr(cli_module, name) for name in ("OK", "DIFFERENT", "USAGE", "NOT_FOUND", "INCOMPLETE",
+                                                        "CORRUPT", "MISMATCH", "STORAGE", "OTHER", "INTERNAL",
+                                                        "INTERRUPTED")}
+        assert listed == codes
+
+
 def test_ls_table_shows_complete_and_incomplete(run_dir: Path) -> None:
     out = cli("ls", str(run_dir)).stdout
     for name in ("step_00000000", "step_00000010", "step_00000020", "step_00000030", ".step_00000040.tmp-0123abcd"):
