@@ -232,6 +232,24 @@ def test_incomplete_and_manager_dir_given_as_checkpoint(run_dir: Path) -> None:
     assert "trainstate ls" in cli("verify", str(run_dir), code=2).stderr
 
 
+def test_manager_dir_given_as_checkpoint_says_how_to_use_it(run_dir: Path) -> None:
+    for command in ("inspect", "verify"):
+        err = cli(command, str(run_dir), code=2).stderr
+        assert "CheckpointManager" in err and "step_00000020" in err and f"trainstate ls {run_dir}" in err
+        assert "never committed" not in err and len(err.splitlines()) == 1
+
+
+def test_a_users_link_to_a_checkpoint_works_everywhere(run_dir: Path) -> None:
+    latest = run_dir / "latest"
+    os.symlink("step_00000020", latest)
+    assert {"path": "step", "value": 7} in cli_json("inspect", str(latest))["values"]
+    assert cli_json("verify", str(latest))["ok"] is True
+    assert cli("diff", str(latest), str(run_dir / "step_00000020")).returncode == 0
+    (row,) = cli_json("ls", str(latest))["checkpoints"]
+    assert row["step"] == 20 and row["status"] == "complete" and row["metrics"] == {"val_loss": 2.0}
+    assert "step_00000020" in cli("ls", str(run_dir)).stdout  # the run's listing is unchanged by the link
+
+
 def test_torch_checkpoint_without_importing_torch(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
