@@ -178,6 +178,26 @@ def test_unsupported_values_are_refused_before_writing(tmp_path):
     assert not os.listdir(tmp_path) or os.listdir(tmp_path) == []
 
 
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*:UserWarning")
+@pytest.mark.parametrize("make", [
+    lambda w: torch.quantize_per_tensor(w, 0.1, 3, torch.qint8),
+    lambda w: torch.quantize_per_channel(w, torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0, torch.quint8),
+])
+def test_quantized_tensors_are_refused_with_what_to_do(tmp_path, make):
+    q = make(torch.randn(2, 3))
+    with pytest.raises(trainstate.UnsupportedValueError) as err:
+        trainstate.save(tmp_path / "c", {"model": {"fc.weight": q}, "step": 1})
+    message = str(err.value)
+    assert message.startswith("model.fc.weight: ")  # which value it was
+    assert "quantized" in message and "layout" not in message
+    assert "dequantize()" in message and "int_repr()" in message  # what to store instead
+    assert not (tmp_path / "c").exists()
+    # following the advice works: the integer values and the scale round-trip exactly
+    trainstate.save(tmp_path / "c", {"w": q.dequantize(), "w_int": q.int_repr()})
+    back = trainstate.load(tmp_path / "c", framework="torch")
+    assert torch.equal(back["w"], q.dequantize()) and torch.equal(back["w_int"], q.int_repr())
+
+
 def test_grad_scaler_and_user_stateful(tmp_path):
     class Counter:
         def __init__(self) -> None:

@@ -18,8 +18,11 @@ import logging
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
-import torch
-from torch.utils.data import DataLoader, Sampler
+from ._optional import optional
+
+with optional("torch", extra="torch", needed_for="trainstate.data (ResumableSampler)"):
+    import torch
+    from torch.utils.data import DataLoader, Sampler
 
 log = logging.getLogger("trainstate")
 _HOOK = "_get_iterator"

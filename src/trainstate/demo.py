@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._optional import missing, optional
+
+DESCRIPTION = "train, get killed, resume in a fresh process, and prove the result is exact"  # -OO drops __doc__
 STEPS = 120
 EVERY = 10
 
@@ -90,19 +93,30 @@ def _train(workdir: Path, steps: int, kill_at: int) -> None:
     (workdir / "summary.json").write_text(json.dumps(summary))
 
 
-def _digits() -> tuple[Any, Any]:
-    """scikit-learn's bundled digits (1797 8x8 images), read from its data file without importing sklearn."""
+def _check_dependencies() -> None:
+    """Fail before any training process starts when torch or scikit-learn's digits are missing."""
+    with optional("torch", extra="demo", needed_for="trainstate demo"):
+        import torch  # noqa: F401
+    _digits_file()
+
+
+def _digits_file() -> Path:
+    """scikit-learn's bundled digits data file, found without importing sklearn (which is slow)."""
     import importlib.util
 
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" \
+        if spec is not None and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        raise missing("scikit-learn", extra="demo", needed_for="trainstate demo (for its digits data set)")
+    return path
+
+
+def _digits() -> tuple[Any, Any]:
+    """scikit-learn's bundled digits (1797 8x8 images), read from its data file."""
     import numpy as np
 
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
-        from .errors import MissingDependencyError
-
-        raise MissingDependencyError("the demo needs scikit-learn's digits: pip install 'trainstate[demo]'")
-    raw = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz",
-                     delimiter=",", dtype=np.float32)
+    raw = np.loadtxt(_digits_file(), delimiter=",", dtype=np.float32)
     return raw[:, :-1] / 16.0, raw[:, -1].astype(np.int64)
 
 
@@ -181,7 +195,7 @@ def _print_report(steps: int, kill_at: int, run: dict[str, Any], ref: dict[str, 
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="trainstate demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="trainstate demo", description=DESCRIPTION)
     ap.add_argument("--dir", type=Path, help="where to put the runs (default: a new temporary directory)")
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--seed", type=int, help="seed for the kill step (default: random)")
@@ -191,4 +205,5 @@ def main(argv: list[str]) -> int:
     if args.worker:
         _train(args.worker, args.steps, args.kill_at)
         return 0
+    _check_dependencies()
     return 0 if run(args.dir, args.steps, args.seed) else 1

@@ -18,6 +18,8 @@ fit — comes out as one of these, never as a traceback from deep inside a depen
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
@@ -87,7 +89,7 @@ class StateMismatchError(CheckpointError):
             lines.append(f"  {key}: target has {want}, checkpoint has {got}")
         if len(mismatched) > 20:
             lines.append(f"  ... and {len(mismatched) - 20} more mismatches")
-        lines.append(hint or "pass strict=False, or include= / exclude= patterns, for a partial restore")
+        lines.append(hint or _mismatch_hint(missing, unexpected, mismatched))
         super().__init__("\n".join(lines))
 
 
@@ -108,6 +110,33 @@ class InvalidArgumentError(CheckpointError, ValueError, TypeError):
 
     Also a ``ValueError`` and a ``TypeError``, so code written against the built-in errors still catches it.
     """
+
+
+_TENSOR = re.compile(r"^tensor (\w+)(\[.*\])$")  # how restore describes a tensor: "tensor F32[3, 4]"
+
+
+def _dtype_only(want: str, got: str) -> bool:
+    """Whether a mismatch is two tensors of one shape that differ only in dtype (strict=False casts)."""
+    a, b = _TENSOR.match(want), _TENSOR.match(got)
+    return a is not None and b is not None and a.group(2) == b.group(2)
+
+
+def _mismatch_hint(missing: list[str], unexpected: list[str], mismatched: list[tuple[str, str, str]]) -> str:
+    """What would make this restore go through. strict=False relaxes only missing / unexpected keys and
+    dtypes; a different shape or kind fits under no option, so for those it names the keys to exclude."""
+    relaxed = [what for what, present in (("accepts the missing / unexpected keys", bool(missing or unexpected)),
+                                          ("casts the differing dtypes",
+                                           any(_dtype_only(w, g) for _, w, g in mismatched))) if present]
+    rigid = [key for key, want, got in mismatched if not _dtype_only(want, got)]
+    parts = [f"strict=False {' and '.join(relaxed)}"] if relaxed else []
+    if rigid:
+        keys = [k for k in rigid if k != "<root>"]
+        skip = f", or skip those keys with exclude={keys[:5]!r}" if keys else ""
+        more = f" (and {len(keys) - 5} more)" if len(keys) > 5 else ""
+        parts.append(f"shapes and kinds must always match: build the target like the saved state{skip}{more}")
+    else:
+        parts.append("include= / exclude= patterns restore only part of the state")
+    return "; ".join(parts)
 
 
 def _short(keys: list[str], limit: int = 10) -> str:

@@ -320,18 +320,32 @@ def _no_tensor(name: str) -> Any:
 
 
 def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
-    info = storage.stat(path)
+    # ``path`` itself may be a link the user made (``run/latest -> step_00000100``): followed. Every
+    # name inside the checkpoint is checked with stat(), which sees links, so those are refused.
+    info = storage.stat_followed(path)
     if info is None and storage.recover(path):
-        info = storage.stat(path)
+        info = storage.stat_followed(path)
     if info is None:
         raise CheckpointNotFoundError(f"no checkpoint at {path}")
     if not info.is_dir:
         raise CheckpointNotFoundError(f"{path} is not a checkpoint directory")
     mpath = storage.join(path, manifest.MANIFEST_NAME)
     minfo = storage.stat(mpath)
-    if minfo is None and storage.stat(path) is None:
+    if minfo is None and storage.stat_followed(path) is None:
         raise CheckpointNotFoundError(f"{path} was deleted while it was being opened")
     if minfo is None:
+        from .manager.naming import step_of  # not at the top: the manager imports this module
+
+        steps = sorted((n for n in storage.list(path) if step_of(n) is not None), key=lambda n: step_of(n) or 0,
+                       reverse=True)
+        if steps:
+            newest = next((storage.join(path, n) for n in steps
+                           if storage.stat(storage.join(path, n, manifest.MANIFEST_NAME)) is not None), None)
+            raise CheckpointNotFoundError(
+                f"{path} is a CheckpointManager's run directory, not one checkpoint: resume with "
+                f"CheckpointManager({path!r}).restore_latest(state), or load one of its checkpoints"
+                + (f", e.g. the newest, {newest}" if newest else " (none of them is committed yet)")
+            )
         raise IncompleteCheckpointError(
             f"{path} has no {manifest.MANIFEST_NAME}: the save that wrote it never committed"
         )

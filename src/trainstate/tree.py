@@ -61,7 +61,10 @@ def encode(value: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: t
     if value is None or isinstance(value, (bool, str)) and type(value) in (bool, str):
         return value
     if adapter_for(value) is not None:
-        return {"t": "tensor", "name": on_tensor(path, value)}
+        try:
+            return {"t": "tensor", "name": on_tensor(path, value)}
+        except UnsupportedValueError as e:  # the adapter knows what is wrong, only the walk knows where
+            raise UnsupportedValueError(f"{join(path) or 'the state'}: {e}") from None
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, int):
@@ -94,21 +97,18 @@ def encode(value: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: t
 
 def encode_key(key: Any, path: tuple[str, ...], depth: int = 0) -> Any:
     if key is None or isinstance(key, (str, int, float, bool)) or isinstance(key, tuple):
-        return encode(key, _no_tensors(path), path, depth)
+        return encode(key, _no_tensor, path, depth)
     raise UnsupportedValueError(f"{join(path) or 'the state'}: dict key {key!r:.40} of type "
                                 f"{type(key).__qualname__} cannot be stored")
 
 
-def _no_tensors(path: tuple[str, ...]) -> Callable[[tuple[str, ...], Any], str]:
-    def reject(_: tuple[str, ...], __: Any) -> str:
-        raise UnsupportedValueError(f"{join(path)}: arrays cannot be dict keys or metadata")
-
-    return reject
+def _no_tensor(path: tuple[str, ...], value: Any) -> str:
+    raise UnsupportedValueError("arrays cannot be dict keys or metadata")  # encode() adds where
 
 
 def encode_plain(value: Any) -> Any:
     """Encode metadata: like state, but arrays are refused."""
-    return encode(value, _no_tensors(("metadata",)), ())
+    return encode(value, _no_tensor, ("metadata",))
 
 
 def decode(node: Any, on_tensor: Callable[[str], Any], depth: int = 0) -> Any:

@@ -63,6 +63,24 @@ def test_help_documents_exit_codes() -> None:
         assert command in out
 
 
+@pytest.mark.parametrize("args", [["--help"], ["verify", "--help"], ["demo", "--help"]])
+def test_help_works_without_docstrings(args: list[str]) -> None:
+    """``python -OO`` strips docstrings; help text (and every exit code in it) must not come from them."""
+    from trainstate import cli as cli_module
+
+    proc = subprocess.run([sys.executable, "-OO", "-m", "trainstate", *args], capture_output=True, text=True,
+                          check=False, env=ENV, timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "usage: trainstate" in proc.stdout
+    if args[0] != "demo":
+        listed = {int(line.split()[0]) for line in proc.stdout.split("exit codes:", 1)[1].splitlines()
+                  if line.strip()[:1].isdigit()}
+        codes = {getattr(cli_module, name) for name in ("OK", "DIFFERENT", "USAGE", "NOT_FOUND", "INCOMPLETE",
+                                                        "CORRUPT", "MISMATCH", "STORAGE", "OTHER", "INTERNAL",
+                                                        "INTERRUPTED")}
+        assert listed == codes
+
+
 def test_ls_table_shows_complete_and_incomplete(run_dir: Path) -> None:
     out = cli("ls", str(run_dir)).stdout
     for name in ("step_00000000", "step_00000010", "step_00000020", "step_00000030", ".step_00000040.tmp-0123abcd"):
@@ -212,6 +230,24 @@ def test_not_found_is_exit_3_and_one_line(tmp_path: Path, ckpt: Path, args: list
 def test_incomplete_and_manager_dir_given_as_checkpoint(run_dir: Path) -> None:
     assert "never committed" in cli("inspect", str(run_dir / "step_00000030"), code=4).stderr
     assert "trainstate ls" in cli("verify", str(run_dir), code=2).stderr
+
+
+def test_manager_dir_given_as_checkpoint_says_how_to_use_it(run_dir: Path) -> None:
+    for command in ("inspect", "verify"):
+        err = cli(command, str(run_dir), code=2).stderr
+        assert "CheckpointManager" in err and "step_00000020" in err and f"trainstate ls {run_dir}" in err
+        assert "never committed" not in err and len(err.splitlines()) == 1
+
+
+def test_a_users_link_to_a_checkpoint_works_everywhere(run_dir: Path) -> None:
+    latest = run_dir / "latest"
+    os.symlink("step_00000020", latest)
+    assert {"path": "step", "value": 7} in cli_json("inspect", str(latest))["values"]
+    assert cli_json("verify", str(latest))["ok"] is True
+    assert cli("diff", str(latest), str(run_dir / "step_00000020")).returncode == 0
+    (row,) = cli_json("ls", str(latest))["checkpoints"]
+    assert row["step"] == 20 and row["status"] == "complete" and row["metrics"] == {"val_loss": 2.0}
+    assert "step_00000020" in cli("ls", str(run_dir)).stdout  # the run's listing is unchanged by the link
 
 
 def test_torch_checkpoint_without_importing_torch(tmp_path: Path) -> None:

@@ -13,21 +13,8 @@ Commands::
 Every command but ``demo`` takes ``--json``: then stdout holds one JSON document and nothing else
 (non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``).
 
-Exit codes (errors print one line to stderr, never a traceback)::
-
-    0  success; diff: the states are identical
-    1  diff: the states differ
-    2  usage error (bad arguments, or a path of the wrong kind)
-    3  not found (no such file, directory, checkpoint or step)
-    4  incomplete checkpoint (no manifest: its save never committed)
-    5  corrupt checkpoint (checksum mismatch, malformed manifest, newer format version);
-       also verify finding any damage
-    6  state mismatch
-    7  storage error (I/O error, permission denied, disk full)
-    8  other trainstate error (e.g. the directory is locked by a running CheckpointManager,
-       a missing optional dependency)
-    9  internal error (a bug: please report it; TRAINSTATE_DEBUG=1 shows the traceback)
-    130 interrupted
+Exit codes are listed in ``EXIT_CODES`` below (``--help`` prints them). Errors print one line to
+stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -51,7 +38,23 @@ from ..errors import (
 OK, DIFFERENT, USAGE, NOT_FOUND, INCOMPLETE, CORRUPT, MISMATCH, STORAGE, OTHER, INTERNAL = range(10)
 INTERRUPTED = 130
 
-EXIT_CODES = __doc__.split("Exit codes", 1)[1].split("::", 1)[1]
+# The help text's table, kept here rather than in the docstring: ``python -OO`` strips docstrings.
+EXIT_CODES = """
+
+    0  success; diff: the states are identical
+    1  diff: the states differ
+    2  usage error (bad arguments, or a path of the wrong kind)
+    3  not found (no such file, directory, checkpoint or step)
+    4  incomplete checkpoint (no manifest: its save never committed)
+    5  corrupt checkpoint (checksum mismatch, malformed manifest, newer format version);
+       also verify finding any damage
+    6  state mismatch
+    7  storage error (I/O error, permission denied, disk full)
+    8  other trainstate error (e.g. the directory is locked by a running CheckpointManager,
+       a missing optional dependency)
+    9  internal error (a bug: please report it; TRAINSTATE_DEBUG=1 shows the traceback)
+    130 interrupted
+"""
 
 
 class UsageError(Exception):
@@ -81,8 +84,6 @@ def exit_code(error: BaseException) -> int:
 
 def one_line(error: BaseException) -> str:
     text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
-    if isinstance(error, ImportError) and not isinstance(error, CheckpointError):
-        text += " (pip install 'trainstate[demo]' for the demo)"
     if exit_code(error) == INTERNAL:
         return f"internal error: {type(error).__name__}: {text} (TRAINSTATE_DEBUG=1 shows the traceback)"
     return text or type(error).__name__

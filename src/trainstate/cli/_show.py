@@ -26,7 +26,7 @@ _STAGING_NOTE = {"tmp": "unfinished save", "old": "replaced checkpoint not yet r
 
 def require_dir(path: str) -> None:
     backend, root = resolve(path)
-    info = backend.stat(root)
+    info = backend.stat_followed(root)  # the user's own link to a directory counts as one
     if info is None:
         raise CheckpointNotFoundError(f"no such directory: {path}")
     if not info.is_dir:
@@ -39,20 +39,20 @@ def _is_dir(backend: Storage, path: str) -> bool:
 
 
 def _parent_and_name(backend: Storage, root: str) -> tuple[str, str]:
-    if isinstance(backend, LocalStorage):
-        return os.path.split(os.path.abspath(root))
+    if isinstance(backend, LocalStorage):  # a link (``latest``) stands for the checkpoint it points to
+        return os.path.split(os.path.realpath(root))
     return posixpath.dirname(root.rstrip("/")), posixpath.basename(root.rstrip("/"))
 
 
 def open_ckpt(path: str) -> Checkpoint:
-    """Open one checkpoint; a manager directory given by mistake gets a pointer to ``ls``."""
+    """Open one checkpoint; a directory that exists but is none (a manager's) is a usage error."""
     try:
         return open_checkpoint(path)
-    except IncompleteCheckpointError:
+    except CheckpointNotFoundError as e:
         backend, root = resolve(path)
-        if any(step_of(n) is not None for n in backend.list(root)):
-            raise UsageError(f"{path} is a CheckpointManager directory, not a checkpoint; "
-                             f"'trainstate ls {path}' lists its checkpoints") from None
+        info = backend.stat_followed(root)
+        if info is not None and info.is_dir:
+            raise UsageError(f"{e}; 'trainstate ls {path}' lists its checkpoints") from None
         raise
 
 
@@ -140,7 +140,7 @@ def ls(out: Printer, path: str) -> int:
     try:
         with open_checkpoint(path) as ck:
             rows = [_single_row(path, ck)]
-    except IncompleteCheckpointError:
+    except (IncompleteCheckpointError, CheckpointNotFoundError):  # not one checkpoint: list the directory
         backend, root = resolve(path)
         name = _parent_and_name(backend, root)[1]
         if step_of(name) is not None or is_staging_name(name):

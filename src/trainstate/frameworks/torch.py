@@ -1,4 +1,4 @@
-"""torch tensors: the only module besides rng.py that imports torch.
+"""torch tensors: with data.py, the only module that imports torch (rng.py uses it only if imported).
 
 Tensors on an accelerator are staged through host memory; reads into them go through a host buffer
 and ``copy_``, so a restored tensor keeps its device.
@@ -9,10 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
+from .._optional import optional
 from ..errors import UnsupportedValueError
 from ..format import dtypes
+
+with optional("torch", extra="torch", needed_for="torch tensors (framework='torch')"):
+    import torch
 
 KIND = "torch"
 
@@ -22,8 +25,17 @@ def is_array(value: Any) -> bool:
 
 
 def _check_plain(t: torch.Tensor) -> None:
-    if t.layout != torch.strided or t.is_quantized or t.is_nested:
-        raise UnsupportedValueError(f"torch tensor with layout {t.layout} cannot be stored; densify it first")
+    # Quantized and nested tensors report the ordinary strided layout: ask about them first.
+    if t.is_quantized:
+        raise UnsupportedValueError(
+            f"a quantized tensor ({t.dtype}, {t.qscheme()}) cannot be stored: store t.dequantize(), or "
+            "t.int_repr() together with its scale and zero point (t.q_scale(), t.q_zero_point(); per channel: "
+            "t.q_per_channel_scales(), t.q_per_channel_zero_points(), t.q_per_channel_axis())")
+    if t.is_nested:
+        raise UnsupportedValueError("a nested tensor cannot be stored: store t.unbind() (a list of tensors), "
+                                    "or t.to_padded_tensor(0)")
+    if t.layout != torch.strided:
+        raise UnsupportedValueError(f"a torch tensor with layout {t.layout} cannot be stored: store t.to_dense()")
     if t.device.type == "meta":
         raise UnsupportedValueError("a meta tensor has no data to store")
     if str(t.dtype).removeprefix("torch.") not in dtypes.BY_TORCH_NAME:

@@ -84,6 +84,14 @@ class Storage(ABC):
         """This storage failing fast, for one-off checks; backends that retry override it."""
         return self
 
+    def stat_followed(self, path: str) -> FileInfo | None:
+        """:meth:`stat`, but a symlink at ``path`` itself is followed (stores without links: the same).
+
+        Only for the path a user gave (their ``latest -> step_00000100`` link); names inside a
+        checkpoint always go through :meth:`stat`, so a link there is seen and refused.
+        """
+        return self.stat(path)
+
     def recover(self, final: str) -> bool:
         """Put back a checkpoint a crash left mid-commit; True if it did."""
         return False

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from .._optional import optional
 from ..errors import CheckpointExistsError, MissingDependencyError, StorageError
 from ..format.manifest import MANIFEST_NAME
 from .base import FileInfo, Storage
@@ -64,17 +65,15 @@ class FsspecStorage(Storage):
     @classmethod
     def from_url(cls, url: str, **storage_options: Any) -> FsspecStorage:
         """A storage for ``url``'s protocol; ``storage_options`` go to fsspec (credentials, endpoint, ...)."""
-        try:
-            import fsspec  # type: ignore[import-untyped]
-        except ImportError as e:
-            raise MissingDependencyError("remote storage needs fsspec: pip install 'trainstate[s3]'") from e
         protocol = url.split("://", 1)[0]
+        with optional("fsspec", extra="s3", needed_for=f"{protocol}:// storage"):
+            import fsspec  # type: ignore[import-untyped]
         try:
             fs = fsspec.filesystem(protocol, **storage_options)
-        except ImportError as e:
+        except ImportError as e:  # fsspec's message names the package; the s3 extra covers only S3
             raise MissingDependencyError(
                 f"{protocol}:// needs an fsspec backend that is not installed ({e}); for S3: pip install "
-                "'trainstate[s3]'") from e
+                '"trainstate[s3]"') from e
         except ValueError as e:
             raise StorageError(errno.EINVAL, f"unknown storage protocol {protocol!r}: {e}") from e
         return cls(fs)

@@ -78,14 +78,10 @@ class LocalStorage(Storage):
         return pos
 
     def stat(self, path: str) -> FileInfo | None:
-        try:
-            st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as e:
-            raise StorageError(e.errno, f"cannot stat {path}: {e.strerror}") from e
-        regular = stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)
-        return FileInfo(st.st_size, stat.S_ISDIR(st.st_mode), regular, st.st_mtime)
+        return self._stat(path, follow=False)
+
+    def stat_followed(self, path: str) -> FileInfo | None:
+        return self._stat(path, follow=True)
 
     def list(self, path: str) -> list[str]:
         try:
@@ -205,6 +201,17 @@ class LocalStorage(Storage):
         raise OSError(err, os.strerror(err), str(b))
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _stat(path: str, *, follow: bool) -> FileInfo | None:
+        try:
+            st = os.stat(path, follow_symlinks=follow)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot stat {path}: {e.strerror}") from e
+        regular = stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)
+        return FileInfo(st.st_size, stat.S_ISDIR(st.st_mode), regular, st.st_mtime)
 
     @staticmethod
     def _guard(path: str, what: str, op: Callable[[], T]) -> T:
