@@ -268,3 +268,24 @@ def test_torch_checkpoint_without_importing_torch(tmp_path: Path) -> None:
     assert bias["name"] == "model.bias" and bias["max_abs_diff"] == pytest.approx(1.0)
     kinds = {t["name"]: t["kind"] for t in cli_json("inspect", str(a))["tensors"]}
     assert kinds == {"model.weight": "torch", "model.bias": "torch"}
+
+
+def test_ls_shows_pin_reasons_and_a_second_pin_says_it_changed_nothing(tmp_path):
+    with trainstate.CheckpointManager(tmp_path, every_steps=1) as mgr:
+        mgr.save(1, {"x": np.arange(3)})
+    first = cli("pin", str(tmp_path), "1", "--reason", "paper figure")
+    assert "pinned step_00000001" in first.stdout
+    again = cli("pin", str(tmp_path), "1", "--reason", "other")
+    assert "already pinned" in again.stdout and "not changed" in again.stdout
+    assert "paper figure" in cli("ls", str(tmp_path)).stdout
+
+
+def test_ls_marks_a_checkpoint_from_a_newer_trainstate(tmp_path):
+    from helpers import reseal_manifest
+
+    with trainstate.CheckpointManager(tmp_path, every_steps=1) as mgr:
+        mgr.save(1, {"x": np.arange(3)})
+        mgr.save(2, {"x": np.arange(3)})
+    reseal_manifest(tmp_path / "step_00000002", lambda b: b.update(format_version="2.0"))
+    assert "newer format" in cli("ls", str(tmp_path)).stdout
+    cli("inspect", str(tmp_path / "step_00000002"), code=5)

@@ -30,6 +30,7 @@ from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    FormatVersionError,
     IncompleteCheckpointError,
     StateMismatchError,
     StorageError,
@@ -46,8 +47,8 @@ EXIT_CODES = """
     2  usage error (bad arguments, or a path of the wrong kind)
     3  not found (no such file, directory, checkpoint or step)
     4  incomplete checkpoint (no manifest: its save never committed)
-    5  corrupt checkpoint (checksum mismatch, malformed manifest, newer format version);
-       also verify finding any damage
+    5  corrupt checkpoint (checksum mismatch, malformed manifest), or one written by a newer
+       trainstate (upgrade to read it); also verify finding any damage
     6  state mismatch
     7  storage error (I/O error, permission denied, disk full)
     8  other trainstate error (e.g. the directory is locked by a running CheckpointManager,
@@ -68,6 +69,7 @@ def exit_code(error: BaseException) -> int:
         (CheckpointNotFoundError, NOT_FOUND),
         (IncompleteCheckpointError, INCOMPLETE),
         (CorruptCheckpointError, CORRUPT),
+        (FormatVersionError, CORRUPT),  # not damage, but the same answer for scripts: cannot be read here
         (StateMismatchError, MISMATCH),
         (StorageError, STORAGE),
         (CheckpointError, OTHER),

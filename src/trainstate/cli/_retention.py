@@ -84,11 +84,18 @@ def _find(directory: str, step: int) -> CheckpointInfo:
 
 def pin(out: Printer, directory: str, step: int, reason: str) -> int:
     info = _find(directory, step)
-    CheckpointManager(directory, read_only=True).pin(step, reason)  # safe beside a running job
+    added = CheckpointManager(directory, read_only=True).pin(step, reason)  # safe beside a running job
+    kept = reason if added else info.pin_reason
     if out.json_mode:
-        out.json({"path": directory, "name": info.name, "step": step, "pinned": True, "reason": reason})
+        out.json({"path": directory, "name": info.name, "step": step, "pinned": True, "reason": kept,
+                  "changed": added})
         return OK
-    out.line(f"pinned {info.name}" + (f" ({reason})" if reason else ""))
+    if added:
+        out.line(f"pinned {info.name}" + (f" ({reason})" if reason else ""))
+    else:
+        note = f" (reason: {info.pin_reason})" if info.pin_reason else ""
+        change = "; its reason was not changed: unpin and pin again to change it" if reason != info.pin_reason else ""
+        out.line(f"{info.name} was already pinned{note}{change}")
     return OK
 
 

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from .. import open as open_checkpoint
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError
 from ..manager import CheckpointInfo, CheckpointManager
 from ..manager.naming import step_of
 from ..reader import Checkpoint
@@ -63,7 +63,8 @@ def _row(info: CheckpointInfo, path: str) -> dict[str, Any]:
     return {"name": info.name, "path": path, "step": info.step, "created": info.created,
             "created_iso": local_time(info.created), "modified": None, "nbytes": info.nbytes,
             "metrics": dict(info.metrics),
-            "epoch": info.epoch, "pinned": info.pinned, "status": "complete", "note": ""}
+            "epoch": info.epoch, "pinned": info.pinned, "pin_reason": info.pin_reason, "status": "complete",
+            "note": ""}
 
 
 def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -> dict[str, Any]:
@@ -79,7 +80,8 @@ def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -
     except StorageError:
         pass
     return {"name": name, "path": path, "step": step, "created": None, "created_iso": "", "modified": modified,
-            "nbytes": nbytes, "metrics": {}, "epoch": None, "pinned": False, "status": status, "note": note}
+            "nbytes": nbytes, "metrics": {}, "epoch": None, "pinned": False, "pin_reason": "", "status": status,
+            "note": note}
 
 
 def _probe(backend: Storage, name: str, path: str) -> dict[str, Any] | None:
@@ -92,6 +94,8 @@ def _probe(backend: Storage, name: str, path: str) -> dict[str, Any] | None:
         return _other_row(backend, name, path, "incomplete", "no manifest")
     except CorruptCheckpointError as e:
         return _other_row(backend, name, path, "corrupt", " ".join(str(e).split()))
+    except FormatVersionError as e:
+        return _other_row(backend, name, path, "newer format", " ".join(str(e).split()))
     except CheckpointNotFoundError:
         return None  # deleted meanwhile
 
@@ -157,9 +161,9 @@ def ls(out: Printer, path: str) -> int:
               title=f"checkpoints in {path}" if kind == "directory" else None)
     for r in rows:
         status = r["status"] if not r["note"] else f"{r['status']}: {clip(r['note'], 70)}"
-        style = {"incomplete": "yellow", "corrupt": "red"}.get(r["status"])
+        style = {"incomplete": "yellow", "corrupt": "red", "newer format": "magenta"}.get(r["status"])
         t.add(r["name"], "" if r["step"] is None else r["step"], r["created_iso"], size(r["nbytes"]),
-              metrics_text(r["metrics"]), "yes" if r["pinned"] else "", status, style=style)
+              metrics_text(r["metrics"]), _pin_text(r), status, style=style)
     out.table(t)
     complete = [r for r in rows if r["status"] == "complete"]
     others = {s: sum(r["status"] == s for r in rows) for s in ("incomplete", "corrupt")}
@@ -220,3 +224,9 @@ def inspect(out: Printer, path: str, pattern: str | None) -> int:
     out.line(f"{shown}, {size(tensor_bytes)} ({tensor_bytes} bytes)")
     return 0
 
+
+
+def _pin_text(row: dict[str, Any]) -> str:
+    if not row["pinned"]:
+        return ""
+    return clip(row["pin_reason"], 30) if row.get("pin_reason") else "yes"
