@@ -114,7 +114,7 @@ def test_a_full_disk_while_writing_the_lock_is_a_storage_error(tmp_path):
         with trainstate.CheckpointManager(mnt / "run"):  # nothing was left held
             pass
     finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # lazy: even if a leaked fd holds it
 
 
 _CTRL_C_SCRIPT = textwrap.dedent("""
