@@ -54,7 +54,7 @@ def test_without_the_rng_fix_the_run_diverges(tmp_path, monkeypatch):
 RECIPE = __import__("pathlib").Path(__file__).with_name("resume_recipe.py")
 
 
-def _run(args: list[str]) -> "subprocess.CompletedProcess[str]":
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     import subprocess
     import sys
 

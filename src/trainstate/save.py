@@ -11,10 +11,10 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
-from collections.abc import Iterator
 from typing import Any
 
 from . import tree

@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 
 import pytest
-
 from tools.reliability import concurrency, crash, faults
 
 

@@ -17,19 +17,14 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from tools.reliability import fuzz  # the repository root is on sys.path (pyproject: pythonpath)
 
 import trainstate
-from tools.reliability import fuzz
 
 MANIFEST = fuzz.MANIFEST
 

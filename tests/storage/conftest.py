@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from tools.s3_server import AWS_ISOLATION, S3_KEY, S3_REGION, S3_SECRET, MotoServer  # noqa: F401 (re-exported)
+
 from trainstate.storage import LocalStorage, Storage
 
 BACKENDS = ("local", "memory", "s3")

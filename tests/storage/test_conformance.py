@@ -18,12 +18,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_same
 
 import trainstate
-from trainstate.manager import catalog
+from helpers import assert_same
 from trainstate.errors import StorageError
 from trainstate.format.manifest import MANIFEST_NAME
+from trainstate.manager import catalog
 from trainstate.storage import FileInfo, Storage
 
 from .conftest import Backend

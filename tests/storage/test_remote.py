@@ -16,17 +16,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_same
 
 import trainstate
 import trainstate.storage
+from helpers import assert_same
 from trainstate.errors import StorageError
 from trainstate.format.manifest import MANIFEST_NAME
 
 from .conftest import BUCKET, S3_REGION, MotoServer
 
 fsspec = pytest.importorskip("fsspec")
-from trainstate.storage.fsspec import FsspecStorage
+from trainstate.storage.fsspec import FsspecStorage  # noqa: E402 - only once fsspec is known to exist
 
 
 class _FlakyFile:

@@ -10,11 +10,16 @@ import re
 from typing import Any
 
 from .. import open as open_checkpoint
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompleteCheckpointError,
+    StorageError,
+)
 from ..manager import CheckpointInfo, CheckpointManager
 from ..manager.naming import step_of
 from ..reader import Checkpoint
-from ..errors import StorageError
 from ..storage import LocalStorage, Storage, is_staging_name, resolve
 from . import UsageError, _values
 from ._output import Printer, Table, clip, local_time, metrics_text, short, size

@@ -15,6 +15,7 @@ from . import CORRUPT, OK
 from ._output import Printer, Progress, Table, size
 from ._show import open_ckpt
 
+
 def verify(out: Printer, path: str) -> int:
     start = time.perf_counter()
     errors: list[dict[str, Any]] = []

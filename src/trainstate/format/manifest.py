@@ -16,8 +16,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptCheckpointError, FormatVersionError
 from .. import tree
+from ..errors import CorruptCheckpointError, FormatVersionError
 from . import checksum, dtypes
 
 FORMAT_NAME = "trainstate"

@@ -51,7 +51,7 @@ class LocalStorage(Storage):
                 view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
                 pos = 0
                 while pos < len(view):
-                    pos += self._guard(path, "write", lambda: self._write(fd, view[pos : pos + _MAX_IO]))
+                    pos += self._guard(path, "write", lambda: self._write(fd, view[pos : pos + _MAX_IO]))  # noqa: B023 - called at once
                 written += pos
             if fsync:
                 self._guard(path, "fsync", lambda: self._fsync(fd))
