@@ -201,22 +201,38 @@ def test_a_failed_async_save_of_a_step_can_be_saved_again(tmp_path):
 # -- 6. a reported pin is never deleted -------------------------------------------------------------------
 
 
-def test_a_pin_found_after_the_retention_plan_wins(tmp_path):
-    mgr = trainstate.CheckpointManager(tmp_path, every_steps=1, keep_last=1)
+@pytest.fixture(params=["local", "memory"])
+def any_storage(request, tmp_path):
+    """A local directory (deletes by rename) or an fsspec memory store (no rename: deletes by un-commit)."""
+    if request.param == "local":
+        return str(tmp_path), None
+    fsspec = pytest.importorskip("fsspec")
+    from trainstate.storage.fsspec import FsspecStorage
+
+    fs = fsspec.filesystem("memory")
+    fs.store.clear()
+    return "memory://run", FsspecStorage(fs)
+
+
+def test_a_pin_taken_after_the_retention_plan_wins(any_storage):
+    root, storage = any_storage
+    mgr = trainstate.CheckpointManager(root, every_steps=1, keep_last=1, storage=storage)
     mgr.save(1, small_state(1))
-    real_delete = mgr.catalog.storage.delete
+    backend = mgr.catalog.storage
     pinned = []
 
-    def pin_then_delete(path):  # another process pins step 1 just as retention starts deleting it
-        if path.endswith("manifest.json") and not pinned:
-            pinned.append(trainstate.CheckpointManager(tmp_path, read_only=True).pin(1, "keep"))
-        real_delete(path)
+    def pin_now():  # another process pins step 1 just as retention starts taking it away
+        if not pinned:
+            pinned.append(trainstate.CheckpointManager(root, read_only=True, storage=storage).pin(1, "keep"))
 
-    mgr.catalog.storage.delete = pin_then_delete  # type: ignore[method-assign]
+    real_hide, real_delete = backend.hide, backend.delete
+    backend.hide = lambda path: (pin_now(), real_hide(path))[1]  # type: ignore[method-assign]
+    backend.delete = lambda path: (path.endswith("manifest.json") and pin_now(), real_delete(path))[1]  # type: ignore[method-assign]
     mgr.save(2, small_state(2))
     mgr.close()
     assert pinned == [True]
-    assert (tmp_path / "step_00000001" / "manifest.json").exists()
+    with trainstate.CheckpointManager(root, read_only=True, storage=storage) as ro:
+        assert [c.step for c in ro.list()] == [1, 2] and ro.list()[0].pinned
 
 
 def test_pins_beside_a_pruning_job_are_never_lost(tmp_path):

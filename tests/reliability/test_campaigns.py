@@ -43,5 +43,5 @@ def test_a_real_filesystem_filling_up(mode):
 
 
 def test_concurrent_managers_and_readers():
-    for row in concurrency.run(saves=60):
+    for row in concurrency.run(saves=60, restarts=2):
         _clean(row)

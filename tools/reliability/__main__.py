@@ -61,7 +61,7 @@ def collect(quick: bool) -> list[tuple[str, list[Row], float]]:
         ("Disk full and I/O errors", lambda: faults.run(quick=quick)),
         ("Corruption", lambda: corruption.run(trials=1000 if quick else 5000)),
         ("Hostile checkpoints", lambda: fuzz.run(examples=300 if quick else 2000)),
-        ("Concurrency", lambda: concurrency.run(saves=100 if quick else 300)),
+        ("Concurrency", lambda: concurrency.run(saves=100 if quick else 300, restarts=3 if quick else 10)),
     ]:
         start = time.perf_counter()
         rows = fn()

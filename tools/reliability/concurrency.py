@@ -1,4 +1,5 @@
-"""Concurrency: a second manager on a directory is refused; readers never see a partial checkpoint.
+"""Concurrency: a second manager on a directory is refused; readers never see a partial checkpoint;
+pins taken beside a pruning job are never deleted; a restart right after a SIGKILL is not refused.
 
 A writer process saves continuously with retention deleting old checkpoints while this process lists,
 opens and restores whatever it finds. The only acceptable failure for a reader is
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import trainstate
 
-from .common import Row, check_numpy_state, print_rows, spawn
+from .common import REPO, Row, check_numpy_state, print_rows, spawn
 
 WRITER = r"""
 import sys
@@ -83,11 +84,85 @@ def readers_during_saves(work: Path, mode: str, saves: int) -> Row:
     return row
 
 
-def run(saves: int = 300) -> list[Row]:
+def pins_beside_retention(work: Path, saves: int) -> Row:
+    """Another process pins the newest checkpoint over and over while the job prunes with keep_last=2."""
+    root = work / "pins"
+    row = Row("pins taken beside a job pruning with keep_last=2", 0, 0, "reported pins kept")
+    proc = _writer(root, saves, "sync")
+    reader = trainstate.CheckpointManager(root, read_only=True)
+    reported, refused = [], 0
+    try:
+        while proc.poll() is None:
+            latest = reader.latest()
+            if latest is None:
+                continue
+            try:
+                if reader.pin(latest.step, "campaign"):
+                    reported.append(latest.step)
+            except trainstate.CheckpointNotFoundError:
+                refused += 1  # deleted before the pin took, and reported as such
+    finally:
+        proc.wait()
+    for step in reported:
+        row.trials += 1
+        if (root / f"step_{step:08d}" / "manifest.json").exists():
+            row.passed += 1
+        else:
+            row.notes.append(f"step {step}: pin reported, checkpoint deleted")
+    row.notes.insert(0, f"{refused} pins were refused because retention deleted the checkpoint first")
+    return row
+
+
+RESTARTER = r"""
+import sys, time, torch, trainstate
+from torch.utils.data import DataLoader
+mgr = trainstate.CheckpointManager(sys.argv[1], every_steps=1)
+loader = DataLoader(list(range(64)), batch_size=4, num_workers=2, persistent_workers=True)
+it = iter(loader); next(it)
+mgr.save(int(sys.argv[2]), {"w": torch.ones(3)})
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def restart_after_sigkill(work: Path, trials: int) -> Row:
+    """SIGKILL a trainer whose DataLoader workers live on, then start a manager at once."""
+    import os
+    import signal
+    import sys
+
+    import torch
+
+    row = Row("restart at once after SIGKILL, DataLoader workers still alive", 0, 0, "restarts accepted")
+    root = work / "restart"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for trial in range(trials):
+        proc = subprocess.Popen([sys.executable, "-c", RESTARTER, str(root), str(trial)], stdout=subprocess.PIPE,
+                                text=True, env=env, start_new_session=True)
+        row.trials += 1
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            os.kill(proc.pid, signal.SIGKILL)  # the workers are orphaned, not killed
+            proc.wait()
+            with trainstate.CheckpointManager(root) as mgr:
+                if mgr.restore_latest({"w": torch.zeros(3)}) == trial + 1:
+                    row.passed += 1
+        except trainstate.CheckpointError as e:
+            row.notes.append(f"trial {trial}: {e}")
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return row
+
+
+def run(saves: int = 300, restarts: int = 10) -> list[Row]:
     work = Path(tempfile.mkdtemp(prefix="trainstate-concurrency-"))
     try:
         return [second_manager_refused(work), readers_during_saves(work, "sync", saves),
-                readers_during_saves(work, "async", saves)]
+                readers_during_saves(work, "async", saves), pins_beside_retention(work, saves * 3),
+                restart_after_sigkill(work, restarts)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

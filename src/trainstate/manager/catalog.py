@@ -159,17 +159,27 @@ class Catalog:
     def delete(self, name: str) -> bool:
         """Delete a checkpoint for retention unless it is pinned; True if it was deleted.
 
-        Un-commit first (remove the manifest, keeping its bytes), then look for a pin: a pin written
-        before that look is seen and the manifest is put back; a pin written after it finds no manifest
-        and is not reported as a success (see :meth:`pin`). Either way a reported pin survives.
+        First take it out of sight — one rename where the storage has one, else remove the manifest
+        (keeping its bytes) — then look for a pin: a pin written before that look is seen and the
+        checkpoint is put back; a pin written after it finds no committed checkpoint and is not
+        reported as a success (see :meth:`pin`). Either way a reported pin survives, and readers see the
+        checkpoint whole or not at all.
         """
         if naming.step_of(name) is None:
             raise CheckpointError(f"refusing to delete {name!r}: not a name this manager makes")
         self._cache.pop(name, None)
-        manifest = self.storage.join(self.path(name), MANIFEST_NAME)
-        info = self.storage.stat(manifest)
+        path = self.path(name)
         if self.is_pinned(name):
             return False
+        hidden = self.storage.hide(path)
+        if hidden is not None:
+            if self.storage.stat(self.storage.join(hidden, PIN_FILE)) is not None:
+                self.storage.unhide(hidden, path)
+                return False
+            self.storage.delete(hidden)
+            return True
+        manifest = self.storage.join(path, MANIFEST_NAME)
+        info = self.storage.stat(manifest)
         if info is not None:
             raw = bytearray(info.size)
             got = self.storage.read_into(manifest, 0, memoryview(raw))
@@ -177,7 +187,7 @@ class Catalog:
             if self.is_pinned(name):
                 self.storage.write(manifest, [memoryview(raw)[:got]], fsync=True)
                 return False
-        self.storage.delete(self.path(name))
+        self.storage.delete(path)
         return True
 
     def sweep(self) -> builtins.list[str]:

@@ -92,6 +92,18 @@ class Storage(ABC):
         """
         return self.stat(path)
 
+    def hide(self, path: str) -> str | None:
+        """Move a checkpoint directory out of sight in one atomic step; returns where it went.
+
+        None where the backend cannot rename (object stores): callers then un-commit by removing the
+        manifest instead. Readers see the checkpoint whole, or not at all.
+        """
+        return None
+
+    def unhide(self, hidden: str, path: str) -> None:
+        """Put a checkpoint moved away by :meth:`hide` back where it was."""
+        raise NotImplementedError
+
     def recover(self, final: str) -> bool:
         """Put back a checkpoint a crash left mid-commit; True if it did."""
         return False

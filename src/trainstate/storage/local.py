@@ -148,6 +148,20 @@ class LocalStorage(Storage):
             mm.madvise(mmap.MADV_SEQUENTIAL)  # tensors are mostly read front to back
         return mm
 
+    def hide(self, path: str) -> str | None:
+        p = Path(path)
+        hidden = p.parent / f".{p.name}.del-{uuid.uuid4().hex[:12]}"
+        try:
+            self._rename(p, hidden)
+        except FileNotFoundError:
+            return None if not p.exists() else str(hidden)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot move {path} aside: {e.strerror}") from e
+        return str(hidden)
+
+    def unhide(self, hidden: str, path: str) -> None:
+        self._guard(path, "rename", lambda: self._rename(Path(hidden), Path(path)))
+
     def recover(self, final: str) -> bool:
         target = Path(final)
         if target.exists():
