@@ -54,6 +54,31 @@ EXPLAIN = """## What each campaign checks
 """
 
 
+DEFECTS = """## Defects found by using trainstate as its users do, and where each was fixed
+
+Each row was a way to lose work, resume wrongly or get the wrong error; each has a regression test that
+failed before its fix (the test named in the last column).
+
+| # | defect | fixed at the root by | regression test |
+|---|---|---|---|
+| 1 | "newest" came from the wall clock: a host with a clock behind had its new saves deleted by keep_last | commit sequence numbers (highest + 1) order checkpoints; `every_seconds` uses a monotonic clock; a non-finite `created` is refused | `tests/manager/test_never_lose_work.py::test_a_host_whose_clock_is_behind_keeps_its_new_saves`, `::test_a_non_finite_created_time_is_refused` |
+| 2 | a checkpoint from a newer trainstate was skipped as damage and later saved over | `FormatVersionError` is no longer a `CorruptCheckpointError`; the manager refuses to start beside one | `::test_a_checkpoint_from_a_newer_trainstate_stops_the_manager` |
+| 3 | every checkpoint damaged: `restore_latest` returned None over a half-restored state; re-sealed hostile manifests raised raw TypeError / KeyError | one tree validator at manifest parse time (grammar and depth); `restore_latest` falls back past any `CheckpointError` and raises a list of each failure | `::test_restore_latest_falls_back_past_a_resealed_hostile_manifest`, `::test_when_every_checkpoint_is_damaged_restore_latest_says_so`, `::test_a_checkpoint_failing_mid_read_is_followed_by_a_complete_restore` |
+| 4 | `restore_latest` skipped the data-file header checks `load` made | one load function (`restore.load_from`) for `load`, `open().load()` and the manager | `::test_load_and_restore_latest_check_data_file_headers_alike` |
+| 5 | after ENOSPC, `save(step)` returned False and `close(step, state)` wrote nothing; a stale async error stopped the preemption save | a step counts as saved only once committed (a failed async save gives it back); preemption and final saves are written before an older error is raised | `::test_after_a_full_disk_the_same_step_saves_again`, `::test_close_writes_the_final_step_after_a_failed_save_of_it`, `::test_a_stale_async_error_does_not_stop_the_preemption_save`, `::test_a_failed_async_save_of_a_step_can_be_saved_again` |
+| 6 | a pin reported as taken could be deleted by retention (25 of 1,667); an object-store reader beside retention crashed with StorageError(ENOENT) | retention hides a checkpoint (one rename, or un-committing its manifest) and then looks for a pin; a pin is reported only once the checkpoint is still committed; the reader turns a file gone mid-read into `CheckpointNotFoundError`, which `restore_latest` falls back past | `::test_a_pin_taken_after_the_retention_plan_wins`, `::test_pins_beside_a_pruning_job_are_never_lost`, campaign "pins taken beside a job pruning" below |
+| 9 | a restart right after SIGKILL was refused while forked DataLoader workers held the lock (also after `close()`) | forked children close their copy of the lock descriptor at once (`os.register_at_fork`) | `tests/manager/test_lifecycle.py::test_a_restart_right_after_sigkill_is_not_refused_by_orphaned_workers`, `::test_close_with_persistent_workers_alive_frees_the_directory`, campaign "restart at once after SIGKILL" below |
+| 10 | a dropped manager, a failing constructor or a full disk at the lock file left the lock held and the signal handlers installed (Ctrl-C swallowed); a raw OSError | arguments checked before anything is acquired; everything acquired is released on failure and by a finalizer; lock-file errors are `StorageError` | `::test_a_dropped_manager_gives_back_its_lock_and_signal_handlers`, `::test_a_constructor_that_fails_leaves_no_lock_and_no_handlers`, `::test_a_full_disk_while_writing_the_lock_is_a_storage_error` |
+| 11 | a second Ctrl-C was swallowed while waiting for an async save | waiting catches only `Exception`; closed watchers forward signals to the previous handler | `::test_a_second_ctrl_c_interrupts_while_an_async_save_is_in_flight` |
+| 12 | `np.float32` metrics, `np.int64` steps and `loss.detach()` were refused or stored wrongly; errors did not name the key | `manager/arguments.py` converts NumPy scalars and one-element tensors once and names the key in every error | `tests/manager/test_never_lose_work.py::test_numpy_and_torch_scalars_are_accepted_for_step_epoch_and_metrics`, `::test_bad_save_arguments_name_their_key` |
+| 13 | a saved plain value replaced a live object (`"ema": None` over an `AveragedModel`) | the planner reports it as a mismatch | `tests/test_restore_rules.py::test_a_saved_plain_value_never_replaces_a_live_object` |
+| 14 | `load(path, include=...)` without a target ignored the patterns | no-target loads go through the same planner | `::test_load_without_target_honours_include_and_exclude` |
+| 15 | a 101-deep state saved, committed and never opened | one depth rule, counted the same by the writer and the validator | `::test_what_saves_also_opens_at_the_depth_limit`, `::test_a_stateful_chain_counts_levels_like_containers` |
+| 16 | a user key `_rng` was overwritten by the manager's RNG capture | refused with what to do | `tests/manager/test_never_lose_work.py::test_a_user_key_named_rng_is_never_overwritten` |
+| 21 | argument mistakes were plain ValueErrors; assorted wrong texts | `InvalidArgumentError` (a `CheckpointError`, `ValueError` and `TypeError`); see the list in the tests | `::test_bad_manager_arguments_are_checkpoint_errors_and_take_nothing`, `::test_a_bad_step_is_a_checkpoint_error`, `::test_configuration_is_fixed_after_construction`, `tests/test_optional_dependencies.py`, `tests/test_paths.py`, `tests/test_errors.py`, `tests/cli/test_cli.py::test_help_works_without_docstrings`, `::test_ls_shows_pin_reasons_and_a_second_pin_says_it_changed_nothing` |
+"""
+
+
 def collect(quick: bool) -> list[tuple[str, list[Row], float]]:
     sections = []
     for title, fn in [
@@ -86,7 +111,7 @@ def render(sections: list[tuple[str, list[Row], float]]) -> str:
                 lines.append(f"  - {row.campaign}: {note}")
             if len(row.notes) > 8:
                 lines.append(f"  - {row.campaign}: ... {len(row.notes) - 8} more")
-    return "\n".join(lines) + "\n\n" + EXPLAIN
+    return "\n".join(lines) + "\n\n" + DEFECTS + "\n" + EXPLAIN
 
 
 def main() -> None:
