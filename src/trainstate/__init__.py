@@ -34,7 +34,7 @@ from .tree import Stateful
 
 __version__ = "0.1.0"
 
-_LAZY = {"ResumableSampler": "trainstate.data"}  # these import torch: only on first use
+_LAZY = {"ResumableSampler": "trainstate.data", "seed_per_sample": "trainstate.data"}  # these import torch: only on first use
 
 
 def __getattr__(name: str) -> object:
@@ -75,4 +75,5 @@ __all__ = [
     "load",
     "open",
     "save",
+    "seed_per_sample",
 ]

@@ -1,4 +1,4 @@
-"""The data position: a resumable sampler for plain DataLoaders, and the RNG trap at iterator start.
+"""The data position: a resumable sampler for plain DataLoaders, per-sample seeding, and the RNG trap.
 
 Starting a DataLoader iterator draws a base seed from torch's global RNG (a resumed StatefulDataLoader's
 too). An uninterrupted run drew it at the start of the epoch; a resumed run draws it again mid-epoch,
@@ -8,24 +8,36 @@ back to the restored state. The natural loop — restore, then ``for batch in lo
 
 Plain DataLoader users get :class:`ResumableSampler`: a per-epoch permutation from ``(seed, epoch)``
 that knows how many samples the loop has really consumed (not how many workers prefetched) and, on
-resume, starts the iterator with the same base seed the interrupted epoch had, so worker-side randomness
-repeats too.
+resume, starts the iterator with the same base seed the interrupted epoch had.
+
+Randomness inside ``Dataset.__getitem__`` (augmentation, token masking) is seeded per sample
+(:mod:`trainstate.seeding`): right before ``dataset[index]`` Python's ``random``, NumPy's global generator
+and torch's CPU generator are seeded from the sample's (seed, epoch, index), in worker processes and with
+``num_workers=0`` alike. This replaces torch's per-worker streams, whose draws depended on which worker
+served a sample and what it served before — which a resume cannot reproduce. A loader attached to a
+ResumableSampler gets it from ``attach()``; any other map-style loader (torchdata's StatefulDataLoader) from
+:func:`seed_per_sample`, called before its first epoch in every run.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sized
-from typing import Any
+from typing import Any, TypeVar
 
 from ._optional import optional
 
 with optional("torch", extra="torch", needed_for="trainstate.data (ResumableSampler)"):
     import torch
-    from torch.utils.data import DataLoader, Sampler
+    from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+from . import seeding
+from .errors import CheckpointError
 
 log = logging.getLogger("trainstate")
 _HOOK = "_get_iterator"
+_BASE_SEED = "_base_seed"  # the key torchdata's multi-process state keeps it under; trainstate adds it for 0 workers
+L = TypeVar("L", bound=DataLoader[Any])
 
 
 class ResumableSampler(Sampler[int]):
@@ -35,6 +47,9 @@ class ResumableSampler(Sampler[int]):
         data_source: the dataset, or its length.
         shuffle: a fresh permutation each epoch, drawn from ``seed + epoch`` (never the global RNG).
         seed: the shuffle seed.
+
+    Once attached, it yields indices that carry their sample's seed (``int`` subclasses), and the loader's
+    dataset sees each sample with the global generators seeded from (``seed``, epoch, index).
 
     Example:
         >>> sampler = trainstate.ResumableSampler(dataset, seed=0)
@@ -55,7 +70,7 @@ class ResumableSampler(Sampler[int]):
         self._resume_rng: torch.Tensor | None = None
 
     def attach(self, loader: DataLoader[Any]) -> DataLoader[Any]:
-        """Count what ``loader`` actually hands to the loop; returns the loader."""
+        """Count what ``loader`` actually hands to the loop and seed its samples; returns the loader."""
         if loader.sampler is not self and getattr(loader.batch_sampler, "sampler", None) is not self:
             raise ValueError("attach() takes the DataLoader built with this sampler")
         size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
@@ -65,7 +80,7 @@ class ResumableSampler(Sampler[int]):
         self._batch_size = size
         self._loader = loader
         _hooks(loader).counter = self
-        return loader
+        return seed_per_sample(loader)
 
     @property
     def consumed(self) -> int:
@@ -79,7 +94,11 @@ class ResumableSampler(Sampler[int]):
         return torch.randperm(self.n, generator=g).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._order()[self._start :])
+        order = self._order()[self._start :]
+        if self._loader is None:
+            return iter(order)
+        key = seeding.epoch_seed(self.seed, self.epoch)
+        return (seeding.SeededIndex(i, seeding.sample_seed(key, i)) for i in order)
 
     def __len__(self) -> int:
         return self.n - self._start
@@ -128,24 +147,28 @@ class _Hooks:
         self.counter: ResumableSampler | None = None
         self.base_seed_rng: torch.Tensor | None = None
         self.after_start: list[Callable[[], None]] = []
+        self.seed_samples = False
 
     def __call__(self) -> Any:
         loader = self.loader
         if self.counter is not None:
             self.counter._iterator_starting()
-        source = loader.generator
+        source, user_init = loader.generator, loader.worker_init_fn
         loader_rng = (source.get_state() if source is not None else torch.get_rng_state())
+        restored = getattr(loader, "next_iter_state", None)  # a StatefulDataLoader's state to resume from
         if self.base_seed_rng is not None:  # resume: draw the base seed the interrupted epoch drew
             replay = torch.Generator()
             replay.set_state(self.base_seed_rng)
             loader.generator, self.base_seed_rng = replay, None
             loader_rng = replay.get_state()
-            try:
-                it = self.original()
-            finally:
-                loader.generator = source
-        else:
+        if self.seed_samples and loader.num_workers > 0:
+            loader.worker_init_fn = seeding.SeedingWorkerInit(user_init)
+        try:
             it = self.original()
+        finally:
+            loader.generator, loader.worker_init_fn = source, user_init
+        if self.seed_samples and loader.num_workers == 0:
+            _seed_in_this_process(it, restored)
         callbacks, self.after_start = self.after_start, []
         for callback in callbacks:
             callback()
@@ -177,6 +200,58 @@ class _CountingIterator:
 
     def __getattr__(self, name: str) -> Any:  # _reset, _finished, ... for persistent workers
         return getattr(self._it, name)
+
+
+def _seed_in_this_process(it: Any, restored: Any) -> None:
+    """Seed per sample in the training process; keep the base seed in a stateful iterator's state.
+
+    torchdata keeps ``_base_seed`` in a multi-process loader's state only (it seeds the workers); without
+    workers the resumed iterator would draw another one, and the rest of the epoch other sample seeds.
+    """
+    if isinstance(restored, dict) and isinstance(restored.get(_BASE_SEED), int):
+        it._base_seed = restored[_BASE_SEED]
+    it._dataset_fetcher = seeding.seeding_fetcher(it._dataset_fetcher, it._base_seed)
+    if callable(getattr(it, "state_dict", None)):
+        it.state_dict = _StateWithBaseSeed(it.state_dict, it._base_seed)
+
+
+class _StateWithBaseSeed:
+    def __init__(self, state_dict: Callable[[], dict[str, Any]], base_seed: int) -> None:
+        self.state_dict, self.base_seed = state_dict, base_seed
+
+    def __call__(self) -> dict[str, Any]:
+        return {**self.state_dict(), _BASE_SEED: self.base_seed}
+
+
+def seed_per_sample(loader: L) -> L:
+    """Seed the randomness of each sample ``loader`` fetches from (epoch seed, index); returns the loader.
+
+    Before each ``dataset[index]`` — in worker processes, or in this process with ``num_workers=0`` —
+    Python's ``random``, NumPy's global generator and torch's CPU generator are seeded for that sample, so
+    its augmentation no longer depends on which worker served it, and a resumed run draws the same numbers.
+    The epoch seed is the iterator's base seed, which a StatefulDataLoader saves with its state.
+    ``ResumableSampler.attach()`` calls this itself. Call it on a new loader, before its first epoch, in the
+    uninterrupted run and in the resumed one alike.
+
+    Raises:
+        CheckpointError: an iterable dataset (no index to seed from), or persistent workers without a
+            ResumableSampler (the base seed is drawn once for all epochs: every epoch would repeat).
+
+    Example:
+        >>> loader = trainstate.seed_per_sample(StatefulDataLoader(ds, batch_size=32, shuffle=True,
+        ...                                                        num_workers=2))
+    """
+    if isinstance(loader.dataset, IterableDataset):
+        raise CheckpointError(f"seed_per_sample needs a map-style dataset (samples fetched by index), found "
+                              f"the iterable dataset {type(loader.dataset).__name__}: seed its iterator yourself")
+    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    if loader.persistent_workers and loader.num_workers > 0 and not isinstance(sampler, ResumableSampler):
+        raise CheckpointError(
+            "seed_per_sample cannot tell the epochs of persistent_workers=True apart (their base seed is drawn "
+            "once, and no epoch count reaches the workers): use persistent_workers=False, or a DataLoader with "
+            "trainstate.ResumableSampler, whose indices carry (seed, epoch) to persistent workers")
+    _hooks(loader).seed_samples = True
+    return loader
 
 
 def _hooks(loader: DataLoader[Any]) -> _Hooks:
