@@ -296,7 +296,15 @@ class Checkpoint:
             with self._mapped(mm, file, offset, offset + len(view)) as src:
                 view[:] = src
             return
-        got = self.storage.read_into(self._file(file), offset, view)
+        try:
+            got = self.storage.read_into(self._file(file), offset, view)
+        except StorageError as e:
+            if e.errno == errno.ENOENT:  # retention, a user, or an overwrite's cleanup removed it meanwhile
+                raise CheckpointNotFoundError(
+                    f"{self.path} was deleted while it was being read: its data file {file} is gone (deleted, "
+                    "or dropped by an overwrite of the checkpoint). Open it again, or load another checkpoint"
+                ) from e
+            raise
         if got != len(view):
             raise CorruptCheckpointError(f"{file} ended before byte {offset + len(view)}")
 
