@@ -8,13 +8,13 @@ manifest still points at the old files, which were not touched). After the commi
 manifest does not name are deleted; a failed save deletes what it wrote the same way.
 
 Reads are byte ranges (``cat_file(start, end)``), so opening a checkpoint fetches only its manifest and
-reading one tensor fetches only that tensor. A large range is fetched as parts of 8 MiB to ``part_size``, up to
-``read_parallelism`` at once and together about 1/8 of the range, each copied into the caller's buffer as
-it lands: reading a chunk holds that one buffer, never a second whole copy of it. Files are uploaded in
-parts of ``part_size`` bytes, and several files go up at once (the saver spreads tensors over many files for remote stores). Transient
-errors (connection resets, timeouts, throttling) are retried with exponential backoff. Credentials come
-from where fsspec and the store's SDK look (environment, config files, ``storage_options``), never from
-the checkpoint.
+reading one tensor fetches only that tensor. A large range is fetched as parts of 8 MiB up to
+``part_size``, up to ``read_parallelism`` at once and together about 1/8 of the range, each copied into
+the caller's buffer as it lands: reading a chunk holds that one buffer, never a second whole copy of it.
+Files are uploaded in parts of ``part_size`` bytes, and several files go up at once (the saver spreads
+tensors over many files for remote stores). Transient errors (connection resets, timeouts, throttling)
+are retried with exponential backoff. Credentials come from where fsspec and the store's SDK look
+(environment, config files, ``storage_options``), never from the checkpoint.
 """
 
 from __future__ import annotations
