@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,3 +167,78 @@ def test_a_damaged_tensor_never_reaches_the_live_state(tmp_path):
     with pytest.raises(trainstate.CorruptCheckpointError, match="(?s)model.weight.*partly restored"):
         trainstate.load(tmp_path / "c", {"model": target})
     assert bool((target.weight == 7.0).all())  # untouched, not half-overwritten with damaged bytes
+
+
+_TRUNCATE_WHILE_OPEN = """
+import os, sys
+import numpy as np
+import trainstate
+
+path, how = sys.argv[1], sys.argv[2]
+data = os.path.join(path, "data-00000.safetensors")
+
+
+class Part:
+    \"\"\"A stateful part of the target. With cut=True its state_dict() truncates the data file: a
+    truncation that lands after the load opened the checkpoint and before it reads the tensors.\"\"\"
+
+    def __init__(self, cut=False):
+        self.w, self.cut = np.zeros(1 << 18, dtype=np.float32), cut
+
+    def state_dict(self):
+        if self.cut:
+            os.truncate(data, 4096)
+        return {"w": self.w}
+
+    def load_state_dict(self, state):
+        pass
+
+
+try:
+    if how == "load-during":
+        trainstate.load(path, {"big": Part(cut=True), "small": np.zeros(8, dtype=np.int64)})
+    else:
+        ck = trainstate.open(path)
+        os.truncate(data, 4096)  # mid-tensor: the file now ends inside "big"
+        if how == "read":
+            ck.read("big.w")
+        elif how == "read-unverified":
+            ck.read("big.w", verify=False).sum()
+        elif how == "read-torch":
+            ck.read("big.w", framework="torch")
+        elif how == "read_into":
+            ck.read_into("big.w", np.zeros(1 << 18, dtype=np.float32))
+        elif how == "verify":
+            ck.verify()
+        elif how == "load":
+            trainstate.load(path, {"big": Part(), "small": np.zeros(8, dtype=np.int64)})
+except trainstate.CorruptCheckpointError as e:
+    print("CorruptCheckpointError:", e)
+    sys.exit(0)
+print("no error")
+sys.exit(3)
+"""
+
+
+class _Part:
+    def state_dict(self):
+        return {"w": np.arange(1 << 18, dtype=np.float32)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("how", ["read", "read-unverified", "read-torch", "read_into", "verify", "load",
+                                 "load-during"])
+def test_a_data_file_truncated_while_open_is_corrupt_not_a_crash(tmp_path, how):
+    """Reads go through a memory map made at open; touching it past a file's new end is SIGBUS, which
+    kills the process. Run in a child so a crash shows up as a failure here, not as a dead pytest."""
+    pytest.importorskip("torch")
+    path = tmp_path / "c"
+    trainstate.save(path, {"big": _Part(), "small": np.arange(8, dtype=np.int64)}, threads=1)
+    src = str(Path(trainstate.__file__).parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRUNCATE_WHILE_OPEN), str(path), how],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode} (-7 is SIGBUS)\n{proc.stdout}{proc.stderr}"
+    assert "data-00000.safetensors" in proc.stdout and "truncated" in proc.stdout, proc.stdout

@@ -3,7 +3,9 @@
 Opening reads only the manifest and stats the data files; tensors are read when asked, each one checked
 against its checksum. Reads go straight into the destination's memory (``preadv``) or, for a single
 tensor, through a memory map of the data file. Files are opened with ``O_NOFOLLOW`` and every name and byte
-range was validated by the manifest parser, so nothing outside the checkpoint is ever touched.
+range was validated by the manifest parser, so nothing outside the checkpoint is ever touched. A mapped
+range is checked against the file's current size before it is touched (see ``Checkpoint._mapped``), so a
+data file truncated while the checkpoint is open is a CorruptCheckpointError, not a SIGBUS.
 """
 
 from __future__ import annotations
@@ -108,17 +110,19 @@ class Checkpoint:
         Args:
             name: a name from :meth:`keys`.
             framework: ``"numpy"`` (read-only, memory-mapped array) or ``"torch"`` (a tensor of its own).
+                A memory-mapped array reads the file for as long as it lives; copy it (``np.array``) if the
+                file may be truncated meanwhile.
             verify: check the checksum (touches every byte once).
         """
         t = self._entry(name)
         mm = self._map(t.chunks[0].file) if len(t.chunks) == 1 and t.nbytes else None
         if mm is not None:
             c = t.chunks[0]
-            view = memoryview(mm)[c.byte_range[0] : c.byte_range[1]]
+            view = self._mapped(mm, c.file, *c.byte_range)  # the array keeps it (and the mapping) alive
             if verify:
                 checksum.check(view, c.checksum, f"tensor {name} ({c.file})")
-            array = np.frombuffer(mm, dtype=dtypes.from_code(t.dtype).numpy, count=math.prod(t.shape),
-                                  offset=c.byte_range[0]).reshape(t.shape)
+            array = np.frombuffer(view, dtype=dtypes.from_code(t.dtype).numpy,
+                                  count=math.prod(t.shape)).reshape(t.shape)
             if framework == "torch":
                 return adapter_named("torch").from_numpy(array.copy())
             return numpy_adapter.finish(array, t.kind)
@@ -252,8 +256,7 @@ class Checkpoint:
             return memoryview(b"")
         mm = self._map(c.file)
         if mm is not None:
-            with memoryview(mm) as whole:
-                view = whole[begin:end]
+            view = self._mapped(mm, c.file, begin, end)
         else:
             view = memoryview(bytearray(end - begin))
             self._pread(c.file, view, begin)
@@ -271,13 +274,38 @@ class Checkpoint:
                 self._maps[file] = self.storage.map(self._file(file))
             return self._maps[file]
 
+    def _mapped(self, mm: mmap.mmap, file: str, begin: int, end: int) -> memoryview:
+        """Bytes ``[begin, end)`` of a mapped data file, once the file is known to still hold them.
+
+        Every access to a mapping goes through here. The files were checked against the manifest at
+        open, but a file truncated since (by a user, a sync tool, a full disk) leaves the mapping
+        longer than the file, and touching a page past the new end kills the process with SIGBUS
+        instead of raising. ``mm.size()`` is the file's size now, not the mapping's length.
+        """
+        size = mm.size()
+        if end > size:
+            raise CorruptCheckpointError(
+                f"data file {file} of {self.path} now has {size} bytes, but the manifest needs bytes up to "
+                f"{end}: it was truncated after the checkpoint was opened. Do not modify checkpoint files "
+                "while they are read; load another checkpoint")
+        with memoryview(mm) as whole:
+            return whole[begin:end]
+
     def _pread(self, file: str, view: memoryview, offset: int) -> None:
         mm = self._map(file)  # mapped at open: still readable if the checkpoint was deleted since
         if mm is not None:
-            got = len(view) if offset + len(view) <= len(mm) else max(0, len(mm) - offset)
-            view[:got] = mm[offset : offset + got]
-        else:
+            with self._mapped(mm, file, offset, offset + len(view)) as src:
+                view[:] = src
+            return
+        try:
             got = self.storage.read_into(self._file(file), offset, view)
+        except StorageError as e:
+            if e.errno == errno.ENOENT:  # retention, a user, or an overwrite's cleanup removed it meanwhile
+                raise CheckpointNotFoundError(
+                    f"{self.path} was deleted while it was being read: its data file {file} is gone (deleted, "
+                    "or dropped by an overwrite of the checkpoint). Open it again, or load another checkpoint"
+                ) from e
+            raise
         if got != len(view):
             raise CorruptCheckpointError(f"{file} ended before byte {offset + len(view)}")
 

@@ -33,3 +33,20 @@ def test_dtypes_safetensors_lacks_are_raw_bytes_there(tmp_path):
     with safe_open(str(tmp_path / "c" / "data-00000.safetensors"), "pt") as s:
         raw = s.get_tensor("c")
     assert raw.dtype == torch.uint8 and torch.equal(raw.view(torch.complex128), t)
+
+
+def test_a_tensor_named_like_the_header_metadata_key_keeps_the_file_readable(tmp_path):
+    state = {"__metadata__": torch.arange(4, dtype=torch.float32), "__metadata__~": torch.ones(2, dtype=torch.int64)}
+    trainstate.save(tmp_path / "c", state, threads=1)
+    with safe_open(str(tmp_path / "c" / "data-00000.safetensors"), "pt") as s:
+        assert s.metadata() == {"format": "trainstate"}
+        assert sorted(s.keys()) == ["__metadata__~", "__metadata__~~"]  # docs/format.md §2
+        assert torch.equal(s.get_tensor("__metadata__~"), state["__metadata__"])
+        assert torch.equal(s.get_tensor("__metadata__~~"), state["__metadata__~"])
+    back = trainstate.load(tmp_path / "c", framework="torch")
+    assert list(back) == ["__metadata__", "__metadata__~"]
+    assert torch.equal(back["__metadata__"], state["__metadata__"])
+    assert torch.equal(back["__metadata__~"], state["__metadata__~"])
+    target = {"__metadata__": torch.zeros(4), "__metadata__~": torch.zeros(2, dtype=torch.int64)}
+    trainstate.load(tmp_path / "c", target)
+    assert torch.equal(target["__metadata__"], state["__metadata__"])

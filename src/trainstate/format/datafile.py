@@ -6,6 +6,10 @@ multiple of 8) + the tensor bytes, back to back with no holes. The header maps e
 as safetensors expects, so ``safetensors.safe_open`` reads any file whose entries use safetensors dtypes.
 Entries whose bytes are not a plain tensor (an unknown-to-safetensors dtype, a partial chunk, transformed
 bytes) are listed as ``U8`` of their byte length.
+
+The header's own ``__metadata__`` key is reserved by safetensors, so a tensor whose name is ``__metadata__``
+(``{"__metadata__": tensor}``) is listed under another name: see :func:`header_name`. The manifest keeps the
+user's name; only the header entry is renamed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from ..errors import CorruptCheckpointError
 
 ALIGN = 8
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+METADATA_KEY = "__metadata__"  # safetensors' reserved header key: string metadata, not a tensor
 
 
 @dataclass(frozen=True)
@@ -28,13 +33,27 @@ class HeaderEntry:
     nbytes: int
 
 
+def header_name(name: str) -> str:
+    """The name a tensor is listed under in a data file's header.
+
+    ``__metadata__`` followed by zero or more ``~`` gets one more ``~`` (``__metadata__`` is listed as
+    ``__metadata__~``); every other name is kept. The mapping is one-to-one, so header names stay unique,
+    and it leaves the reserved key to the header's string metadata, as safetensors readers expect.
+    """
+    return name + "~" if name.rstrip("~") == METADATA_KEY else name
+
+
 def build_header(entries: list[HeaderEntry], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
-    """Serialize a header for ``entries`` in order; returns the header bytes and each entry's file offset."""
-    body: dict[str, object] = {"__metadata__": metadata}
+    """Serialize a header for ``entries`` (named as in the manifest) in order.
+
+    Returns the header bytes and each entry's file offset.
+    """
+    body: dict[str, object] = {METADATA_KEY: metadata}
     rel = 0
     rel_offsets = []
     for e in entries:
-        body[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [rel, rel + e.nbytes]}
+        entry = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [rel, rel + e.nbytes]}
+        body[header_name(e.name)] = entry
         rel_offsets.append(rel)
         rel += e.nbytes
     raw = json.dumps(body, separators=(",", ":"), ensure_ascii=True).encode()

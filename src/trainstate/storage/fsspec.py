@@ -8,11 +8,13 @@ manifest still points at the old files, which were not touched). After the commi
 manifest does not name are deleted; a failed save deletes what it wrote the same way.
 
 Reads are byte ranges (``cat_file(start, end)``), so opening a checkpoint fetches only its manifest and
-reading one tensor fetches only that tensor. Files are uploaded in parts of ``part_size`` bytes, and
-several files go up at once (the saver spreads tensors over many files for remote stores). Transient
-errors (connection resets, timeouts, throttling) are retried with exponential backoff. Credentials come
-from where fsspec and the store's SDK look (environment, config files, ``storage_options``), never from
-the checkpoint.
+reading one tensor fetches only that tensor. A large range is fetched as parts of 8 MiB up to
+``part_size``, up to ``read_parallelism`` at once and together about 1/8 of the range, each copied into
+the caller's buffer as it lands: reading a chunk holds that one buffer, never a second whole copy of it.
+Files are uploaded in parts of ``part_size`` bytes, and several files go up at once (the saver spreads
+tensors over many files for remote stores). Transient errors (connection resets, timeouts, throttling)
+are retried with exponential backoff. Credentials come from where fsspec and the store's SDK look
+(environment, config files, ``storage_options``), never from the checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from .._optional import optional
@@ -37,6 +40,7 @@ T = TypeVar("T")
 
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 _PERMANENT_ERRNO = {errno.ENOSPC, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EEXIST, errno.EINVAL}
+_MIN_READ_PART = 8 << 20  # the ranged-GET size object stores recommend; smaller parts cost more requests
 
 
 class FsspecStorage(Storage):
@@ -44,7 +48,8 @@ class FsspecStorage(Storage):
 
     Args:
         fs: an ``fsspec.AbstractFileSystem``.
-        part_size: bytes per uploaded part.
+        part_size: bytes per uploaded part, and the most bytes one ranged GET asks for.
+        read_parallelism: ranged GETs in flight at once for one large read.
         retries: attempts after the first for transient errors.
         backoff: seconds before the first retry; doubles each time (with jitter).
 
@@ -56,9 +61,11 @@ class FsspecStorage(Storage):
     in_place = True  # data files are written into the final location, under unique names
     target_file_bytes = 64 << 20  # the saver cuts state into files of about this size, uploaded in parallel
 
-    def __init__(self, fs: Any, *, part_size: int = 16 << 20, retries: int = 4, backoff: float = 0.2) -> None:
+    def __init__(self, fs: Any, *, part_size: int = 16 << 20, read_parallelism: int = 8, retries: int = 4,
+                 backoff: float = 0.2) -> None:
         self.fs = fs
         self.part_size = part_size
+        self.read_parallelism = max(1, read_parallelism)
         self.retries = retries
         self.backoff = backoff
 
@@ -95,11 +102,40 @@ class FsspecStorage(Storage):
         return self._retry(f"write {path}", upload)
 
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
-        if not len(out):
-            return 0
-        data = self._retry(f"read {path}", lambda: self.fs.cat_file(path, start=offset, end=offset + len(out)))
-        out[: len(data)] = data
-        return len(data)
+        """Fill ``out`` with ranged GETs, several at once when it is large.
+
+        ``cat_file`` returns each part as a new bytes object (and the HTTP client joins the body from
+        pieces on the way), so one GET for the whole range would hold two more copies of it. Parts in
+        flight are instead kept to about 1/8 of the range (at least one part of ``_MIN_READ_PART``),
+        each copied into ``out`` and dropped as soon as it lands.
+        """
+        n = len(out)
+        part = min(self.part_size, max(_MIN_READ_PART, -(-n // (8 * self.read_parallelism))))
+        if n <= part:
+            return self._read_part(path, offset, out)
+        starts = range(0, n, part)
+        lanes = max(1, min(self.read_parallelism, n // (8 * part)))
+
+        def fetch(s: int) -> int | StorageError:
+            return self._try_part(path, offset + s, out[s : s + part])
+
+        results: Iterable[int | StorageError]
+        if lanes == 1:
+            results = map(fetch, starts)  # lazily: the loop below stops at the end of the file
+        else:
+            with ThreadPoolExecutor(lanes, thread_name_prefix="trainstate-get") as pool:
+                results = list(pool.map(fetch, starts))
+        got = 0
+        for s, result in zip(starts, results):
+            if isinstance(result, StorageError):  # a part wholly past the end: some stores refuse the range
+                info = self.stat(path) if result.errno == errno.EINVAL else None
+                if info is None or info.size > offset + s:
+                    raise result
+                result = 0
+            got += result
+            if result < min(part, n - s):
+                break  # the file ended here; later parts are past its end
+        return got
 
     def stat(self, path: str) -> FileInfo | None:
         def fresh_info() -> Any:
@@ -173,6 +209,18 @@ class FsspecStorage(Storage):
         return type(self)(self.fs, part_size=self.part_size, retries=0, backoff=self.backoff)
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _try_part(self, path: str, offset: int, out: memoryview) -> int | StorageError:
+        try:
+            return self._read_part(path, offset, out)
+        except StorageError as e:
+            return e
+
+    def _read_part(self, path: str, offset: int, out: memoryview) -> int:
+        data = self._retry(f"read {path}", lambda: self.fs.cat_file(path, start=offset, end=offset + len(out)))
+        got = min(len(data), len(out))
+        out[:got] = memoryview(data)[:got]
+        return got
 
     def _drop_unreferenced(self, root: str) -> None:
         keep: set[str] = set()
