@@ -6,6 +6,9 @@ in play; both a torchdata StatefulDataLoader and a plain DataLoader with Resumab
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import trainstate
@@ -55,9 +58,6 @@ RECIPE = __import__("pathlib").Path(__file__).with_name("resume_recipe.py")
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    import subprocess
-    import sys
-
     return subprocess.run([sys.executable, str(RECIPE), *args], capture_output=True, text=True, timeout=300)
 
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_same
 
 import trainstate
+from helpers import assert_same
 
 torch = pytest.importorskip("torch")
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset  # noqa: E402 - after importorskip
 
 HAS_TORCHDATA = pytest.importorskip("importlib").util.find_spec("torchdata") is not None
 LOADERS = ["sampler", pytest.param("stateful", marks=pytest.mark.skipif(not HAS_TORCHDATA,
