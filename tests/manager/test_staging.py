@@ -1,7 +1,9 @@
-"""The async staging buffer: never overwritten by its reservation."""
+"""The async staging buffer: kept out of forked DataLoader workers, never overwritten by its reservation."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import numpy as np
@@ -13,6 +15,72 @@ from trainstate.manager.staging import StagingBuffer
 from trainstate.save import encode_state
 
 torch = pytest.importorskip("torch")
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="MADV_DONTFORK and /proc/self/maps are Linux")
+
+
+def join_reservation() -> None:
+    for t in threading.enumerate():
+        if t.name == "trainstate-reserve":
+            t.join()
+
+
+def mapped(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of the calling process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+class MappedInWorker(torch.utils.data.Dataset):
+    """Each item says whether the given address range is mapped in the DataLoader worker reading it."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([mapped(self.first), mapped(self.last)])
+
+
+@linux_only
+def test_dataloader_workers_do_not_share_the_staging_buffer(tmp_path):
+    # Pages shared copy-on-write with forked workers make the next save fault on every page of the buffer.
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MB
+    with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True) as mgr:
+        mgr.prepare(state)
+        join_reservation()
+        buf = mgr._buffers[0]._buf
+        first, last = buf.ctypes.data, buf.ctypes.data + buf.nbytes - 1
+        assert mapped(first) and mapped(last)
+        loader = torch.utils.data.DataLoader(MappedInWorker(first, last), batch_size=None, num_workers=2,
+                                             persistent_workers=True,
+                                             multiprocessing_context="fork")
+        seen = torch.stack(list(loader))
+        assert not seen.any(), "a DataLoader worker has the staging buffer mapped"
+        mgr.save(1, state)  # the workers are still alive
+        mgr.wait()
+        del loader
+    assert np.array_equal(trainstate.load(tmp_path / "step_00000001")["w"], state["w"].numpy())
+
+
+@linux_only
+def test_a_forked_child_that_stages_gets_its_own_buffer():
+    buffer, data = StagingBuffer(), np.arange(1 << 20, dtype=np.float32)
+    buffer.reserve(encode_state({"w": data}))
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        ok = False
+        try:
+            staged = buffer.stage(encode_state({"w": data}))
+            ok = np.array_equal(staged.entries[0].value.view(np.float32), data)
+        finally:
+            os._exit(0 if ok else 1)
+    assert os.waitpid(pid, 0)[1] == 0
 
 
 def test_a_late_reservation_leaves_staged_bytes_alone():
