@@ -24,27 +24,26 @@ def join_reservation() -> None:
             t.join()
 
 
-def mapped(address: int) -> bool:
-    """Whether ``address`` lies in a mapping of the calling process."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return True
-    return False
+def peek(address: int, n: int) -> bytes | None:
+    """The ``n`` bytes at ``address`` in the calling process, or None where nothing is mapped."""
+    with open("/proc/self/mem", "rb", buffering=0) as mem:
+        try:
+            return os.pread(mem.fileno(), n, address)
+        except OSError:
+            return None
 
 
-class MappedInWorker(torch.utils.data.Dataset):
-    """Each item says whether the given address range is mapped in the DataLoader worker reading it."""
+class SeenInWorker(torch.utils.data.Dataset):
+    """Each item says whether the DataLoader worker reading it sees the given bytes at the given addresses."""
 
-    def __init__(self, first: int, last: int) -> None:
-        self.first, self.last = first, last
+    def __init__(self, expected: dict[int, bytes]) -> None:
+        self.expected = expected
 
     def __len__(self) -> int:
         return 4
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([mapped(self.first), mapped(self.last)])
+        return torch.tensor([peek(a, len(b)) == b for a, b in self.expected.items()])
 
 
 @linux_only
@@ -54,18 +53,21 @@ def test_dataloader_workers_do_not_share_the_staging_buffer(tmp_path):
     with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True) as mgr:
         mgr.prepare(state)
         join_reservation()
+        mgr.save(1, state)  # the staging buffer now holds the state's bytes
+        mgr.wait()
         buf = mgr._buffers[0]._buf
-        first, last = buf.ctypes.data, buf.ctypes.data + buf.nbytes - 1
-        assert mapped(first) and mapped(last)
-        loader = torch.utils.data.DataLoader(MappedInWorker(first, last), batch_size=None, num_workers=2,
-                                             persistent_workers=True,
-                                             multiprocessing_context="fork")
+        start, end = buf.ctypes.data, buf.ctypes.data + state["w"].nbytes - 64
+        expected = {a: peek(a, 64) for a in (start, end)}
+        assert expected[start] == state["w"][:16].numpy().tobytes()
+        loader = torch.utils.data.DataLoader(SeenInWorker(expected), batch_size=None, num_workers=2,
+                                             persistent_workers=True, multiprocessing_context="fork")
         seen = torch.stack(list(loader))
-        assert not seen.any(), "a DataLoader worker has the staging buffer mapped"
-        mgr.save(1, state)  # the workers are still alive
+        assert not seen.any(), "a DataLoader worker shares the staging buffer's pages"
+        state["w"] += 1
+        mgr.save(2, state)  # the workers are still alive
         mgr.wait()
         del loader
-    assert np.array_equal(trainstate.load(tmp_path / "step_00000001")["w"], state["w"].numpy())
+    assert np.array_equal(trainstate.load(tmp_path / "step_00000002")["w"], state["w"].numpy())
 
 
 @linux_only
