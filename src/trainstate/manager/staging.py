@@ -7,7 +7,7 @@ copying). Accelerator tensors are copied into page-locked (pinned) memory when t
 Host memory is an anonymous mapping marked ``MADV_DONTFORK`` (Linux). A ``fork()`` -- DataLoader workers,
 typically started right after the buffer was reserved -- otherwise makes every page of the buffer
 copy-on-write shared with the children, and the next save's copy faults on and copies each page again
-(bench/bench_fork.py, 273 MB: one fault per page, 0.8-1.1 s instead of 0.07-0.2 s). The children never use
+(bench/bench_fork.py, 273 MB: one fault per page, 0.5-1.1 s instead of 0.07-0.15 s). The children never use
 the buffer, so they do not get it at all.
 
 The buffer is written only under its lock, and :meth:`StagingBuffer.reserve` touches only memory it has just
