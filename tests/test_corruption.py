@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 import trainstate
 from helpers import reseal_manifest
+from trainstate.format import checksum
 
 
 def _state():
@@ -242,3 +244,60 @@ def test_a_data_file_truncated_while_open_is_corrupt_not_a_crash(tmp_path, how):
                           capture_output=True, text=True, env=env, timeout=120, check=False)
     assert proc.returncode == 0, f"exit {proc.returncode} (-7 is SIGBUS)\n{proc.stdout}{proc.stderr}"
     assert "data-00000.safetensors" in proc.stdout and "truncated" in proc.stdout, proc.stdout
+
+# ------------------------------------------------------------------------------------------------
+# a manifest cannot make the reader build much more memory than its bytes
+
+
+def forge_manifest(path, junk: bytes) -> int:
+    """Make ``junk`` (JSON text) the manifest's metadata and re-seal it with a valid checksum, the way a
+    forger would (bytes, not Python objects, so the test itself stays small); returns the manifest's size."""
+    body = json.loads((path / "manifest.json").read_bytes())
+    body.pop("checksum")
+    body["metadata"] = "JUNK"
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode().replace(b'"JUNK"', junk)
+    raw = b'{"checksum":' + json.dumps(checksum.digest(canonical)).encode() + b"," + canonical[1:] + b"\n"
+    (path / "manifest.json").write_bytes(raw)
+    return len(raw)
+
+
+@pytest.mark.parametrize("unit", [b"[],", b'{"a":[]},', b"[[0]],"])
+def test_a_manifest_costly_to_parse_is_refused_before_parsing(ckpt, unit):
+    import tracemalloc
+
+    n = (12 << 20) // len(unit)
+    size = forge_manifest(ckpt, b"[" + unit * n + b"0]")  # ~12 MB; json.loads would build 0.25-0.35 GB
+    tracemalloc.start()
+    try:
+        with pytest.raises(trainstate.CorruptCheckpointError, match="to parse"):
+            trainstate.open(ckpt)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * size
+
+
+def test_legit_manifests_stay_within_the_parse_cost_per_byte(tmp_path, monkeypatch, training_state):
+    from trainstate.format import manifest
+
+    monkeypatch.setattr(manifest, "PARSE_COST_ALLOWANCE", 0)  # the per-byte bound alone
+    states = {"training": training_state,
+              "many tensors": [np.full(2, i, np.float32) for i in range(5000)],  # the shortest names
+              "plain values": {"epoch": 3, "losses": [0.5 + i / 7 for i in range(2000)],
+                               "order": list(range(100_000, 105_000)), "cfg": {"lr": 1e-3, "tags": ["a", "b"]}}}
+    for name, state in states.items():
+        path = tmp_path / name.replace(" ", "-")
+        trainstate.save(path, state)
+        raw = (path / "manifest.json").read_bytes()
+        assert manifest.parse_cost(raw) <= 0.8 * manifest.PARSE_COST_PER_BYTE * len(raw), name  # with room
+        with trainstate.open(path) as ck:
+            assert len(ck.keys()) == len(manifest.parse(raw).tensors)
+
+
+def test_a_state_whose_manifest_readers_would_refuse_is_not_saved(tmp_path, monkeypatch):
+    from trainstate.format import manifest
+
+    monkeypatch.setattr(manifest, "PARSE_COST_ALLOWANCE", 0)  # stands for a state 1,000 times as large
+    with pytest.raises(trainstate.UnsupportedValueError, match="store long lists of numbers as arrays"):
+        trainstate.save(tmp_path / "c", {"w": np.zeros(3), "seen": [[] for _ in range(5000)]})
+    assert not (tmp_path / "c").exists()

@@ -34,7 +34,7 @@ from .format import checksum, datafile, dtypes, manifest
 from .frameworks import adapter_named, numpy_adapter
 from .storage import Storage, resolve
 
-MAX_MANIFEST = 1 << 30
+MAX_MANIFEST = manifest.MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -380,7 +380,8 @@ def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
     if not minfo.regular or minfo.is_dir:
         raise CorruptCheckpointError(f"{mpath} is not a regular file (symlinks are refused)")
     if minfo.size > MAX_MANIFEST:
-        raise CorruptCheckpointError(f"{mpath} is {minfo.size} bytes, larger than any real manifest")
+        raise CorruptCheckpointError(f"{mpath} is {minfo.size} bytes, more than the {MAX_MANIFEST} a manifest "
+                                     "may have: it is damaged or forged")
     raw = bytearray(minfo.size)
     try:
         got = storage.read_into(mpath, 0, memoryview(raw))
@@ -390,7 +391,7 @@ def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
         raise
     if got != minfo.size:
         raise CorruptCheckpointError(f"{mpath} changed while it was read")
-    return manifest.parse(bytes(raw), mpath)
+    return manifest.parse(raw, mpath)  # no copy: a refused manifest costs its size, once
 
 
 def open_checkpoint(path: str | os.PathLike[str], storage: Storage | None = None) -> Checkpoint:

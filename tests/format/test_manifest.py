@@ -45,3 +45,35 @@ def test_byte_ranges_must_not_be_shared():
 def test_implausible_shapes_are_refused(shape):
     with pytest.raises(trainstate.CorruptCheckpointError):
         manifest._shape(shape, "t.shape")
+
+
+def _repeat(unit: bytes, nbytes: int = 300_000) -> bytes:
+    return b"[" + unit * (nbytes // len(unit)) + b"0]"
+
+
+PARSE_SHAPES = {
+    "empty lists": _repeat(b"[],"), "empty dicts": _repeat(b"{},"), "nested lists": _repeat(b"[[[]]],"),
+    "one-item lists": _repeat(b"[0],"), "one-key dicts": _repeat(b'{"a":[]},'), "six-key dicts":
+    _repeat(b'{"a":0,"b":0,"c":0,"d":0,"e":0,"f":0},'), "short strings": _repeat(b'"ab",'),
+    "ints": _repeat(b"257,"), "floats": _repeat(b"1.5,"), "literals": _repeat(b"true,"),
+    "unique keys": b"{" + b",".join(b'"%d":[]' % i for i in range(30_000)) + b"}",
+    "astral escapes": _repeat(b'"\\ud83d\\ude00' + b"a" * 200 + b'",'),
+    "raw UTF-8": _repeat('"\U0001F600'.encode() + b"a" * 200 + b'",'),
+    "tree nodes": _repeat(b'[0,{"t":"list","v":[]}],'),
+}
+
+
+@pytest.mark.parametrize("shape", PARSE_SHAPES)
+def test_parse_cost_bounds_what_json_loads_allocates(shape):
+    import json
+    import tracemalloc
+
+    raw = PARSE_SHAPES[shape]
+    tracemalloc.start()
+    try:
+        parsed = json.loads(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    del parsed
+    assert manifest.parse_cost(raw) >= peak

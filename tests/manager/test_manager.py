@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 
-import numpy as np
 import pytest
 
 import trainstate
@@ -17,15 +16,15 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture
 def allocations(monkeypatch):
-    """Every staging-buffer allocation (np.empty in staging.py), by size."""
+    """Every staging-buffer allocation of host memory, by size."""
     seen = []
-    real_empty = np.empty
+    real = staging._host_memory
 
-    def counting_empty(*args, **kwargs):
-        seen.append(args[0] if args else kwargs.get("shape"))
-        return real_empty(*args, **kwargs)
+    def counting(nbytes):
+        seen.append(nbytes)
+        return real(nbytes)
 
-    monkeypatch.setattr(staging.np, "empty", counting_empty)
+    monkeypatch.setattr(staging, "_host_memory", counting)
     return seen
 
 

@@ -4,7 +4,10 @@ It is written last; a checkpoint without one never committed. It is plain JSON w
 ``format_version`` (the format's, not the package's) and a checksum over its own canonical bytes, so
 a flipped byte in it is caught like one in a data file. Parsing validates everything a hostile file could
 lie about — file names, byte ranges, shapes, dtypes — before a single data byte is read, so a reader
-never allocates more than the files hold. docs/format.md is the normative description.
+never allocates more than the files hold. Before the JSON is parsed at all, its size and a cheap bound on
+what parsing it costs (:func:`parse_cost`) are checked, so a small file cannot make the reader build gigabytes
+of Python objects; the writer checks the same bound, so every manifest it writes can be read back.
+docs/format.md is the normative description.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import tree
-from ..errors import CorruptCheckpointError, FormatVersionError
+from ..errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 from . import checksum, dtypes
 
 FORMAT_NAME = "trainstate"
@@ -25,6 +28,12 @@ FORMAT_VERSION = "1.0"
 MANIFEST_NAME = "manifest.json"
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 KNOWN_TRANSFORMS: frozenset[str] = frozenset()  # per-chunk byte transforms (compression, encryption) go here
+
+# Limits on one manifest (docs/format.md, "Limits"). A merged manifest of 1,024 ranks x 1,000 tensors is about
+# 0.3 GB, with a parse cost under 13 bytes per byte.
+MAX_BYTES = 1 << 30
+PARSE_COST_PER_BYTE = 18  # parse_cost() may be this many bytes per manifest byte ...
+PARSE_COST_ALLOWANCE = 256 << 20  # ... plus this much
 
 
 @dataclass(frozen=True)
@@ -70,9 +79,21 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)  # fields from a newer minor version, kept as-is
 
     def to_json_bytes(self) -> bytes:
+        """The manifest file's bytes.
+
+        Raises:
+            UnsupportedValueError: a reader would refuse them as too large or too costly to parse.
+        """
         body = self._body()
         body["checksum"] = checksum.digest(_canonical(body))
-        return _canonical(body) + b"\n"
+        raw = _canonical(body) + b"\n"
+        problem = over_limits(raw)
+        if problem:
+            raise UnsupportedValueError(
+                f"this checkpoint's manifest {problem}, so no reader would open it; the state holds too many "
+                "small Python values (lists, dicts, numbers, strings): store long lists of numbers as arrays"
+            )
+        return raw
 
     def _body(self) -> dict[str, Any]:
         return {
@@ -111,13 +132,51 @@ def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-def parse(raw: bytes, what: str = MANIFEST_NAME) -> Manifest:
+def parse_cost(raw: bytes | bytearray) -> int:
+    """An upper bound on the memory (bytes) ``json.loads(raw)`` allocates, from counts of JSON's structural
+    characters: no parsing, no copy.
+
+    The weights are CPython's (3.11, 64-bit; later versions' objects are no larger), worst case per item: a container (list 56 bytes plus its
+    slot array; dict 64 plus a 120-byte table), a value's slot and a number object, a string object, a dict
+    member (table entry, resizes, json's key memo), and per byte the decoded text and string contents (4
+    where non-ASCII text makes strings wide). Characters inside strings are counted as structure too,
+    which only overestimates. tests/format/test_manifest.py checks the bound against tracemalloc.
+    """
+    objects = raw.count(b"{")
+    containers = raw.count(b"[") + objects
+    values = raw.count(b",") + containers + 1
+    text = 1 if raw.isascii() else 4
+    wide_strings = text > 1 or raw.count(b"\\u") > raw.count(b"\\u00")  # escapes past Latin-1
+    per_byte = text + (4 if wide_strings else 1)
+    return (60 * containers + 40 * objects + 40 * values + 24 * (raw.count(b'"') // 2)
+            + 48 * raw.count(b":") + per_byte * len(raw))
+
+
+def over_limits(raw: bytes | bytearray) -> str | None:
+    """What makes these manifest bytes too large or too costly to parse, or None if nothing does."""
+    if len(raw) > MAX_BYTES:
+        return f"is {len(raw)} bytes, more than the {MAX_BYTES} a manifest may have"
+    cost, budget = parse_cost(raw), PARSE_COST_PER_BYTE * len(raw) + PARSE_COST_ALLOWANCE
+    if cost > budget:
+        return (f"would take up to {cost / 1e9:.2f} GB of memory to parse ({cost / len(raw):.1f} bytes per byte), "
+                f"more than a manifest may ({PARSE_COST_PER_BYTE} per byte + {PARSE_COST_ALLOWANCE >> 20} MiB)")
+    return None
+
+
+def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME) -> Manifest:
     """Parse, checksum-check and validate manifest bytes.
 
     Raises:
         FormatVersionError: written by a newer major format version.
         CorruptCheckpointError: anything else wrong with it.
     """
+    problem = over_limits(raw)  # before json.loads: a hostile file is refused before it costs anything
+    if problem:
+        raise CorruptCheckpointError(
+            f"{what} {problem}. trainstate refuses to write such a manifest, so this one is damaged or forged "
+            "(or an older trainstate wrote it for a state of millions of tiny Python values): restore another "
+            "checkpoint"
+        )
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
