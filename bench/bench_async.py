@@ -84,9 +84,16 @@ class Row:
             self.history_bg.append(history_bg)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"lib": self.lib, "kind": self.kind, "name": self.name, "blocking": self.blocking,
-                "background": self.background, "history_bg": self.history_bg, "work_rate": self.work_rate,
-                "note": self.note}
+        return {
+            "lib": self.lib,
+            "kind": self.kind,
+            "name": self.name,
+            "blocking": self.blocking,
+            "background": self.background,
+            "history_bg": self.history_bg,
+            "work_rate": self.work_rate,
+            "note": self.note,
+        }
 
 
 def med(xs: list[float]) -> float | None:
@@ -102,6 +109,7 @@ def live_tensors(state: State) -> list[torch.Tensor]:
 
 
 # -- fake training between saves ---------------------------------------------------------------------
+
 
 class Work:
     """--work seconds of "training": update every tensor of the state in place, then matmuls (or sleep).
@@ -122,8 +130,9 @@ class Work:
                 t.add_(1.0)
                 poll()
 
-    def run(self, state: State, in_flight: Callable[[], bool], t_returned: float | None
-            ) -> tuple[float | None, float | None, float | None]:
+    def run(
+        self, state: State, in_flight: Callable[[], bool], t_returned: float | None
+    ) -> tuple[float | None, float | None, float | None]:
         """One interval. Returns (matmuls/s while the last save was in flight, matmuls/s with nothing in
         flight, background seconds of the last save as seen by polling ``in_flight``, None if unseen)."""
         start = time.perf_counter()
@@ -160,6 +169,7 @@ def relative_rates(free_rates: list[float], *rows: Row) -> float:
 
 
 # -- trainstate ----------------------------------------------------------------------------------------
+
 
 def manager(path: Path, async_save: bool) -> trainstate.CheckpointManager:
     return trainstate.CheckpointManager(path, every_steps=1, keep_last=2, async_save=async_save, fsync=True)
@@ -241,12 +251,15 @@ def ts_async_steady(state: State, path: Path, repeats: int, steps: Any, work: Wo
         mgr.restore(saved[-1], state)
         if core.fingerprint(state) != reference:
             raise AssertionError("trainstate async checkpoint does not hold the state as of save()")
-    log(f"trainstate async steady: first {med(first.blocking):.3f}s, later {med(later.blocking):.3f}s "
-        "(restore verified)")
+    log(
+        f"trainstate async steady: first {med(first.blocking):.3f}s, later {med(later.blocking):.3f}s "
+        "(restore verified)"
+    )
     return first, later, relative_rates(free_rates, first, later)
 
 
 # -- torch.distributed.checkpoint ----------------------------------------------------------------------
+
 
 def dcp_state(state: State) -> dict[str, Any]:
     msd, osd = get_state_dict(state["model"], state["optim"])
@@ -288,8 +301,11 @@ def dcp_async_default(state: State, root: Path, repeats: int, dkw: dict[str, Any
 
 
 def stager() -> DefaultStager:  # no pinned / shared memory, no async staging: all need an accelerator
-    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+    )
 
 
 def dcp_async_reused(state: State, root: Path, repeats: int, dkw: dict[str, Any]) -> tuple[Row, Row]:
@@ -302,8 +318,9 @@ def dcp_async_reused(state: State, root: Path, repeats: int, dkw: dict[str, Any]
         try:
             for j, row in enumerate((first, later)):
                 t0 = time.perf_counter()
-                fut = dcp.async_save(dcp_state(state), storage_writer=writer(root / f"r{i}-{j}"),
-                                     async_stager=st, **dkw)
+                fut = dcp.async_save(
+                    dcp_state(state), storage_writer=writer(root / f"r{i}-{j}"), async_stager=st, **dkw
+                )
                 t1 = time.perf_counter()
                 fut.result()
                 row.add(t1 - t0, time.perf_counter() - t1)
@@ -314,8 +331,7 @@ def dcp_async_reused(state: State, root: Path, repeats: int, dkw: dict[str, Any]
     return first, later
 
 
-def dcp_async_steady(state: State, root: Path, repeats: int, dkw: dict[str, Any], work: Work
-                     ) -> tuple[Row, Row, float]:
+def dcp_async_steady(state: State, root: Path, repeats: int, dkw: dict[str, Any], work: Work) -> tuple[Row, Row, float]:
     first = Row("dcp", "async", "dcp.async_save, reused DefaultStager, steady state, first save")
     later = Row("dcp", "async", "dcp.async_save, reused DefaultStager, steady state, later saves")
     clean(root)
@@ -328,8 +344,7 @@ def dcp_async_steady(state: State, root: Path, repeats: int, dkw: dict[str, Any]
                 shutil.rmtree(old, ignore_errors=True)
             paths = paths[-2:]
             pending = fut
-            busy_rate, free_rate, bg = work.run(state, lambda p=pending: p is not None and not p.done(),
-                                                t_returned)
+            busy_rate, free_rate, bg = work.run(state, lambda p=pending: p is not None and not p.done(), t_returned)
             if free_rate is not None:
                 free_rates.append(free_rate)
             if i > 0:  # this interval followed save i-1
@@ -355,8 +370,7 @@ def dcp_async_steady(state: State, root: Path, repeats: int, dkw: dict[str, Any]
     if core.fingerprint(state) != reference:
         raise AssertionError("dcp async checkpoint does not hold the state as of async_save()")
     clean(root)
-    log(f"dcp async steady: first {med(first.blocking):.3f}s, later {med(later.blocking):.3f}s "
-        "(restore verified)")
+    log(f"dcp async steady: first {med(first.blocking):.3f}s, later {med(later.blocking):.3f}s (restore verified)")
     return first, later, relative_rates(free_rates, first, later)
 
 
@@ -368,8 +382,10 @@ def probe_dcp(root: Path) -> list[str]:
         try:
             dcp.async_save(sd, storage_writer=writer(root / "probe-a")).result()
             msg = next((str(w.message) for w in caught if "single process" in str(w.message)), "")
-            notes.append("dcp.async_save without a process group and without no_dist: works"
-                         + (f", warning {msg!r}" if msg else ""))
+            notes.append(
+                "dcp.async_save without a process group and without no_dist: works"
+                + (f", warning {msg!r}" if msg else "")
+            )
         except Exception as e:  # noqa: BLE001
             notes.append(f"dcp.async_save without a process group and without no_dist: {type(e).__name__}: {e}")
     try:
@@ -377,14 +393,17 @@ def probe_dcp(root: Path) -> list[str]:
         dcp.async_save(sd, storage_writer=w, no_dist=True).result()
         notes.append("FileSystemWriter(cache_staged_state_dict=True): works")
     except Exception as e:  # noqa: BLE001
-        notes.append(f"FileSystemWriter(cache_staged_state_dict=True) fails on this build ({type(e).__name__}: "
-                     f"{e}) -- it pins its staging memory -- so the reused-staging rows use "
-                     "DefaultStager(StagingOptions(False, False, False, False)) passed as async_stager")
+        notes.append(
+            f"FileSystemWriter(cache_staged_state_dict=True) fails on this build ({type(e).__name__}: "
+            f"{e}) -- it pins its staging memory -- so the reused-staging rows use "
+            "DefaultStager(StagingOptions(False, False, False, False)) passed as async_stager"
+        )
     clean(root)
     return notes
 
 
 # -- reference: the memory copy staging has to do ------------------------------------------------------
+
 
 def memcpy_rows(state: State, repeats: int) -> tuple[Row, Row]:
     pre = Row("reference", "ref", "reference: copy_ every tensor into a preallocated buffer")
@@ -411,6 +430,7 @@ def memcpy_rows(state: State, repeats: int) -> tuple[Row, Row]:
 
 # -- harness / report ------------------------------------------------------------------------------------
 
+
 def clean(root: Path) -> None:
     """Empty a scratch directory, then flush, so no earlier writeback lands inside a timed save."""
     shutil.rmtree(root, ignore_errors=True)
@@ -428,9 +448,13 @@ def ratio_of(row: Row, sync: dict[str, float]) -> float | None:
 
 
 def table(rows: list[Row], sync: dict[str, float], nbytes: int) -> list[str]:
-    out = [("| method | saves | blocking s (median) | min–max | background s | history write+commit s "
-           "| work rate during bg | blocking / own sync save | ≤15% |"),
-           "|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    out = [
+        (
+            "| method | saves | blocking s (median) | min–max | background s | history write+commit s "
+            "| work rate during bg | blocking / own sync save | ≤15% |"
+        ),
+        "|---|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         b = med(r.blocking)
         ratio = ratio_of(r, sync)
@@ -439,14 +463,19 @@ def table(rows: list[Row], sync: dict[str, float], nbytes: int) -> list[str]:
         elif ratio is None:
             rtxt, ok = "—", "—"
         else:
-            rtxt, ok = f"{100 * ratio:.1f}%", ("PASS" if ratio <= TARGET else "MISS") if r.lib == "trainstate" \
-                else ("yes" if ratio <= TARGET else "no")
+            rtxt, ok = (
+                f"{100 * ratio:.1f}%",
+                ("PASS" if ratio <= TARGET else "MISS")
+                if r.lib == "trainstate"
+                else ("yes" if ratio <= TARGET else "no"),
+            )
         if r.kind == "ref":
-            rtxt = f"{100 * b / sync['trainstate']:.1f}% of trainstate sync" if b and sync.get("trainstate") \
-                else "—"
+            rtxt = f"{100 * b / sync['trainstate']:.1f}% of trainstate sync" if b and sync.get("trainstate") else "—"
         rate = f"{100 * med(r.work_rate):.0f}%" if r.work_rate else "—"
-        out.append(f"| {r.name} | {len(r.blocking)} | {fmt(b)} | {fmt(min(r.blocking))}–{fmt(max(r.blocking))} "
-                   f"| {fmt(med(r.background))} | {fmt(med(r.history_bg))} | {rate} | {rtxt} | {ok} |")
+        out.append(
+            f"| {r.name} | {len(r.blocking)} | {fmt(b)} | {fmt(min(r.blocking))}–{fmt(max(r.blocking))} "
+            f"| {fmt(med(r.background))} | {fmt(med(r.history_bg))} | {rate} | {rtxt} | {ok} |"
+        )
     return out
 
 
@@ -457,16 +486,22 @@ def targets(rows: list[Row], sync: dict[str, float], sync_write: float | None) -
         if r.lib != "trainstate" or ratio is None:
             continue
         head = "  <- the target case" if "steady state, later" in r.name else ""
-        lines.append(f"- {'PASS' if ratio <= TARGET else 'MISS'}  {r.name}: blocks {med(r.blocking):.3f}s = "
-                     f"{100 * ratio:.1f}% of a synchronous save ({sync['trainstate']:.3f}s){head}")
+        lines.append(
+            f"- {'PASS' if ratio <= TARGET else 'MISS'}  {r.name}: blocks {med(r.blocking):.3f}s = "
+            f"{100 * ratio:.1f}% of a synchronous save ({sync['trainstate']:.3f}s){head}"
+        )
         if sync_write and "later" in r.name:
-            lines.append(f"  - vs. the sync save's write+commit alone ({sync_write:.3f}s, i.e. without encoding "
-                         f"and retention): {100 * med(r.blocking) / sync_write:.1f}%")
+            lines.append(
+                f"  - vs. the sync save's write+commit alone ({sync_write:.3f}s, i.e. without encoding "
+                f"and retention): {100 * med(r.blocking) / sync_write:.1f}%"
+            )
     for r in rows:
         ratio = ratio_of(r, sync)
         if r.lib == "dcp" and ratio is not None:
-            lines.append(f"- (dcp)  {r.name}: {100 * ratio:.1f}% of dcp.save ({sync['dcp']:.3f}s)"
-                         f" -> {'within' if ratio <= TARGET else 'over'} 15%")
+            lines.append(
+                f"- (dcp)  {r.name}: {100 * ratio:.1f}% of dcp.save ({sync['dcp']:.3f}s)"
+                f" -> {'within' if ratio <= TARGET else 'over'} 15%"
+            )
     return lines
 
 
@@ -479,41 +514,78 @@ def report(r: dict[str, Any], rows: list[Row]) -> str:
     sync = {row.lib: med(row.blocking) for row in rows if row.kind == "sync"}
     sync_write = next((med(x.history_bg) for x in rows if x.lib == "trainstate" and x.kind == "sync"), None)
     kind = "quick" if r["quick"] else "full"
-    lines = [f"# trainstate async-save benchmark ({kind} state, median of {r['repeats']})", "",
-             f"- machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}",
-             f"- disk: {m['dir']} on {m['filesystem']}",
-             (f"- versions: python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
-             f"trainstate {m['trainstate']}"),
-             f"- trainstate source: {r['source']}",
-             f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)",
-             (f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} "
-             "(other work on the machine skews every number)"),
-             (f"- CPU seconds during the run: this benchmark {r['cpu_self']:.0f}, kernel threads (writeback, "
-             f"journal, ...) {r['cpu_kernel']:.0f}, other processes {r['cpu_others']:.0f}, stolen by the "
-             f"hypervisor {r['cpu_steal']:.1f} "
-             f"(of {r['seconds'] * (m['cores'] or 1):.0f} available)"),
-             *([(f"- WARNING: other processes used {100 * busy_share(r):.0f}% of the machine's CPU during this "
-                "run, so these numbers are skewed; rerun on an idle machine")] if busy_share(r) > 0.05 else []),
-             (f"- steady state: {r['work']}s of fake training between saves ({r['work_kind']}; every state tensor "
-             "updated in place first); its matmul rate with nothing in flight: "
-             f"trainstate run {r['idle_rate']['trainstate']:.0f}/s, dcp run {r['idle_rate']['dcp']:.0f}/s"),
-             ("- trainstate: CheckpointManager(dir, every_steps=1, keep_last=2, fsync=True, threads=2); sync "
-             "blocking includes deleting the oldest checkpoint (keep_last); async does that in the background"),
-             (f"- dcp: FileSystemWriter(sync_files=True, thread_count={DCP_THREADS}), {r['dcp_mode']}; "
-             "checkpoints deleted between saves, untimed; get_state_dict() inside the timed region"),
-             *[f"- {note}" for note in r["dcp_notes"]], ""]
-    lines += ["### blocking time of a save (what the training loop waits for)", "",
-              *table(rows, sync, n), "",
-              ("- background s: from the call's return until durable (trainstate: mgr.wait() returns, which "
-              "includes retention; dcp: future.result()); in steady state, first seen by polling between "
-              "matmuls (history() / future.done()), '—' if still in flight when the next save began"),
-              ("- first save: includes allocating and first touching the staging memory, which costs anything "
-              "from little (memory just freed by the previous manager) to about the 'freshly allocated' "
-              "reference row (memory new to the process)"),
-              "- history write+commit s: SaveRecord.write_seconds + commit_seconds from mgr.history()",
-              ("- work rate during bg: matmul rate while the background save was in flight, % of the rate with "
-              "nothing in flight"), "", "### targets (async blocking <= 15% of a synchronous save)", "",
-              *targets(rows, sync, sync_write)]
+    lines = [
+        f"# trainstate async-save benchmark ({kind} state, median of {r['repeats']})",
+        "",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}",
+        f"- disk: {m['dir']} on {m['filesystem']}",
+        (
+            f"- versions: python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
+            f"trainstate {m['trainstate']}"
+        ),
+        f"- trainstate source: {r['source']}",
+        f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)",
+        (
+            f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} "
+            "(other work on the machine skews every number)"
+        ),
+        (
+            f"- CPU seconds during the run: this benchmark {r['cpu_self']:.0f}, kernel threads (writeback, "
+            f"journal, ...) {r['cpu_kernel']:.0f}, other processes {r['cpu_others']:.0f}, stolen by the "
+            f"hypervisor {r['cpu_steal']:.1f} "
+            f"(of {r['seconds'] * (m['cores'] or 1):.0f} available)"
+        ),
+        *(
+            [
+                (
+                    f"- WARNING: other processes used {100 * busy_share(r):.0f}% of the machine's CPU during this "
+                    "run, so these numbers are skewed; rerun on an idle machine"
+                )
+            ]
+            if busy_share(r) > 0.05
+            else []
+        ),
+        (
+            f"- steady state: {r['work']}s of fake training between saves ({r['work_kind']}; every state tensor "
+            "updated in place first); its matmul rate with nothing in flight: "
+            f"trainstate run {r['idle_rate']['trainstate']:.0f}/s, dcp run {r['idle_rate']['dcp']:.0f}/s"
+        ),
+        (
+            "- trainstate: CheckpointManager(dir, every_steps=1, keep_last=2, fsync=True, threads=2); sync "
+            "blocking includes deleting the oldest checkpoint (keep_last); async does that in the background"
+        ),
+        (
+            f"- dcp: FileSystemWriter(sync_files=True, thread_count={DCP_THREADS}), {r['dcp_mode']}; "
+            "checkpoints deleted between saves, untimed; get_state_dict() inside the timed region"
+        ),
+        *[f"- {note}" for note in r["dcp_notes"]],
+        "",
+    ]
+    lines += [
+        "### blocking time of a save (what the training loop waits for)",
+        "",
+        *table(rows, sync, n),
+        "",
+        (
+            "- background s: from the call's return until durable (trainstate: mgr.wait() returns, which "
+            "includes retention; dcp: future.result()); in steady state, first seen by polling between "
+            "matmuls (history() / future.done()), '—' if still in flight when the next save began"
+        ),
+        (
+            "- first save: includes allocating and first touching the staging memory, which costs anything "
+            "from little (memory just freed by the previous manager) to about the 'freshly allocated' "
+            "reference row (memory new to the process)"
+        ),
+        "- history write+commit s: SaveRecord.write_seconds + commit_seconds from mgr.history()",
+        (
+            "- work rate during bg: matmul rate while the background save was in flight, % of the rate with "
+            "nothing in flight"
+        ),
+        "",
+        "### targets (async blocking <= 15% of a synchronous save)",
+        "",
+        *targets(rows, sync, sync_write),
+    ]
     return "\n".join(lines)
 
 
@@ -528,22 +600,27 @@ def cpu_snapshot() -> tuple[float, float, float, float]:
                 kernel += c.user + c.system
         except psutil.Error:
             pass
-    return (t.user + t.nice + t.system + t.irq + t.softirq,
-            me.user + me.system + me.children_user + me.children_system, kernel, getattr(t, "steal", 0.0))
+    return (
+        t.user + t.nice + t.system + t.irq + t.softirq,
+        me.user + me.system + me.children_user + me.children_system,
+        kernel,
+        getattr(t, "steal", 0.0),
+    )
 
 
 def source_version() -> str:
     """The git revision of the trainstate being measured, and whether its sources had local changes."""
     src = Path(trainstate.__file__).resolve().parent
     try:
-        rev = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True,
-                               text=True, check=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return f"{src} (not a git checkout)"
-    return f"{src} at git {rev}" + (f", with uncommitted changes in {len(dirty.splitlines())} path(s)"
-                                     if dirty else "")
+    return f"{src} at git {rev}" + (f", with uncommitted changes in {len(dirty.splitlines())} path(s)" if dirty else "")
 
 
 def main() -> None:
@@ -551,11 +628,18 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, help="parent for the checkpoints (default /tmp; not tmpfs)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="a ~1/17-size state, for a smoke run")
-    ap.add_argument("--work", type=float, default=None, help="seconds of fake training between steady-state "
-                    "saves (default 6, --quick 1)")
+    ap.add_argument(
+        "--work",
+        type=float,
+        default=None,
+        help="seconds of fake training between steady-state saves (default 6, --quick 1)",
+    )
     ap.add_argument("--work-kind", choices=["matmul", "sleep"], default="matmul")
-    ap.add_argument("--dcp-gloo", action="store_true", help="run dcp under a 1-rank gloo process group "
-                    "(file:// rendezvous) instead of no_dist=True")
+    ap.add_argument(
+        "--dcp-gloo",
+        action="store_true",
+        help="run dcp under a 1-rank gloo process group (file:// rendezvous) instead of no_dist=True",
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     if args.repeats < 1:
@@ -563,9 +647,15 @@ def main() -> None:
     work_s = args.work if args.work is not None else (1.0 if args.quick else 6.0)
 
     root = Path(tempfile.mkdtemp(prefix="trainstate-async-", dir=args.dir or "/tmp"))
-    r: dict[str, Any] = {"quick": args.quick, "repeats": args.repeats, "machine": core.machine(root),
-                         "load": os.getloadavg()[0], "work": work_s, "work_kind": args.work_kind,
-                         "source": source_version()}
+    r: dict[str, Any] = {
+        "quick": args.quick,
+        "repeats": args.repeats,
+        "machine": core.machine(root),
+        "load": os.getloadavg()[0],
+        "work": work_s,
+        "work_kind": args.work_kind,
+        "source": source_version(),
+    }
     if r["machine"]["filesystem"].startswith("tmpfs"):
         log(f"warning: {root} is on tmpfs, so nothing reaches a disk; pass --dir")
     t0, cpu0 = time.perf_counter(), cpu_snapshot()
@@ -582,8 +672,7 @@ def main() -> None:
         state = core.build_state(core.QUICK if args.quick else core.FULL)
         r["state_bytes"] = sum(t.nbytes for t in live_tensors(state))
         r["tensors"] = len(live_tensors(state))
-        log(f"state: {r['tensors']} tensors, {r['state_bytes'] / GB:.2f} GB, built in "
-            f"{time.perf_counter() - t0:.1f}s")
+        log(f"state: {r['tensors']} tensors, {r['state_bytes'] / GB:.2f} GB, built in {time.perf_counter() - t0:.1f}s")
         steps, work = itertools.count(1), Work(work_s, args.work_kind)
         ts_dir, dcp_dir = root / "trainstate", root / "dcp"
         refs = memcpy_rows(state, args.repeats)  # first, before any file is written or deleted

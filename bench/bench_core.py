@@ -131,6 +131,7 @@ def fingerprint(state: State) -> str:
 
 # -- methods: save(state, path, fsync) and restore(state, path) -------------------------------------
 
+
 def durable(path: Path, fsync: bool) -> None:
     """What trainstate does when asked to fsync: every file, the directory, and its parent."""
     for p in [*sorted(path.rglob("*")), path, path.parent] if fsync else []:
@@ -207,17 +208,24 @@ def open_safetensors(path: Path) -> Any:
 
 
 SAVERS: dict[str, Callable[[State, Path, bool], Any]] = {
-    "trainstate": lambda state, path, fsync: trainstate.save(path, state, overwrite=True, fsync=fsync,
-                                                             threads=2),
-    "safetensors": save_safetensors, "torch.save": save_torch, "dcp": save_dcp, "raw write": save_raw}
+    "trainstate": lambda state, path, fsync: trainstate.save(path, state, overwrite=True, fsync=fsync, threads=2),
+    "safetensors": save_safetensors,
+    "torch.save": save_torch,
+    "dcp": save_dcp,
+    "raw write": save_raw,
+}
 LOADERS: dict[str, tuple[str, Callable[[State, Path], Any]]] = {  # name -> (the saver it reads, restore)
     "trainstate": ("trainstate", lambda state, path: trainstate.load(path, state)),
-    "safetensors+copy_": ("safetensors", load_safetensors), "torch.load": ("torch.save", load_torch),
-    "dcp": ("dcp", load_dcp), "raw read": ("raw write", load_raw)}
+    "safetensors+copy_": ("safetensors", load_safetensors),
+    "torch.load": ("torch.save", load_torch),
+    "dcp": ("dcp", load_dcp),
+    "raw read": ("raw write", load_raw),
+}
 OPENERS = {"trainstate": open_trainstate, "safetensors": open_safetensors}
 
 
 # -- harness -------------------------------------------------------------------------------------
+
 
 def clean(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
@@ -271,8 +279,7 @@ def bench_restore(state: State, path: Path, repeats: int, caches: list[str]) -> 
     return out
 
 
-def bench_open(states: list[State], path: Path, repeats: int, caches: list[str]
-               ) -> dict[str, dict[str, float]]:
+def bench_open(states: list[State], path: Path, repeats: int, caches: list[str]) -> dict[str, dict[str, float]]:
     """Rows named "method, size" so the table shows whether the time grows with the checkpoint."""
     out: dict[str, dict[str, float]] = {cache: {} for cache in caches}
     for state in states:
@@ -296,8 +303,17 @@ def bench_memory(quick: bool, root: Path, repeats: int) -> dict[str, float]:
     """Peak extra RSS in bytes per saver, each measured in a fresh child process."""
     out = {}
     for name in SAVERS:
-        cmd = [sys.executable, __file__, "--child-mem", name, "--dir", str(root), "--repeats", str(repeats),
-               *(["--quick"] if quick else [])]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child-mem",
+            name,
+            "--dir",
+            str(root),
+            "--repeats",
+            str(repeats),
+            *(["--quick"] if quick else []),
+        ]
         out[name] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
         log(f"memory {name}: {out[name] / 1e6:.1f} MB")
     return out
@@ -340,25 +356,33 @@ def log(msg: str) -> None:
 
 # -- report --------------------------------------------------------------------------------------
 
+
 def machine(root: Path) -> dict[str, Any]:
-    cpu = [x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-           if x.startswith("model name")]
+    cpu = [
+        x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name")
+    ]
     real, mount = os.path.realpath(root), ("?", "?", "")
     for line in Path("/proc/mounts").read_text().splitlines():
         dev, mnt, fstype = line.split()[:3]
         if (real + "/").startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(mount[2]):
             mount = (fstype, dev, mnt)
-    return {"cpu": cpu[0] if cpu else platform.processor(), "cores": os.cpu_count(),
-            "ram_gib": round(psutil.virtual_memory().total / 2**30, 1), "kernel": platform.release(),
-            "dir": str(root), "filesystem": f"{mount[0]} ({mount[1]} on {mount[2]})",
-            "python": platform.python_version(), "torch": torch.__version__,
-            "safetensors": safetensors.__version__, "trainstate": trainstate.__version__}
+    return {
+        "cpu": cpu[0] if cpu else platform.processor(),
+        "cores": os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "kernel": platform.release(),
+        "dir": str(root),
+        "filesystem": f"{mount[0]} ({mount[1]} on {mount[2]})",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "trainstate": trainstate.__version__,
+    }
 
 
 def table(title: str, rows: dict[str, float], nbytes: float) -> list[str]:
     base = next(s for name, s in rows.items() if name.startswith("trainstate"))
-    out = [f"### {title}", "", "| method | median seconds | GB/s | ratio vs trainstate |",
-           "|---|---:|---:|---|"]
+    out = [f"### {title}", "", "| method | median seconds | GB/s | ratio vs trainstate |", "|---|---:|---:|---|"]
     for name, s in rows.items():
         ratio = f"{name.split(',')[0]} / trainstate = {s / base:.2f}x"
         ratio = "1.00x (baseline)" if name.startswith("trainstate") else ratio
@@ -371,16 +395,23 @@ def targets(r: dict[str, Any]) -> list[str]:
     for mode, t in r["save"].items():
         ts = t["trainstate"]
         st, pt, raw = t["safetensors"], t["torch.save"], t["raw write"]
-        checks += [(f"save ({mode}) >= safetensors: {st / ts:.2f}x", ts <= st),
-                   (f"save ({mode}) >= 1.5x faster than torch.save: {pt / ts:.2f}x", pt >= 1.5 * ts),
-                   (f"save ({mode}) within 1.25x of raw write: {ts / raw:.2f}x", ts <= 1.25 * raw)]
+        checks += [
+            (f"save ({mode}) >= safetensors: {st / ts:.2f}x", ts <= st),
+            (f"save ({mode}) >= 1.5x faster than torch.save: {pt / ts:.2f}x", pt >= 1.5 * ts),
+            (f"save ({mode}) within 1.25x of raw write: {ts / raw:.2f}x", ts <= 1.25 * raw),
+        ]
     for cache, t in r["restore"].items():
         ts, st, pt = t["trainstate"], t["safetensors+copy_"], t["torch.load"]
-        checks += [(f"restore ({cache}) >= safetensors+copy_: {st / ts:.2f}x", ts <= st),
-                   (f"restore ({cache}) >= 2x faster than torch.load: {pt / ts:.2f}x", pt >= 2 * ts)]
+        checks += [
+            (f"restore ({cache}) >= safetensors+copy_: {st / ts:.2f}x", ts <= st),
+            (f"restore ({cache}) >= 2x faster than torch.load: {pt / ts:.2f}x", pt >= 2 * ts),
+        ]
     for cache, t in r["open"].items():
-        checks += [(f"open+read one tensor < 50 ms ({cache}, {k.split(', ')[1]}): {s * 1e3:.1f} ms",
-                    s < 0.05) for k, s in t.items() if k.startswith("trainstate")]
+        checks += [
+            (f"open+read one tensor < 50 ms ({cache}, {k.split(', ')[1]}): {s * 1e3:.1f} ms", s < 0.05)
+            for k, s in t.items()
+            if k.startswith("trainstate")
+        ]
     pct = 100 * r["memory"]["trainstate"] / r["state_bytes"]
     checks.append((f"peak extra memory during save < 10% of the state: {pct:.1f}%", pct < 10))
     return [f"- {'PASS' if ok else 'MISS'}  {text}" for text, ok in checks]
@@ -389,28 +420,44 @@ def targets(r: dict[str, Any]) -> list[str]:
 def report(r: dict[str, Any]) -> str:
     m, n = r["machine"], r["state_bytes"]
     kind = "quick" if r["quick"] else "full"
-    lines = [f"# trainstate core benchmark ({kind} state, median of {r['repeats']})",
-             "", f"- machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}",
-             f"- disk: {m['dir']} on {m['filesystem']}",
-             f"- versions: python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
-             + f"trainstate {m['trainstate']}",
-             f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)",
-             (f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} "
-             "(other work on the machine skews every number)")]
+    lines = [
+        f"# trainstate core benchmark ({kind} state, median of {r['repeats']})",
+        "",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}",
+        f"- disk: {m['dir']} on {m['filesystem']}",
+        f"- versions: python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
+        + f"trainstate {m['trainstate']}",
+        f"- state: {r['tensors']} tensors, {n / GB:.3f} GB (GB = 1e9 B)",
+        (
+            f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f} "
+            "(other work on the machine skews every number)"
+        ),
+    ]
     lines += [f"- {r['note']}", ""] if r["note"] else [""]
     for mode, t in r["save"].items():
         lines += table(f"1. save, {mode}", t, n)
     for cache, t in r["restore"].items():
         lines += table(f"2. restore in place, {cache} page cache", t, n)
     for cache, t in r["open"].items():
-        lines += table(f"3. open + read one 768x3072 tensor, {cache} page cache (GB/s of that tensor; "
-                       "trainstate hashes it to verify, safetensors has no checksum)", t, 768 * 3072 * 4)
+        lines += table(
+            f"3. open + read one 768x3072 tensor, {cache} page cache (GB/s of that tensor; "
+            "trainstate hashes it to verify, safetensors has no checksum)",
+            t,
+            768 * 3072 * 4,
+        )
     base = r["memory"]["trainstate"]
-    lines += ["### 4. peak extra RSS during save", "",
-              "| method | peak extra MB | % of state | ratio vs trainstate |", "|---|---:|---:|---|"]
+    lines += [
+        "### 4. peak extra RSS during save",
+        "",
+        "| method | peak extra MB | % of state | ratio vs trainstate |",
+        "|---|---:|---:|---|",
+    ]
     for name, b in r["memory"].items():
-        ratio = "n/a (trainstate's peak < 1 MB)" if base < 1e6 else (
-            "1.00x (baseline)" if name == "trainstate" else f"{name} / trainstate = {b / base:.2f}x")
+        ratio = (
+            "n/a (trainstate's peak < 1 MB)"
+            if base < 1e6
+            else ("1.00x (baseline)" if name == "trainstate" else f"{name} / trainstate = {b / base:.2f}x")
+        )
         lines.append(f"| {name} | {b / 1e6:.1f} | {100 * b / n:.1f}% | {ratio} |")
     return "\n".join([*lines, "", "### targets", "", *targets(r)])
 
@@ -433,8 +480,13 @@ def main() -> None:
         caches.append("cold")
     except OSError:
         note = "cold page cache skipped: dropping caches needs root (/proc/sys/vm/drop_caches)"
-    r: dict[str, Any] = {"quick": args.quick, "repeats": args.repeats, "machine": machine(root), "note": note,
-                         "load": os.getloadavg()[0]}
+    r: dict[str, Any] = {
+        "quick": args.quick,
+        "repeats": args.repeats,
+        "machine": machine(root),
+        "note": note,
+        "load": os.getloadavg()[0],
+    }
     if r["machine"]["filesystem"].startswith("tmpfs"):
         log(f"warning: {root} is on tmpfs, so nothing reaches a disk; pass --dir")
     t0 = time.perf_counter()
@@ -442,8 +494,7 @@ def main() -> None:
         state = build_state(shape)
         r["state_bytes"] = sum(t.nbytes for t in flat_tensors(state).values())
         r["tensors"] = len(flat_tensors(state))
-        log(f"state: {r['tensors']} tensors, {state_gb(state):.2f} GB, built in "
-            f"{time.perf_counter() - t0:.1f}s")
+        log(f"state: {r['tensors']} tensors, {state_gb(state):.2f} GB, built in {time.perf_counter() - t0:.1f}s")
         r["save"] = bench_save(state, root / "ckpt", args.repeats)
         r["restore"] = bench_restore(state, root / "ckpt", args.repeats, caches)
         states = [state] if args.quick else [state, build_state(SMALL)]

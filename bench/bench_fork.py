@@ -63,8 +63,7 @@ def prepared_manager(path: Path, state: dict[str, Any]) -> trainstate.Checkpoint
     return mgr
 
 
-def timed_saves(mgr: trainstate.CheckpointManager, state: dict[str, Any], steps: Any
-                ) -> list[tuple[float, int]]:
+def timed_saves(mgr: trainstate.CheckpointManager, state: dict[str, Any], steps: Any) -> list[tuple[float, int]]:
     """(blocking seconds, minor page faults) of each save."""
     out = []
     for _ in SAVES:
@@ -101,8 +100,7 @@ def main() -> None:
                     if case == "no fork":
                         rows[case].append(timed_saves(mgr, state, steps))
                         continue
-                    loader = DataLoader(Numbers(), batch_size=64, num_workers=args.workers,
-                                        persistent_workers=True)
+                    loader = DataLoader(Numbers(), batch_size=64, num_workers=args.workers, persistent_workers=True)
                     it = iter(loader)
                     next(it)  # the workers are forked and running
                     rows[case].append(timed_saves(mgr, state, steps))
@@ -111,17 +109,22 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"# async save blocking after DataLoader workers fork ({nbytes / 1e6:.0f} MB state = "
-          f"{nbytes // 4096} pages, {args.workers} persistent workers, median of {args.repeats})\n")
+    print(
+        f"# async save blocking after DataLoader workers fork ({nbytes / 1e6:.0f} MB state = "
+        f"{nbytes // 4096} pages, {args.workers} persistent workers, median of {args.repeats})\n"
+    )
     print("| case | " + " | ".join(f"{s}: ms (min–max) | faults" for s in SAVES) + " |")
     print("|---|" + "---:|---:|" * len(SAVES))
     for case, runs in rows.items():
         cells = []
         for j in range(len(SAVES)):
             ms = sorted(1e3 * r[j][0] for r in runs)
-            cells += [f"{statistics.median(ms):.0f} ({ms[0]:.0f}–{ms[-1]:.0f})",
-                      f"{statistics.median(r[j][1] for r in runs):.0f}"]
+            cells += [
+                f"{statistics.median(ms):.0f} ({ms[0]:.0f}–{ms[-1]:.0f})",
+                f"{statistics.median(r[j][1] for r in runs):.0f}",
+            ]
         print(f"| {case} | " + " | ".join(cells) + " |")
+
 
 if __name__ == "__main__":
     main()

@@ -139,15 +139,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = sum(a.nbytes for a in arrays)
     log(f"state: {len(arrays)} tensors, {nbytes / MB:.0f} MB")
     target = zeros_like(state)
-    r: dict[str, Any] = {"bytes": nbytes, "tensors": len(arrays), "load": [os.getloadavg()[0]], "save": {},
-                         "restore": {}}
+    r: dict[str, Any] = {
+        "bytes": nbytes,
+        "tensors": len(arrays),
+        "load": [os.getloadavg()[0]],
+        "save": {},
+        "restore": {},
+    }
     root = Path(tempfile.mkdtemp(prefix="trainstate-bench-remote-", dir=args.dir))
     r["machine"] = machine(root)
     try:
         local = str(root / "ck")
         log("local disk: save")
         r["save"]["local disk (fsync)"] = timed(
-            lambda: trainstate.save(local, state), lambda: shutil.rmtree(local, ignore_errors=True), args.repeats)
+            lambda: trainstate.save(local, state), lambda: shutil.rmtree(local, ignore_errors=True), args.repeats
+        )
         log("local disk: restore")
         r["restore"]["local disk (warm cache)"] = timed(lambda: trainstate.load(local, target), None, args.repeats)
         assert same(state, target), "local restore differs"
@@ -160,15 +166,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"S3 at {server.endpoint}: save")
             r["save"]["S3 (moto)"] = timed(
                 lambda: trainstate.save(url, state, storage=storage),
-                lambda: (storage.delete(storage.strip(url)), storage.reset()), args.repeats)
-            r["s3"] = {"writes": storage.count["write"], "write_peak": storage.peak["write"],
-                       "part_size": storage.part_size, "target_file_bytes": storage.target_file_bytes}
+                lambda: (storage.delete(storage.strip(url)), storage.reset()),
+                args.repeats,
+            )
+            r["s3"] = {
+                "writes": storage.count["write"],
+                "write_peak": storage.peak["write"],
+                "part_size": storage.part_size,
+                "target_file_bytes": storage.target_file_bytes,
+            }
             with trainstate.open(url, storage=storage) as ck:
                 r["s3"]["files"] = [f.size for f in ck.manifest.files]
             log("S3: restore")
             target = zeros_like(state)
-            r["restore"]["S3 (moto)"] = timed(lambda: trainstate.load(url, target, storage=storage),
-                                              storage.reset, args.repeats)
+            r["restore"]["S3 (moto)"] = timed(
+                lambda: trainstate.load(url, target, storage=storage), storage.reset, args.repeats
+            )
             assert same(state, target), "S3 restore differs"
             r["s3"].update(reads=storage.count["read"], read_peak=storage.peak["read"])
             storage.delete(storage.strip(url))
@@ -176,8 +189,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             blob = np.concatenate(arrays).view(np.uint8)  # the same bytes as one object, one stream
             key = f"{BUCKET}/bench/raw-{uuid.uuid4().hex[:8]}"
             log("S3: raw s3fs, one object")
-            r["save"]["raw s3fs write, one object"] = timed(lambda: _put(fs, key, blob), lambda: _rm(fs, key),
-                                                            args.repeats)
+            r["save"]["raw s3fs write, one object"] = timed(
+                lambda: _put(fs, key, blob), lambda: _rm(fs, key), args.repeats
+            )
             r["restore"]["raw s3fs read, one object"] = timed(lambda: fs.cat_file(key), None, args.repeats)
             _rm(fs, key)
     finally:
@@ -200,8 +214,9 @@ def _rm(fs: Any, key: str) -> None:
 
 
 def machine(root: Path) -> dict[str, Any]:
-    cpu = [x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-           if x.startswith("model name")]
+    cpu = [
+        x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name")
+    ]
     ram = [int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")]
     real, mount = os.path.realpath(root), ("?", "?", "")
     for line in Path("/proc/mounts").read_text().splitlines():
@@ -209,10 +224,17 @@ def machine(root: Path) -> dict[str, Any]:
         if (real + "/").startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(mount[2]):
             mount = (fstype, dev, mnt)
     versions = {name: _version(name) for name in ("numpy", "fsspec", "s3fs", "aiobotocore", "moto")}
-    return {"cpu": cpu[0] if cpu else platform.processor(), "cores": os.cpu_count(),
-            "ram_gib": round(ram[0] / 2**20, 1) if ram else "?", "kernel": platform.release(),
-            "dir": str(root.parent), "filesystem": f"{mount[0]} ({mount[1]} on {mount[2]})",
-            "python": platform.python_version(), "versions": versions, "trainstate": trainstate.__version__}
+    return {
+        "cpu": cpu[0] if cpu else platform.processor(),
+        "cores": os.cpu_count(),
+        "ram_gib": round(ram[0] / 2**20, 1) if ram else "?",
+        "kernel": platform.release(),
+        "dir": str(root.parent),
+        "filesystem": f"{mount[0]} ({mount[1]} on {mount[2]})",
+        "python": platform.python_version(),
+        "versions": versions,
+        "trainstate": trainstate.__version__,
+    }
 
 
 def _version(name: str) -> str:
@@ -234,23 +256,31 @@ def table(title: str, rows: dict[str, float], nbytes: float) -> list[str]:
 def report(r: dict[str, Any], repeats: int) -> str:
     m, n, s3 = r["machine"], r["bytes"], r["s3"]
     v = ", ".join(f"{k} {x}" for k, x in m["versions"].items())
-    lines = [f"# trainstate remote benchmark (median of {repeats})", "",
-             f"- machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}",
-             f"- disk: {m['dir']} on {m['filesystem']}",
-             f"- versions: python {m['python']}, {v}, trainstate {m['trainstate']}",
-             f"- state: {r['tensors']} float32 tensors, {n / MB:.0f} MB (MB = 1e6 B)",
-             "- S3: a moto server on 127.0.0.1 (same machine, same 2 cores), through s3fs over HTTP",
-             f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f}", ""]
+    lines = [
+        f"# trainstate remote benchmark (median of {repeats})",
+        "",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}",
+        f"- disk: {m['dir']} on {m['filesystem']}",
+        f"- versions: python {m['python']}, {v}, trainstate {m['trainstate']}",
+        f"- state: {r['tensors']} float32 tensors, {n / MB:.0f} MB (MB = 1e6 B)",
+        "- S3: a moto server on 127.0.0.1 (same machine, same 2 cores), through s3fs over HTTP",
+        f"- 1-min load average at start / end: {r['load'][0]:.2f} / {r['load'][1]:.2f}",
+        "",
+    ]
     lines += table("save", r["save"], n)
     lines += table("restore in place", r["restore"], n)
     files = s3["files"]
-    lines += ["### S3: how trainstate talked to the store", "",
-              f"- files per checkpoint: {len(files)} data files + manifest.json (file target "
-              f"{s3['target_file_bytes'] / 2**20:.0f} MiB; sizes {', '.join(f'{x / MB:.0f}' for x in files)} MB)",
-              f"- save: {s3['writes']} uploads in the last run, up to {s3['write_peak']} at once, "
-              f"in parts of {s3['part_size'] / 2**20:.0f} MiB",
-              f"- restore: {s3['reads']} ranged GETs in the last run (manifest, headers, one per tensor), "
-              f"up to {s3['read_peak']} at once", ""]
+    lines += [
+        "### S3: how trainstate talked to the store",
+        "",
+        f"- files per checkpoint: {len(files)} data files + manifest.json (file target "
+        f"{s3['target_file_bytes'] / 2**20:.0f} MiB; sizes {', '.join(f'{x / MB:.0f}' for x in files)} MB)",
+        f"- save: {s3['writes']} uploads in the last run, up to {s3['write_peak']} at once, "
+        f"in parts of {s3['part_size'] / 2**20:.0f} MiB",
+        f"- restore: {s3['reads']} ranged GETs in the last run (manifest, headers, one per tensor), "
+        f"up to {s3['read_peak']} at once",
+        "",
+    ]
     return "\n".join(lines)
 
 

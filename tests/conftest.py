@@ -14,8 +14,7 @@ def make_training_state(seed: int = 0, steps: int = 2) -> dict[str, Any]:
     import trainstate
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                                torch.nn.Linear(16, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     for _ in range(steps):
@@ -24,8 +23,7 @@ def make_training_state(seed: int = 0, steps: int = 2) -> dict[str, Any]:
         loss.backward()
         opt.step()
         sched.step()
-    return {"model": model, "optim": opt, "sched": sched, "step": steps, "epoch": 0,
-            "rng": trainstate.RNGState()}
+    return {"model": model, "optim": opt, "sched": sched, "step": steps, "epoch": 0, "rng": trainstate.RNGState()}
 
 
 def fresh_like(seed: int = 123) -> dict[str, Any]:

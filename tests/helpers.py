@@ -18,12 +18,16 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         import torch
 
         assert isinstance(b, torch.Tensor), f"{path}: {type(b)}"
-        assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), (
+            f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        )
         assert _torch_bytes(a) == _torch_bytes(b), f"{path}: bytes differ"
         return
     assert type(a) is type(b), f"{path}: {type(a).__name__} vs {type(b).__name__}"
     if isinstance(a, (np.ndarray, np.generic)):
-        assert a.dtype == b.dtype and np.shape(a) == np.shape(b), f"{path}: {a.dtype}{np.shape(a)} vs {b.dtype}{np.shape(b)}"
+        assert a.dtype == b.dtype and np.shape(a) == np.shape(b), (
+            f"{path}: {a.dtype}{np.shape(a)} vs {b.dtype}{np.shape(b)}"
+        )
         assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), f"{path}: bytes differ"
     elif isinstance(a, dict):
         assert list(a.keys()) == list(b.keys()) or _nan_keys(a), f"{path}: keys {list(a)} vs {list(b)}"

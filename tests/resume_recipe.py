@@ -44,8 +44,9 @@ class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x, self.y[i]
 
 
-def build(loader_kind: str, init_seed: int = 0, workers: int = 2, augment: bool = False,
-          seed_per_sample: bool = True) -> tuple[dict[str, Any], Any]:
+def build(
+    loader_kind: str, init_seed: int = 0, workers: int = 2, augment: bool = False, seed_per_sample: bool = True
+) -> tuple[dict[str, Any], Any]:
     data = np.random.default_rng(42)
     x = torch.from_numpy(data.standard_normal((203, 10)).astype(np.float32))
     y = torch.from_numpy(data.integers(0, 4, 203))
@@ -53,8 +54,7 @@ def build(loader_kind: str, init_seed: int = 0, workers: int = 2, augment: bool 
     random.seed(init_seed)  # a user's script seeds all three; the checkpoint's RNG state then takes over
     np.random.seed(init_seed)
     torch.manual_seed(init_seed)
-    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)
     state: dict[str, Any] = {"model": model, "optim": opt, "sched": sched, "rng": trainstate.RNGState()}
@@ -110,10 +110,12 @@ def main() -> None:
     ap.add_argument("--augment", action="store_true")
     ap.add_argument("--no-seed-per-sample", dest="seed_per_sample", action="store_false")
     args = ap.parse_args()
-    state, loader = build(args.loader, init_seed=0, workers=args.workers, augment=args.augment,
-                          seed_per_sample=args.seed_per_sample)
-    mgr = trainstate.CheckpointManager(os.path.join(args.dir, "ckpt"), every_steps=args.every, keep_last=2,
-                                       async_save=args.async_save)
+    state, loader = build(
+        args.loader, init_seed=0, workers=args.workers, augment=args.augment, seed_per_sample=args.seed_per_sample
+    )
+    mgr = trainstate.CheckpointManager(
+        os.path.join(args.dir, "ckpt"), every_steps=args.every, keep_last=2, async_save=args.async_save
+    )
     start = mgr.restore_latest(state) or 0
     print(f"start {start}", flush=True)
 

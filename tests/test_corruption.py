@@ -20,8 +20,12 @@ from trainstate.format import checksum
 
 def _state():
     rng = np.random.default_rng(0)
-    return {"a": rng.standard_normal((16, 8)).astype(np.float32), "b": np.arange(10, dtype=np.int64),
-            "c": np.float32(1.5), "n": 3}
+    return {
+        "a": rng.standard_normal((16, 8)).astype(np.float32),
+        "b": np.arange(10, dtype=np.int64),
+        "c": np.float32(1.5),
+        "n": 3,
+    }
 
 
 @pytest.fixture
@@ -100,20 +104,23 @@ def _first_chunk(b):
     return b["tensors"]["a"]["chunks"][0]
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda b: _first_chunk(b).update(byte_range=[0, 10**12]), "outside|share bytes"),
-    (lambda b: _first_chunk(b).update(byte_range=[8, 16]), "do not hold"),
-    (lambda b: b["tensors"]["a"].update(shape=[1 << 40, 1 << 40]), "cover|too many elements"),
-    (lambda b: b["tensors"]["a"].update(dtype="F128"), "unknown dtype"),
-    (lambda b: b["tensors"]["a"].update(kind="pickle"), "unknown kind"),
-    (lambda b: _first_chunk(b).update(file="../../etc/passwd"), "illegal data file"),
-    (lambda b: b["files"][0].update(path="/etc/passwd"), "illegal data file"),
-    (lambda b: _first_chunk(b).update(offset=[1, 0]), "exceeds"),
-    (lambda b: b["tensors"]["a"].update(chunks=[]), "cover"),
-    (lambda b: b.update(tree={"t": "pickle", "v": "cos\nsystem\n"}), "unknown tree node"),
-    (lambda b: b.update(tree={"t": "tensor", "name": "zz"}), "does not list"),
-    (lambda b: b["files"][0].update(size=-1), "negative|outside|size"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda b: _first_chunk(b).update(byte_range=[0, 10**12]), "outside|share bytes"),
+        (lambda b: _first_chunk(b).update(byte_range=[8, 16]), "do not hold"),
+        (lambda b: b["tensors"]["a"].update(shape=[1 << 40, 1 << 40]), "cover|too many elements"),
+        (lambda b: b["tensors"]["a"].update(dtype="F128"), "unknown dtype"),
+        (lambda b: b["tensors"]["a"].update(kind="pickle"), "unknown kind"),
+        (lambda b: _first_chunk(b).update(file="../../etc/passwd"), "illegal data file"),
+        (lambda b: b["files"][0].update(path="/etc/passwd"), "illegal data file"),
+        (lambda b: _first_chunk(b).update(offset=[1, 0]), "exceeds"),
+        (lambda b: b["tensors"]["a"].update(chunks=[]), "cover"),
+        (lambda b: b.update(tree={"t": "pickle", "v": "cos\nsystem\n"}), "unknown tree node"),
+        (lambda b: b.update(tree={"t": "tensor", "name": "zz"}), "does not list"),
+        (lambda b: b["files"][0].update(size=-1), "negative|outside|size"),
+    ],
+)
 def test_lying_manifests_are_refused(ckpt, edit, message):
     reseal_manifest(ckpt, edit)
     with pytest.raises(trainstate.CorruptCheckpointError, match=message):
@@ -230,8 +237,7 @@ class _Part:
         pass
 
 
-@pytest.mark.parametrize("how", ["read", "read-unverified", "read-torch", "read_into", "verify", "load",
-                                 "load-during"])
+@pytest.mark.parametrize("how", ["read", "read-unverified", "read-torch", "read_into", "verify", "load", "load-during"])
 def test_a_data_file_truncated_while_open_is_corrupt_not_a_crash(tmp_path, how):
     """Reads go through a memory map made at open; touching it past a file's new end is SIGBUS, which
     kills the process. Run in a child so a crash shows up as a failure here, not as a dead pytest."""
@@ -240,10 +246,17 @@ def test_a_data_file_truncated_while_open_is_corrupt_not_a_crash(tmp_path, how):
     trainstate.save(path, {"big": _Part(), "small": np.arange(8, dtype=np.int64)}, threads=1)
     src = str(Path(trainstate.__file__).parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRUNCATE_WHILE_OPEN), str(path), how],
-                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_TRUNCATE_WHILE_OPEN), str(path), how],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, f"exit {proc.returncode} (-7 is SIGBUS)\n{proc.stdout}{proc.stderr}"
     assert "data-00000.safetensors" in proc.stdout and "truncated" in proc.stdout, proc.stdout
+
 
 # ------------------------------------------------------------------------------------------------
 # a manifest cannot make the reader build much more memory than its bytes
@@ -281,10 +294,16 @@ def test_legit_manifests_stay_within_the_parse_cost_per_byte(tmp_path, monkeypat
     from trainstate.format import manifest
 
     monkeypatch.setattr(manifest, "PARSE_COST_ALLOWANCE", 0)  # the per-byte bound alone
-    states = {"training": training_state,
-              "many tensors": [np.full(2, i, np.float32) for i in range(5000)],  # the shortest names
-              "plain values": {"epoch": 3, "losses": [0.5 + i / 7 for i in range(2000)],
-                               "order": list(range(100_000, 105_000)), "cfg": {"lr": 1e-3, "tags": ["a", "b"]}}}
+    states = {
+        "training": training_state,
+        "many tensors": [np.full(2, i, np.float32) for i in range(5000)],  # the shortest names
+        "plain values": {
+            "epoch": 3,
+            "losses": [0.5 + i / 7 for i in range(2000)],
+            "order": list(range(100_000, 105_000)),
+            "cfg": {"lr": 1e-3, "tags": ["a", "b"]},
+        },
+    }
     for name, state in states.items():
         path = tmp_path / name.replace(" ", "-")
         trainstate.save(path, state)

@@ -17,8 +17,15 @@ from helpers import assert_same
 torch = pytest.importorskip("torch")
 from resume_recipe import build, final_state, train  # noqa: E402
 
-LOADERS = ["sampler", pytest.param("stateful", marks=pytest.mark.skipif(
-    pytest.importorskip("importlib").util.find_spec("torchdata") is None, reason="torchdata not installed"))]
+LOADERS = [
+    "sampler",
+    pytest.param(
+        "stateful",
+        marks=pytest.mark.skipif(
+            pytest.importorskip("importlib").util.find_spec("torchdata") is None, reason="torchdata not installed"
+        ),
+    ),
+]
 
 
 @pytest.mark.parametrize("loader_kind", LOADERS)
@@ -61,11 +68,20 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(RECIPE), *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("loader_kind, kill_at, async_save", [
-    ("sampler", 9, True),     # killed with an async save possibly in flight, mid-epoch
-    pytest.param("stateful", 17, False, marks=pytest.mark.skipif(
-        pytest.importorskip("importlib").util.find_spec("torchdata") is None, reason="torchdata not installed")),
-])
+@pytest.mark.parametrize(
+    "loader_kind, kill_at, async_save",
+    [
+        ("sampler", 9, True),  # killed with an async save possibly in flight, mid-epoch
+        pytest.param(
+            "stateful",
+            17,
+            False,
+            marks=pytest.mark.skipif(
+                pytest.importorskip("importlib").util.find_spec("torchdata") is None, reason="torchdata not installed"
+            ),
+        ),
+    ],
+)
 def test_sigkill_and_resume_in_a_new_process_is_bit_identical(tmp_path, loader_kind, kill_at, async_save):
     """The contract: kill -9 at some step, resume from the latest checkpoint in a fresh process."""
     import signal

@@ -44,8 +44,9 @@ def no_torch(tmp_path: Path) -> dict[str, str]:
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
 
 
 def test_the_blocker_really_hides_torch(no_torch: dict[str, str]) -> None:
@@ -55,8 +56,14 @@ def test_the_blocker_really_hides_torch(no_torch: dict[str, str]) -> None:
 
 def test_demo_without_torch_says_to_install_the_demo_extra(tmp_path: Path, no_torch: dict[str, str]) -> None:
     runs = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "trainstate", "demo", "--dir", str(runs), "--steps", "30"],
-                          capture_output=True, text=True, env=no_torch, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainstate", "demo", "--dir", str(runs), "--steps", "30"],
+        capture_output=True,
+        text=True,
+        env=no_torch,
+        timeout=300,
+        check=False,
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 8, (proc.returncode, proc.stderr)  # "other trainstate error": a missing extra
     (line,) = proc.stderr.splitlines()
@@ -64,15 +71,17 @@ def test_demo_without_torch_says_to_install_the_demo_extra(tmp_path: Path, no_to
     assert not runs.exists()  # it stopped before starting any training process
 
 
-@pytest.mark.parametrize("use", [
-    "trainstate.ResumableSampler",
-    "import trainstate.data",
-    "from trainstate.data import ResumableSampler",
-    "trainstate.load(CKPT, framework='torch')",
-    "trainstate.open(CKPT).read('w', framework='torch')",
-])
-def test_torch_features_without_torch_name_the_torch_extra(tmp_path: Path, no_torch: dict[str, str],
-                                                           use: str) -> None:
+@pytest.mark.parametrize(
+    "use",
+    [
+        "trainstate.ResumableSampler",
+        "import trainstate.data",
+        "from trainstate.data import ResumableSampler",
+        "trainstate.load(CKPT, framework='torch')",
+        "trainstate.open(CKPT).read('w', framework='torch')",
+    ],
+)
+def test_torch_features_without_torch_name_the_torch_extra(tmp_path: Path, no_torch: dict[str, str], use: str) -> None:
     ckpt = tmp_path / "ckpt"
     trainstate.save(ckpt, {"w": np.arange(4.0)})
     code = f"""

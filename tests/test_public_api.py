@@ -5,8 +5,10 @@ import trainstate
 
 def test_all_is_sorted_and_complete():
     public = {
-        name for name in dir(trainstate)
-        if not name.startswith("_") and not isinstance(getattr(trainstate, name), types.ModuleType)
+        name
+        for name in dir(trainstate)
+        if not name.startswith("_")
+        and not isinstance(getattr(trainstate, name), types.ModuleType)
         and name != "annotations"
     }
     assert trainstate.__all__ == sorted(trainstate.__all__)

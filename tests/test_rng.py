@@ -13,8 +13,14 @@ torch = pytest.importorskip("torch")
 
 
 def _draw(np_gen, torch_gen):
-    return (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np_gen.random(2).tolist(),
-            torch.rand(3).tolist(), torch.rand(2, generator=torch_gen).tolist())
+    return (
+        random.random(),
+        random.gauss(0, 1),
+        np.random.rand(3).tolist(),
+        np_gen.random(2).tolist(),
+        torch.rand(3).tolist(),
+        torch.rand(2, generator=torch_gen).tolist(),
+    )
 
 
 def test_all_generators_resume(tmp_path):

@@ -14,9 +14,26 @@ from hypothesis.extra import numpy as hnp
 import trainstate
 from helpers import assert_same
 
-DTYPES = [np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
-          np.float16, np.float32, np.float64, np.complex64, np.complex128, ml_dtypes.bfloat16,
-          ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+DTYPES = [
+    np.bool_,
+    np.uint8,
+    np.int8,
+    np.int16,
+    np.uint16,
+    np.int32,
+    np.uint32,
+    np.int64,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+]
+
 
 def _random_array(dtype: type, shape: tuple[int, ...], seed: int) -> np.ndarray:
     """Random bytes viewed as ``dtype``: NaN payloads, subnormals and all, which must survive bit-exactly."""
@@ -27,27 +44,42 @@ def _random_array(dtype: type, shape: tuple[int, ...], seed: int) -> np.ndarray:
     return raw.view(dt).reshape(shape)
 
 
-contiguous = st.builds(_random_array, st.sampled_from(DTYPES),
-                       hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4), st.integers(0, 2**32 - 1))
+contiguous = st.builds(
+    _random_array,
+    st.sampled_from(DTYPES),
+    hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+    st.integers(0, 2**32 - 1),
+)
 arrays = contiguous | contiguous.map(lambda a: a.T)  # transposes are non-contiguous
 np_scalars = st.sampled_from([np.float32, np.float64, np.int64, np.int32]).flatmap(
-    lambda dt: st.integers(-1000, 1000).map(lambda x: dt(x)))
-plain = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
-         | st.text(max_size=8) | st.binary(max_size=8))
+    lambda dt: st.integers(-1000, 1000).map(lambda x: dt(x))
+)
+plain = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
 keys = st.text(max_size=6) | st.integers(-5, 50) | st.tuples(st.integers(0, 3), st.text(max_size=2))
 
 
 def states(leaves: st.SearchStrategy) -> st.SearchStrategy:
     return st.recursive(
         leaves,
-        lambda children: (st.lists(children, max_size=4) | st.lists(children, max_size=4).map(tuple)
-                          | st.dictionaries(keys, children, max_size=4)),
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.lists(children, max_size=4).map(tuple)
+            | st.dictionaries(keys, children, max_size=4)
+        ),
         max_leaves=20,
     )
 
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                             HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @SETTINGS

@@ -80,8 +80,9 @@ def test_tied_weights_are_written_once_and_come_back_shared(tmp_path):
 def test_strict_reports_every_problem_at_once_and_changes_nothing(tmp_path, training_state):
     trainstate.save(tmp_path / "c", training_state)
     target = fresh_like()
-    target["model"] = torch.nn.Sequential(torch.nn.Linear(6, 17), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                                          torch.nn.Linear(17, 3))
+    target["model"] = torch.nn.Sequential(
+        torch.nn.Linear(6, 17), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(17, 3)
+    )
     del target["epoch"]
     target["extra"] = 5
     before = [p.clone() for p in target["model"].parameters()]
@@ -179,10 +180,13 @@ def test_unsupported_values_are_refused_before_writing(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*:UserWarning")
-@pytest.mark.parametrize("make", [
-    lambda w: torch.quantize_per_tensor(w, 0.1, 3, torch.qint8),
-    lambda w: torch.quantize_per_channel(w, torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0, torch.quint8),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda w: torch.quantize_per_tensor(w, 0.1, 3, torch.qint8),
+        lambda w: torch.quantize_per_channel(w, torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0, torch.quint8),
+    ],
+)
 def test_quantized_tensors_are_refused_with_what_to_do(tmp_path, make):
     q = make(torch.randn(2, 3))
     with pytest.raises(trainstate.UnsupportedValueError) as err:

@@ -25,8 +25,10 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader, Dataset, IterableDataset  # noqa: E402 - after importorskip
 
 HAS_TORCHDATA = pytest.importorskip("importlib").util.find_spec("torchdata") is not None
-LOADERS = ["sampler", pytest.param("stateful", marks=pytest.mark.skipif(not HAS_TORCHDATA,
-                                                                        reason="torchdata not installed"))]
+LOADERS = [
+    "sampler",
+    pytest.param("stateful", marks=pytest.mark.skipif(not HAS_TORCHDATA, reason="torchdata not installed")),
+]
 RECIPE = Path(__file__).with_name("resume_recipe.py")
 
 
@@ -39,8 +41,9 @@ def _run(out: Path, args: list[str]) -> tuple[int, str]:
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"log{len(list(out.glob('log*.txt')))}.txt"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, str(RECIPE), str(out), *args], stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(RECIPE), str(out), *args], stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=300)
         finally:
@@ -77,8 +80,18 @@ def test_augmentation_in_workers_resumes_bit_identically_after_sigkill(tmp_path,
 @pytest.mark.skipif(not HAS_TORCHDATA, reason="torchdata not installed")
 def test_without_per_sample_seeding_augmenting_workers_diverge(tmp_path):
     """The failure is real: a StatefulDataLoader left to torch's per-worker seeds diverges after a resume."""
-    flags = ["--loader", "stateful", "--workers", "2", "--augment", "--steps", "20", "--every", "3",
-             "--no-seed-per-sample"]
+    flags = [
+        "--loader",
+        "stateful",
+        "--workers",
+        "2",
+        "--augment",
+        "--steps",
+        "20",
+        "--every",
+        "3",
+        "--no-seed-per-sample",
+    ]
     reference, resumed = _kill_and_resume(tmp_path, flags, kill_at=8)
     assert not np.array_equal(reference["model"]["0.weight"], resumed["model"]["0.weight"])
 
@@ -99,13 +112,20 @@ class NoisyBatches(Noisy):
         return [self[i] for i in indices]
 
 
-def _epochs(workers: int, persistent: bool = False, epochs: int = 2, dataset: type[Noisy] = Noisy,
-            ) -> list[list[list[float]]]:
+def _epochs(
+    workers: int,
+    persistent: bool = False,
+    epochs: int = 2,
+    dataset: type[Noisy] = Noisy,
+) -> list[list[list[float]]]:
     sampler = trainstate.ResumableSampler(dataset(), seed=5)
-    loader = sampler.attach(DataLoader(dataset(), batch_size=4, sampler=sampler, num_workers=workers,
-                                       persistent_workers=persistent))
-    return [[torch.stack([torch.as_tensor(c, dtype=torch.float64) for c in b], 1).tolist() for b in loader]
-            for _ in range(epochs)]
+    loader = sampler.attach(
+        DataLoader(dataset(), batch_size=4, sampler=sampler, num_workers=workers, persistent_workers=persistent)
+    )
+    return [
+        [torch.stack([torch.as_tensor(c, dtype=torch.float64) for c in b], 1).tolist() for b in loader]
+        for _ in range(epochs)
+    ]
 
 
 @pytest.mark.parametrize("dataset", [Noisy, NoisyBatches])
@@ -141,5 +161,6 @@ def test_seed_per_sample_refuses_what_it_cannot_make_exact():
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         with pytest.raises(trainstate.CheckpointError, match="persistent_workers"):
-            trainstate.seed_per_sample(StatefulDataLoader(Noisy(), batch_size=2, num_workers=1,
-                                                          persistent_workers=True))
+            trainstate.seed_per_sample(
+                StatefulDataLoader(Noisy(), batch_size=2, num_workers=1, persistent_workers=True)
+            )

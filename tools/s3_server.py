@@ -53,13 +53,21 @@ class MotoServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> MotoServer:
-        env = {**os.environ, **AWS_ISOLATION, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET,
-               "AWS_DEFAULT_REGION": S3_REGION}
+        env = {
+            **os.environ,
+            **AWS_ISOLATION,
+            "AWS_ACCESS_KEY_ID": S3_KEY,
+            "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+            "AWS_DEFAULT_REGION": S3_REGION,
+        }
         out = open(self._log, "wb") if self._log else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                stdout=out, stderr=subprocess.STDOUT, env=env)
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         finally:
             if self._log:
                 out.close()  # the server holds its own copy
@@ -85,12 +93,18 @@ class MotoServer:
     def create_bucket(self, name: str) -> None:
         import boto3
 
-        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=S3_KEY,
-                              aws_secret_access_key=S3_SECRET, region_name=S3_REGION)
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=S3_KEY,
+            aws_secret_access_key=S3_SECRET,
+            region_name=S3_REGION,
+        )
         client.create_bucket(Bucket=name)
 
     def filesystem(self, **kwargs: Any) -> Any:
         import s3fs
 
-        return s3fs.S3FileSystem(key=S3_KEY, secret=S3_SECRET, endpoint_url=self.endpoint,
-                                 client_kwargs={"region_name": S3_REGION}, **kwargs)
+        return s3fs.S3FileSystem(
+            key=S3_KEY, secret=S3_SECRET, endpoint_url=self.endpoint, client_kwargs={"region_name": S3_REGION}, **kwargs
+        )

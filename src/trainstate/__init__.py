@@ -34,7 +34,10 @@ from .tree import Stateful
 
 __version__ = "0.1.0"
 
-_LAZY = {"ResumableSampler": "trainstate.data", "seed_per_sample": "trainstate.data"}  # these import torch: only on first use
+_LAZY = {
+    "ResumableSampler": "trainstate.data",
+    "seed_per_sample": "trainstate.data",
+}  # these import torch: only on first use
 
 
 def __getattr__(name: str) -> object:
@@ -47,6 +50,7 @@ def __getattr__(name: str) -> object:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "Checkpoint",

@@ -21,7 +21,7 @@ def missing(package: str, *, extra: str, needed_for: str, reason: str = "") -> M
     """The error for ``package`` not being importable; ``reason`` is what the import said, if anything."""
     said = f" ({reason})" if reason else ""
     return MissingDependencyError(
-        f"{needed_for} needs {package}, which cannot be imported{said}: pip install \"trainstate[{extra}]\""
+        f'{needed_for} needs {package}, which cannot be imported{said}: pip install "trainstate[{extra}]"'
     )
 
 

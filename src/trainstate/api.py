@@ -47,6 +47,14 @@ def load(
         >>> trainstate.load("ckpt/step_1200", state)              # in place
         >>> tree = trainstate.load("ckpt/step_1200")              # NumPy arrays and plain values
     """
-    return load_from(path, ABSENT if target is _NO_TARGET else target, storage=storage, strict=strict,
-                     include=include, exclude=exclude, framework=framework if target is _NO_TARGET else None,
-                     verify=verify, threads=threads)
+    return load_from(
+        path,
+        ABSENT if target is _NO_TARGET else target,
+        storage=storage,
+        strict=strict,
+        include=include,
+        exclude=exclude,
+        framework=framework if target is _NO_TARGET else None,
+        verify=verify,
+        threads=threads,
+    )

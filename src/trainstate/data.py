@@ -75,8 +75,9 @@ class ResumableSampler(Sampler[int]):
             raise ValueError("attach() takes the DataLoader built with this sampler")
         size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
         if not isinstance(size, int) or size < 1:
-            raise ValueError("ResumableSampler needs a fixed batch size (batch_size=, or a BatchSampler) to "
-                             "count consumed samples")
+            raise ValueError(
+                "ResumableSampler needs a fixed batch size (batch_size=, or a BatchSampler) to count consumed samples"
+            )
         self._batch_size = size
         self._loader = loader
         _hooks(loader).counter = self
@@ -154,7 +155,7 @@ class _Hooks:
         if self.counter is not None:
             self.counter._iterator_starting()
         source, user_init = loader.generator, loader.worker_init_fn
-        loader_rng = (source.get_state() if source is not None else torch.get_rng_state())
+        loader_rng = source.get_state() if source is not None else torch.get_rng_state()
         restored = getattr(loader, "next_iter_state", None)  # a StatefulDataLoader's state to resume from
         if self.base_seed_rng is not None:  # resume: draw the base seed the interrupted epoch drew
             replay = torch.Generator()
@@ -242,14 +243,17 @@ def seed_per_sample(loader: L) -> L:
         ...                                                        num_workers=2))
     """
     if isinstance(loader.dataset, IterableDataset):
-        raise CheckpointError(f"seed_per_sample needs a map-style dataset (samples fetched by index), found "
-                              f"the iterable dataset {type(loader.dataset).__name__}: seed its iterator yourself")
+        raise CheckpointError(
+            f"seed_per_sample needs a map-style dataset (samples fetched by index), found "
+            f"the iterable dataset {type(loader.dataset).__name__}: seed its iterator yourself"
+        )
     sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
     if loader.persistent_workers and loader.num_workers > 0 and not isinstance(sampler, ResumableSampler):
         raise CheckpointError(
             "seed_per_sample cannot tell the epochs of persistent_workers=True apart (their base seed is drawn "
             "once, and no epoch count reaches the workers): use persistent_workers=False, or a DataLoader with "
-            "trainstate.ResumableSampler, whose indices carry (seed, epoch) to persistent workers")
+            "trainstate.ResumableSampler, whose indices carry (seed, epoch) to persistent workers"
+        )
     _hooks(loader).seed_samples = True
     return loader
 

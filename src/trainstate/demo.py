@@ -44,16 +44,23 @@ def _train(workdir: Path, steps: int, kill_at: int) -> None:
     x, y = torch.from_numpy(data), torch.from_numpy(target)
     train_ds, val = TensorDataset(x[:1500], y[:1500]), (x[1500:], y[1500:])
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(128, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(128, 10)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     sampler = ResumableSampler(train_ds, seed=1)
     loader = sampler.attach(DataLoader(train_ds, batch_size=32, sampler=sampler, num_workers=2))
     state = {"model": model, "optim": opt, "sched": sched, "sampler": sampler, "rng": trainstate.RNGState()}
 
-    mgr = trainstate.CheckpointManager(workdir / "checkpoints", every_steps=EVERY, keep_last=2,
-                                       keep_every_steps=50, keep_best=("val_loss", "min", 1), async_save=True)
+    mgr = trainstate.CheckpointManager(
+        workdir / "checkpoints",
+        every_steps=EVERY,
+        keep_last=2,
+        keep_every_steps=50,
+        keep_best=("val_loss", "min", 1),
+        async_save=True,
+    )
     start = mgr.restore_latest(state) or 0
     step, micro = start, 0
     while step < steps:
@@ -85,7 +92,8 @@ def _train(workdir: Path, steps: int, kill_at: int) -> None:
         accuracy = float((model(val[0]).argmax(1) == val[1]).float().mean())
     plan = mgr.last_retention
     summary = {
-        "start": start, "accuracy": accuracy,
+        "start": start,
+        "accuracy": accuracy,
         "history": [[r.step, r.blocking_seconds, r.write_seconds + r.commit_seconds, r.nbytes] for r in mgr.history()],
         "kept": {c.name: plan.keep.get(c.name, []) if plan else [] for c in mgr.list()},
     }
@@ -105,8 +113,11 @@ def _digits_file() -> Path:
     import importlib.util
 
     spec = importlib.util.find_spec("sklearn")
-    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" \
-        if spec is not None and spec.submodule_search_locations else None
+    path = (
+        Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+        if spec is not None and spec.submodule_search_locations
+        else None
+    )
     if path is None or not path.is_file():
         raise missing("scikit-learn", extra="demo", needed_for="trainstate demo (for its digits data set)")
     return path
@@ -121,8 +132,18 @@ def _digits() -> tuple[Any, Any]:
 
 
 def _spawn(workdir: Path, steps: int, kill_at: int = -1) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "trainstate", "demo", "--worker", str(workdir), "--steps", str(steps),
-           "--kill-at", str(kill_at)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainstate",
+        "demo",
+        "--worker",
+        str(workdir),
+        "--steps",
+        str(steps),
+        "--kill-at",
+        str(kill_at),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -171,8 +192,9 @@ def _same(a: Any, b: Any) -> bool:
     return bool(type(a) is type(b) and a == b)
 
 
-def _print_report(steps: int, kill_at: int, run: dict[str, Any], ref: dict[str, Any], identical: bool,
-                  seconds: float) -> None:
+def _print_report(
+    steps: int, kill_at: int, run: dict[str, Any], ref: dict[str, Any], identical: bool, seconds: float
+) -> None:
     hist = run["history"] + ref["history"]
     blocking = [h[1] * 1e3 for h in hist]
     background = [h[2] * 1e3 for h in hist]

@@ -124,9 +124,14 @@ def _dtype_only(want: str, got: str) -> bool:
 def _mismatch_hint(missing: list[str], unexpected: list[str], mismatched: list[tuple[str, str, str]]) -> str:
     """What would make this restore go through. strict=False relaxes only missing / unexpected keys and
     dtypes; a different shape or kind fits under no option, so for those it names the keys to exclude."""
-    relaxed = [what for what, present in (("accepts the missing / unexpected keys", bool(missing or unexpected)),
-                                          ("casts the differing dtypes",
-                                           any(_dtype_only(w, g) for _, w, g in mismatched))) if present]
+    relaxed = [
+        what
+        for what, present in (
+            ("accepts the missing / unexpected keys", bool(missing or unexpected)),
+            ("casts the differing dtypes", any(_dtype_only(w, g) for _, w, g in mismatched)),
+        )
+        if present
+    ]
     rigid = [key for key, want, got in mismatched if not _dtype_only(want, got)]
     parts = [f"strict=False {' and '.join(relaxed)}"] if relaxed else []
     if rigid:

@@ -72,7 +72,9 @@ class Checkpoint:
             raise
         for name in tree.tensor_names(self.manifest.tree):
             if name not in self.manifest.tensors:
-                raise CorruptCheckpointError(f"the tree refers to tensor {name!r:.80}, which the manifest does not list")
+                raise CorruptCheckpointError(
+                    f"the tree refers to tensor {name!r:.80}, which the manifest does not list"
+                )
 
     # -- what is in it -------------------------------------------------------------------------
 
@@ -121,8 +123,9 @@ class Checkpoint:
             view = self._mapped(mm, c.file, *c.byte_range)  # the array keeps it (and the mapping) alive
             if verify:
                 checksum.check(view, c.checksum, f"tensor {name} ({c.file})")
-            array = np.frombuffer(view, dtype=dtypes.from_code(t.dtype).numpy,
-                                  count=math.prod(t.shape)).reshape(t.shape)
+            array = np.frombuffer(view, dtype=dtypes.from_code(t.dtype).numpy, count=math.prod(t.shape)).reshape(
+                t.shape
+            )
             if framework == "torch":
                 return adapter_named("torch").from_numpy(array.copy())
             return numpy_adapter.finish(array, t.kind)
@@ -155,19 +158,28 @@ class Checkpoint:
             for src in sources:
                 src.release()
 
-    def load(self, *, framework: str = "numpy", verify: bool = True, threads: int = 2,
-             include: str | list[str] | None = None, exclude: str | list[str] | None = None) -> Any:
+    def load(
+        self,
+        *,
+        framework: str = "numpy",
+        verify: bool = True,
+        threads: int = 2,
+        include: str | list[str] | None = None,
+        exclude: str | list[str] | None = None,
+    ) -> Any:
         """The state as plain values and arrays (NumPy by default); tied tensors come back shared.
 
         ``include`` / ``exclude`` glob patterns keep only the matching parts.
         """
         from .restore import ABSENT, restore  # restore builds on this module
 
-        return restore(self, ABSENT, include=include, exclude=exclude, framework=framework, verify=verify,
-                       threads=threads)
+        return restore(
+            self, ABSENT, include=include, exclude=exclude, framework=framework, verify=verify, threads=threads
+        )
 
     def read_many(self, jobs: list[tuple[str, Any]], *, verify: bool = True, threads: int = 2) -> None:
         """``read_into`` for many ``(name, out)`` pairs, in file order, on ``threads`` threads."""
+
         def position(job: tuple[str, Any]) -> tuple[str, int]:
             c = self._entry(job[0]).chunks
             return (c[0].file, c[0].byte_range[0]) if c else ("", 0)
@@ -287,7 +299,8 @@ class Checkpoint:
             raise CorruptCheckpointError(
                 f"data file {file} of {self.path} now has {size} bytes, but the manifest needs bytes up to "
                 f"{end}: it was truncated after the checkpoint was opened. Do not modify checkpoint files "
-                "while they are read; load another checkpoint")
+                "while they are read; load another checkpoint"
+            )
         with memoryview(mm) as whole:
             return whole[begin:end]
 
@@ -322,8 +335,9 @@ class Checkpoint:
     def __enter__(self) -> Checkpoint:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -364,11 +378,18 @@ def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
     if minfo is None:
         from .manager.naming import step_of  # not at the top: the manager imports this module
 
-        steps = sorted((n for n in storage.list(path) if step_of(n) is not None), key=lambda n: step_of(n) or 0,
-                       reverse=True)
+        steps = sorted(
+            (n for n in storage.list(path) if step_of(n) is not None), key=lambda n: step_of(n) or 0, reverse=True
+        )
         if steps:
-            newest = next((storage.join(path, n) for n in steps
-                           if storage.stat(storage.join(path, n, manifest.MANIFEST_NAME)) is not None), None)
+            newest = next(
+                (
+                    storage.join(path, n)
+                    for n in steps
+                    if storage.stat(storage.join(path, n, manifest.MANIFEST_NAME)) is not None
+                ),
+                None,
+            )
             raise CheckpointNotFoundError(
                 f"{path} is a CheckpointManager's run directory, not one checkpoint: resume with "
                 f"CheckpointManager({path!r}).restore_latest(state), or load one of its checkpoints"
@@ -380,8 +401,9 @@ def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
     if not minfo.regular or minfo.is_dir:
         raise CorruptCheckpointError(f"{mpath} is not a regular file (symlinks are refused)")
     if minfo.size > MAX_MANIFEST:
-        raise CorruptCheckpointError(f"{mpath} is {minfo.size} bytes, more than the {MAX_MANIFEST} a manifest "
-                                     "may have: it is damaged or forged")
+        raise CorruptCheckpointError(
+            f"{mpath} is {minfo.size} bytes, more than the {MAX_MANIFEST} a manifest may have: it is damaged or forged"
+        )
     raw = bytearray(minfo.size)
     try:
         got = storage.read_into(mpath, 0, memoryview(raw))

@@ -56,8 +56,7 @@ def _is_module(obj: Any) -> bool:
 
 
 def _is_data_loader(obj: Any) -> bool:
-    return any(c.__module__ == "torch.utils.data.dataloader" and c.__name__ == "DataLoader"
-               for c in type(obj).__mro__)
+    return any(c.__module__ == "torch.utils.data.dataloader" and c.__name__ == "DataLoader" for c in type(obj).__mro__)
 
 
 def _is_structure(value: Any) -> bool:
@@ -73,8 +72,15 @@ def _describe(value: Any) -> str:
 
 
 class Restorer:
-    def __init__(self, ck: Checkpoint, *, strict: bool, selected: Callable[[str], bool] | None,
-                 framework: str | None = None, optional: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        ck: Checkpoint,
+        *,
+        strict: bool,
+        selected: Callable[[str], bool] | None,
+        framework: str | None = None,
+        optional: tuple[str, ...] = (),
+    ) -> None:
         self.ck = ck
         self.strict = strict
         self.framework = framework  # array type for tensors the target lacks; None: what the saver held
@@ -208,8 +214,13 @@ class Restorer:
             raise CorruptCheckpointError(f"malformed {node['t']} node at {tree.join(path)}")
         have = target if target is not _ABSENT and isinstance(target, (list, tuple)) else None
         if have is not None and len(have) != len(children) and not free:
-            self.mismatched.append((tree.join(path) or "<root>", f"{type(have).__name__} of {len(have)}",
-                                    f"{node['t']} of {len(children)}"))
+            self.mismatched.append(
+                (
+                    tree.join(path) or "<root>",
+                    f"{type(have).__name__} of {len(have)}",
+                    f"{node['t']} of {len(children)}",
+                )
+            )
             return lambda: target
         finishers = [
             self.plan(have[i] if have is not None and i < len(have) else _ABSENT, c, path + (str(i),), free)
@@ -256,8 +267,11 @@ class Restorer:
         for name, job in all_jobs:
             entry = self.ck.manifest.tensors[name]
             live = adapter_for(job.target) if job.target is not _ABSENT else None
-            if live is not None and live.describe(job.target)[0] == entry.dtype \
-                    and live.writable_view(job.target) is not None:
+            if (
+                live is not None
+                and live.describe(job.target)[0] == entry.dtype
+                and live.writable_view(job.target) is not None
+            ):
                 job.value = job.target
                 reads.append((name, job.target))
             else:  # absent, on an accelerator, non-contiguous, or a cast: read to host first
@@ -306,9 +320,18 @@ def _corrupt_ref(name: str) -> Any:
 ABSENT = _ABSENT  # restore() with this target returns the checkpoint's own structure
 
 
-def restore(ck: Checkpoint, target: Any, *, strict: bool = True, include: str | list[str] | None = None,
-            exclude: str | list[str] | None = None, verify: bool = True, threads: int = 2,
-            framework: str | None = None, optional: tuple[str, ...] = ()) -> Any:
+def restore(
+    ck: Checkpoint,
+    target: Any,
+    *,
+    strict: bool = True,
+    include: str | list[str] | None = None,
+    exclude: str | list[str] | None = None,
+    verify: bool = True,
+    threads: int = 2,
+    framework: str | None = None,
+    optional: tuple[str, ...] = (),
+) -> Any:
     """Restore ``ck`` into ``target`` in place; returns the restored target.
 
     With ``target=ABSENT`` it returns the checkpoint's own structure (arrays of ``framework``), honouring
@@ -326,10 +349,19 @@ def restore(ck: Checkpoint, target: Any, *, strict: bool = True, include: str | 
     return result
 
 
-def load_from(path: str | os.PathLike[str], target: Any = _ABSENT, *, storage: Storage | None = None,
-              strict: bool = True, include: str | list[str] | None = None, exclude: str | list[str] | None = None,
-              framework: str | None = None, verify: bool = True, threads: int = 2,
-              optional: tuple[str, ...] = ()) -> Any:
+def load_from(
+    path: str | os.PathLike[str],
+    target: Any = _ABSENT,
+    *,
+    storage: Storage | None = None,
+    strict: bool = True,
+    include: str | list[str] | None = None,
+    exclude: str | list[str] | None = None,
+    framework: str | None = None,
+    verify: bool = True,
+    threads: int = 2,
+    optional: tuple[str, ...] = (),
+) -> Any:
     """The one way a checkpoint is loaded: ``trainstate.load`` and ``CheckpointManager`` both come here.
 
     Opens the checkpoint (manifest validated), checks every data-file header when ``verify``, then
@@ -338,5 +370,14 @@ def load_from(path: str | os.PathLike[str], target: Any = _ABSENT, *, storage: S
     with Checkpoint(path, storage) as ck:
         if verify:
             ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
-        return restore(ck, target, strict=strict, include=include, exclude=exclude, verify=verify,
-                       threads=threads, framework=framework, optional=optional)
+        return restore(
+            ck,
+            target,
+            strict=strict,
+            include=include,
+            exclude=exclude,
+            verify=verify,
+            threads=threads,
+            framework=framework,
+            optional=optional,
+        )

@@ -103,5 +103,10 @@ def _numpy_state(s: Any) -> dict[str, Any]:
 
 
 def _numpy_tuple(d: Mapping[str, Any]) -> tuple[Any, ...]:
-    return ("MT19937", np.asarray(d["state"]["key"], dtype=np.uint32), int(d["state"]["pos"]),
-            int(d.get("has_gauss", 0)), float(d.get("gauss", 0.0)))
+    return (
+        "MT19937",
+        np.asarray(d["state"]["key"], dtype=np.uint32),
+        int(d["state"]["pos"]),
+        int(d.get("has_gauss", 0)),
+        float(d.get("gauss", 0.0)),
+    )

@@ -109,8 +109,9 @@ def save(
     start = time.perf_counter()
     backend, root = resolve(path, storage)
     snapshot = encode_state(state, metadata)
-    return write_checkpoint(root, snapshot, storage=backend, overwrite=overwrite, fsync=fsync, threads=threads,
-                            start=start)
+    return write_checkpoint(
+        root, snapshot, storage=backend, overwrite=overwrite, fsync=fsync, threads=threads, start=start
+    )
 
 
 @dataclass
@@ -134,8 +135,14 @@ def encode_state(state: Any, metadata: Any = None) -> Snapshot:
 
 
 def write_checkpoint(
-    final: str, snapshot: Snapshot, *, storage: Storage, overwrite: bool = False, fsync: bool = True,
-    threads: int = DEFAULT_THREADS, start: float | None = None,
+    final: str,
+    snapshot: Snapshot,
+    *,
+    storage: Storage,
+    overwrite: bool = False,
+    fsync: bool = True,
+    threads: int = DEFAULT_THREADS,
+    start: float | None = None,
 ) -> SaveResult:
     """Write a snapshot as a checkpoint and commit it: the synchronous core of every save.
 
@@ -147,8 +154,12 @@ def write_checkpoint(
     try:
         files, tensors = _write_files(storage, tmp, snapshot.entries, fsync=fsync, threads=threads)
         body = manifest.Manifest(
-            tree=snapshot.tree, tensors=tensors, files=files, metadata=snapshot.metadata,
-            created=time.time(), writer=f"trainstate {_version()}",
+            tree=snapshot.tree,
+            tensors=tensors,
+            files=files,
+            metadata=snapshot.metadata,
+            created=time.time(),
+            writer=f"trainstate {_version()}",
         )
         raw = body.to_json_bytes()
         storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)

@@ -78,8 +78,16 @@ class SeedingFetcher(_MapDatasetFetcher):
     A subclass so that what reads a fetcher's fields (torchdata's state, ``dataset``) still finds them.
     """
 
-    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any], drop_last: bool,
-                 *, base_seed: int, keep_caller_rng: bool) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        auto_collation: bool,
+        collate_fn: Callable[[Any], Any],
+        drop_last: bool,
+        *,
+        base_seed: int,
+        keep_caller_rng: bool,
+    ) -> None:
         super().__init__(dataset, auto_collation, collate_fn, drop_last)
         self.base_seed = base_seed
         self.keep_caller_rng = keep_caller_rng
@@ -92,8 +100,11 @@ class SeedingFetcher(_MapDatasetFetcher):
         return self.dataset[int(index)]
 
     def fetch(self, possibly_batched_index: Any) -> Any:
-        saved = (random.getstate(), np.random.get_state(), torch.default_generator.get_state()) \
-            if self.keep_caller_rng else None
+        saved = (
+            (random.getstate(), np.random.get_state(), torch.default_generator.get_state())
+            if self.keep_caller_rng
+            else None
+        )
         try:
             if not self.auto_collation:
                 data = self._get(possibly_batched_index)
@@ -116,8 +127,14 @@ def seeding_fetcher(fetcher: Any, base_seed: int) -> Any:
     """``fetcher`` made to seed per sample in the training process; other fetchers are returned as they are."""
     if type(fetcher) is not _MapDatasetFetcher:
         return fetcher
-    return SeedingFetcher(fetcher.dataset, fetcher.auto_collation, fetcher.collate_fn, fetcher.drop_last,
-                          base_seed=base_seed, keep_caller_rng=True)
+    return SeedingFetcher(
+        fetcher.dataset,
+        fetcher.auto_collation,
+        fetcher.collate_fn,
+        fetcher.drop_last,
+        base_seed=base_seed,
+        keep_caller_rng=True,
+    )
 
 
 class SeedingWorkerInit:
@@ -140,11 +157,13 @@ class SeedingWorkerInit:
         base_seed = info.seed - info.id  # torch seeds worker i with base_seed + i
         create: Callable[..., Any] = _DatasetKind.create_fetcher
 
-        def create_fetcher(kind: int, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
-                           drop_last: bool) -> Any:
+        def create_fetcher(
+            kind: int, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any], drop_last: bool
+        ) -> Any:
             if kind == _DatasetKind.Map:
-                return SeedingFetcher(dataset, auto_collation, collate_fn, drop_last, base_seed=base_seed,
-                                      keep_caller_rng=False)
+                return SeedingFetcher(
+                    dataset, auto_collation, collate_fn, drop_last, base_seed=base_seed, keep_caller_rng=False
+                )
             return create(kind, dataset, auto_collation, collate_fn, drop_last)
 
         _DatasetKind.create_fetcher = staticmethod(create_fetcher)  # type: ignore[method-assign]

@@ -47,8 +47,9 @@ def join(path: tuple[str, ...]) -> str:
     return ".".join(path)
 
 
-def encode(value: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: tuple[str, ...] = (),
-           depth: int = 0) -> Any:
+def encode(
+    value: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: tuple[str, ...] = (), depth: int = 0
+) -> Any:
     """The node for ``value``; ``on_tensor(path, array)`` registers an array and returns its table name.
 
     ``depth`` counts the container and stateful nodes above this one, by the same rule as :func:`validate`,
@@ -57,7 +58,8 @@ def encode(value: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: t
     if depth > MAX_DEPTH:
         raise UnsupportedValueError(
             f"{join(path[:5]) or 'the state'}...: state nests deeper than {MAX_DEPTH} levels "
-            "(lists, tuples, dicts and state_dict() objects count one level each)")
+            "(lists, tuples, dicts and state_dict() objects count one level each)"
+        )
     if value is None or isinstance(value, (bool, str)) and type(value) in (bool, str):
         return value
     if adapter_for(value) is not None:
@@ -78,8 +80,11 @@ def encode(value: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: t
         return {"t": "bytes", "v": base64.b64encode(bytes(value)).decode()}
     if is_stateful(value):
         cls = type(value)
-        return {"t": "stateful", "type": f"{cls.__module__}.{cls.__qualname__}",
-                "v": encode(value.state_dict(), on_tensor, path, depth + 1)}
+        return {
+            "t": "stateful",
+            "type": f"{cls.__module__}.{cls.__qualname__}",
+            "v": encode(value.state_dict(), on_tensor, path, depth + 1),
+        }
     if isinstance(value, Mapping):
         items = []
         for k, v in value.items():
@@ -98,8 +103,9 @@ def encode(value: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: t
 def encode_key(key: Any, path: tuple[str, ...], depth: int = 0) -> Any:
     if key is None or isinstance(key, (str, int, float, bool)) or isinstance(key, tuple):
         return encode(key, _no_tensor, path, depth)
-    raise UnsupportedValueError(f"{join(path) or 'the state'}: dict key {key!r:.40} of type "
-                                f"{type(key).__qualname__} cannot be stored")
+    raise UnsupportedValueError(
+        f"{join(path) or 'the state'}: dict key {key!r:.40} of type {type(key).__qualname__} cannot be stored"
+    )
 
 
 def _no_tensor(path: tuple[str, ...], value: Any) -> str:

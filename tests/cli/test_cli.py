@@ -17,8 +17,14 @@ ENV = {**os.environ, "COLUMNS": "200"}
 
 
 def cli(*args: str, env: dict[str, str] | None = None, code: int | None = 0) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "trainstate", *args], capture_output=True, text=True, check=False,
-                          env=env or ENV, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainstate", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env or ENV,
+        timeout=60,
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     if code is not None:
         assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
@@ -31,8 +37,11 @@ def cli_json(*args: str, code: int = 0) -> object:
 
 
 def state(scale: float = 1.0) -> dict[str, object]:
-    return {"model": {"w": np.arange(12, dtype=np.float32).reshape(3, 4) * scale, "b": np.zeros(3)},
-            "step": 7, "cfg": {"lr": 0.1, "betas": (0.9, 0.99)}}
+    return {
+        "model": {"w": np.arange(12, dtype=np.float32).reshape(3, 4) * scale, "b": np.zeros(3)},
+        "step": 7,
+        "cfg": {"lr": 0.1, "betas": (0.9, 0.99)},
+    }
 
 
 @pytest.fixture
@@ -68,16 +77,38 @@ def test_help_works_without_docstrings(args: list[str]) -> None:
     """``python -OO`` strips docstrings; help text (and every exit code in it) must not come from them."""
     from trainstate import cli as cli_module
 
-    proc = subprocess.run([sys.executable, "-OO", "-m", "trainstate", *args], capture_output=True, text=True,
-                          check=False, env=ENV, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-OO", "-m", "trainstate", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=ENV,
+        timeout=60,
+    )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "usage: trainstate" in proc.stdout
     if args[0] != "demo":
-        listed = {int(line.split()[0]) for line in proc.stdout.split("exit codes:", 1)[1].splitlines()
-                  if line.strip()[:1].isdigit()}
-        codes = {getattr(cli_module, name) for name in ("OK", "DIFFERENT", "USAGE", "NOT_FOUND", "INCOMPLETE",
-                                                        "CORRUPT", "MISMATCH", "STORAGE", "OTHER", "INTERNAL",
-                                                        "INTERRUPTED")}
+        listed = {
+            int(line.split()[0])
+            for line in proc.stdout.split("exit codes:", 1)[1].splitlines()
+            if line.strip()[:1].isdigit()
+        }
+        codes = {
+            getattr(cli_module, name)
+            for name in (
+                "OK",
+                "DIFFERENT",
+                "USAGE",
+                "NOT_FOUND",
+                "INCOMPLETE",
+                "CORRUPT",
+                "MISMATCH",
+                "STORAGE",
+                "OTHER",
+                "INTERNAL",
+                "INTERRUPTED",
+            )
+        }
         assert listed == codes
 
 
@@ -92,8 +123,12 @@ def test_ls_table_shows_complete_and_incomplete(run_dir: Path) -> None:
 def test_ls_json(run_dir: Path) -> None:
     doc = cli_json("ls", str(run_dir))
     rows = {r["name"]: r for r in doc["checkpoints"]}
-    assert [rows[f"step_000000{s}"]["status"] for s in ("00", "10", "20", "30")] == \
-        ["complete", "complete", "complete", "incomplete"]
+    assert [rows[f"step_000000{s}"]["status"] for s in ("00", "10", "20", "30")] == [
+        "complete",
+        "complete",
+        "complete",
+        "incomplete",
+    ]
     assert rows[".step_00000040.tmp-0123abcd"]["status"] == "incomplete"
     assert rows[".step_00000040.tmp-0123abcd"]["step"] == 40
     assert rows["step_00000010"]["metrics"] == {"val_loss": 1.0}
@@ -118,8 +153,12 @@ def test_inspect_filter_and_json(ckpt: Path) -> None:
     assert doc["tensor_bytes"] == 48 and doc["tensor_count"] == 2
     assert doc["metadata"] == {"run": "exp1"} and doc["format_version"] == trainstate.FORMAT_VERSION
     everything = cli_json("inspect", str(ckpt))
-    assert {v["path"]: v["value"] for v in everything["values"]} == {"step": 7, "cfg.lr": 0.1, "cfg.betas.0": 0.9,
-                                                                    "cfg.betas.1": 0.99}
+    assert {v["path"]: v["value"] for v in everything["values"]} == {
+        "step": 7,
+        "cfg.lr": 0.1,
+        "cfg.betas.0": 0.9,
+        "cfg.betas.1": 0.99,
+    }
 
 
 def flip_byte(path: Path, tensor: str) -> None:
@@ -163,10 +202,17 @@ def test_diff(tmp_path: Path, ckpt: Path) -> None:
     assert [t["name"] for t in doc["tensors"]["added"]] == ["model.extra"]
     assert [t["name"] for t in doc["tensors"]["removed"]] == ["model.b"]
     (w,) = doc["tensors"]["changed"]
-    assert (w["name"], w["reasons"], w["different"], w["numel"], w["max_abs_diff"]) == \
-        ("model.w", ["values"], 12, 12, 2.75)
-    assert {c["path"]: (c["a"], c["b"]) for c in doc["values"]["changed"]} == \
-        {"step": (7, 8), "cfg.betas.1": (0.99, 0.999)}
+    assert (w["name"], w["reasons"], w["different"], w["numel"], w["max_abs_diff"]) == (
+        "model.w",
+        ["values"],
+        12,
+        12,
+        2.75,
+    )
+    assert {c["path"]: (c["a"], c["b"]) for c in doc["values"]["changed"]} == {
+        "step": (7, 8),
+        "cfg.betas.1": (0.99, 0.999),
+    }
 
 
 def test_diff_dtype_shape_and_bfloat16(tmp_path: Path) -> None:
@@ -218,8 +264,16 @@ def test_pin_and_unpin_show_in_ls(run_dir: Path) -> None:
     assert "step 99" in cli("pin", str(run_dir), "99", code=3).stderr
 
 
-@pytest.mark.parametrize("args", [["ls", "{missing}"], ["inspect", "{missing}"], ["verify", "{missing}"],
-                                  ["diff", "{ckpt}", "{missing}"], ["prune", "{missing}", "--keep-last", "1"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ls", "{missing}"],
+        ["inspect", "{missing}"],
+        ["verify", "{missing}"],
+        ["diff", "{ckpt}", "{missing}"],
+        ["prune", "{missing}", "--keep-last", "1"],
+    ],
+)
 def test_not_found_is_exit_3_and_one_line(tmp_path: Path, ckpt: Path, args: list[str]) -> None:
     missing = tmp_path / "nope"
     proc = cli(*(a.format(missing=missing, ckpt=ckpt) for a in args), code=3)
@@ -259,10 +313,18 @@ def test_torch_checkpoint_without_importing_torch(tmp_path: Path) -> None:
     with torch.no_grad():
         model.bias += 1
     trainstate.save(b, {"model": model, "step": 1})
-    code = ("import sys; from trainstate.cli import main; rc = main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'the CLI imported torch'; sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code, "diff", str(a), str(b), "--json"], capture_output=True,
-                          text=True, check=False, env=ENV, timeout=60)
+    code = (
+        "import sys; from trainstate.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'the CLI imported torch'; sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "diff", str(a), str(b), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=ENV,
+        timeout=60,
+    )
     assert proc.returncode == 1, proc.stderr
     (bias,) = json.loads(proc.stdout)["tensors"]["changed"]
     assert bias["name"] == "model.bias" and bias["max_abs_diff"] == pytest.approx(1.0)

@@ -18,11 +18,21 @@ FIXTURE = Path(__file__).parent.parent / "fixtures" / "v1.0" / "basic"
 def golden_state() -> dict:
     """The state saved into the v1.0 fixture (regenerate it with: python tests/format/test_golden.py)."""
     return {
-        "weights": {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1, 2], dtype=ml_dtypes.bfloat16)},
-        "optim": {"state": {0: {"step": np.float32(3.0), "m": np.full((2, 2), -0.5, dtype=np.float64)}},
-                  "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "params": [0], "foreach": None}]},
-        "step": 1200, "flags": [True, False], "name": "exp1", "nan": float("nan"), "blob": b"\x00\xff",
-        "empty": np.zeros((0, 3), dtype=np.int8), "scalar0d": np.array(7, dtype=np.uint8),
+        "weights": {
+            "w": np.arange(12, dtype=np.float32).reshape(3, 4),
+            "b": np.array([1, 2], dtype=ml_dtypes.bfloat16),
+        },
+        "optim": {
+            "state": {0: {"step": np.float32(3.0), "m": np.full((2, 2), -0.5, dtype=np.float64)}},
+            "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "params": [0], "foreach": None}],
+        },
+        "step": 1200,
+        "flags": [True, False],
+        "name": "exp1",
+        "nan": float("nan"),
+        "blob": b"\x00\xff",
+        "empty": np.zeros((0, 3), dtype=np.int8),
+        "scalar0d": np.array(7, dtype=np.uint8),
     }
 
 
@@ -49,7 +59,8 @@ def test_fresh_save_matches_the_v1_fixture_byte_for_byte(tmp_path):
         if name.endswith(".safetensors"):
             assert (tmp_path / "c" / name).read_bytes() == (FIXTURE / name).read_bytes(), name
     assert _comparable((tmp_path / "c" / "manifest.json").read_bytes()) == _comparable(
-        (FIXTURE / "manifest.json").read_bytes())
+        (FIXTURE / "manifest.json").read_bytes()
+    )
 
 
 def test_manifest_is_canonical_json(tmp_path):

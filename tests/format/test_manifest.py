@@ -31,8 +31,10 @@ def test_an_overlapping_chunk_is_found(rows, cols):
 
 
 def test_byte_ranges_must_not_be_shared():
-    raw = {"a": {"chunks": [{"file": "f", "byte_range": [8, 72]}]},
-           "b": {"chunks": [{"file": "f", "byte_range": [64, 128]}]}}
+    raw = {
+        "a": {"chunks": [{"file": "f", "byte_range": [8, 72]}]},
+        "b": {"chunks": [{"file": "f", "byte_range": [64, 128]}]},
+    }
     with pytest.raises(trainstate.CorruptCheckpointError, match="share bytes"):
         manifest._check_byte_ranges(raw)
     raw["b"]["chunks"][0]["byte_range"] = [72, 128]
@@ -52,13 +54,19 @@ def _repeat(unit: bytes, nbytes: int = 300_000) -> bytes:
 
 
 PARSE_SHAPES = {
-    "empty lists": _repeat(b"[],"), "empty dicts": _repeat(b"{},"), "nested lists": _repeat(b"[[[]]],"),
-    "one-item lists": _repeat(b"[0],"), "one-key dicts": _repeat(b'{"a":[]},'), "six-key dicts":
-    _repeat(b'{"a":0,"b":0,"c":0,"d":0,"e":0,"f":0},'), "short strings": _repeat(b'"ab",'),
-    "ints": _repeat(b"257,"), "floats": _repeat(b"1.5,"), "literals": _repeat(b"true,"),
+    "empty lists": _repeat(b"[],"),
+    "empty dicts": _repeat(b"{},"),
+    "nested lists": _repeat(b"[[[]]],"),
+    "one-item lists": _repeat(b"[0],"),
+    "one-key dicts": _repeat(b'{"a":[]},'),
+    "six-key dicts": _repeat(b'{"a":0,"b":0,"c":0,"d":0,"e":0,"f":0},'),
+    "short strings": _repeat(b'"ab",'),
+    "ints": _repeat(b"257,"),
+    "floats": _repeat(b"1.5,"),
+    "literals": _repeat(b"true,"),
     "unique keys": b"{" + b",".join(b'"%d":[]' % i for i in range(30_000)) + b"}",
     "astral escapes": _repeat(b'"\\ud83d\\ude00' + b"a" * 200 + b'",'),
-    "raw UTF-8": _repeat('"\U0001F600'.encode() + b"a" * 200 + b'",'),
+    "raw UTF-8": _repeat('"\U0001f600'.encode() + b"a" * 200 + b'",'),
     "tree nodes": _repeat(b'[0,{"t":"list","v":[]}],'),
 }
 

@@ -12,8 +12,15 @@ from safetensors import safe_open  # noqa: E402
 
 
 def test_safe_open_reads_every_tensor_under_its_name(tmp_path, training_state):
-    state = dict(training_state, extra={"bf16": torch.randn(3, 5).bfloat16(), "f8": torch.randn(4).to(torch.float8_e5m2),
-                                        "i64": torch.arange(6).reshape(2, 3), "zero_d": torch.tensor(2.0)})
+    state = dict(
+        training_state,
+        extra={
+            "bf16": torch.randn(3, 5).bfloat16(),
+            "f8": torch.randn(4).to(torch.float8_e5m2),
+            "i64": torch.arange(6).reshape(2, 3),
+            "zero_d": torch.tensor(2.0),
+        },
+    )
     trainstate.save(tmp_path / "c", state)
     seen = {}
     for f in sorted((tmp_path / "c").glob("*.safetensors")):

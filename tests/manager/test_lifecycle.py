@@ -29,8 +29,12 @@ _WORKERS_SCRIPT = textwrap.dedent("""
 
 
 def test_a_restart_right_after_sigkill_is_not_refused_by_orphaned_workers(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", _WORKERS_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WORKERS_SCRIPT, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         os.kill(proc.pid, signal.SIGKILL)  # the trainer dies; its DataLoader workers live on for a while
@@ -142,8 +146,9 @@ _CTRL_C_SCRIPT = textwrap.dedent("""
 
 def test_a_second_ctrl_c_interrupts_while_an_async_save_is_in_flight(tmp_path):
     # each data file write sleeps; the in-flight save takes several seconds, the second Ctrl-C comes at 0.3 s
-    out = subprocess.run([sys.executable, "-c", _CTRL_C_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert out.stdout.startswith("interrupted"), out.stdout + out.stderr
 
 

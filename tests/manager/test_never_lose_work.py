@@ -278,8 +278,12 @@ def test_pin_reason_shows_and_a_second_pin_says_it_changed_nothing(tmp_path):
 def test_numpy_and_torch_scalars_are_accepted_for_step_epoch_and_metrics(tmp_path):
     with trainstate.CheckpointManager(tmp_path, every_steps=1, keep_best=("loss", "min", 1)) as mgr:
         loss = torch.tensor(0.25).detach()
-        assert mgr.save(np.int64(3), small_state(3), epoch=np.int32(1),
-                        metrics={"loss": loss, "acc": np.float32(0.5), "n": np.int64(7)})
+        assert mgr.save(
+            np.int64(3),
+            small_state(3),
+            epoch=np.int32(1),
+            metrics={"loss": loss, "acc": np.float32(0.5), "n": np.int64(7)},
+        )
         assert mgr.save(torch.tensor(4), small_state(4), metrics={"loss": np.float64(0.5)})
         info = mgr.list()[0]
         assert info.step == 3 and info.epoch == 1 and info.metrics == {"loss": 0.25, "acc": 0.5, "n": 7.0}
@@ -287,12 +291,15 @@ def test_numpy_and_torch_scalars_are_accepted_for_step_epoch_and_metrics(tmp_pat
         assert mgr.best().step == 3
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"metrics": {"loss": "low"}}, "loss"),
-    ({"metrics": {"loss": torch.ones(3)}}, "loss"),
-    ({"epoch": 1.5}, "epoch"),
-    ({"epoch": -1}, "epoch"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"metrics": {"loss": "low"}}, "loss"),
+        ({"metrics": {"loss": torch.ones(3)}}, "loss"),
+        ({"epoch": 1.5}, "epoch"),
+        ({"epoch": -1}, "epoch"),
+    ],
+)
 def test_bad_save_arguments_name_their_key(tmp_path, kwargs, key):
     with trainstate.CheckpointManager(tmp_path, every_steps=1) as mgr:
         with pytest.raises(trainstate.InvalidArgumentError, match=key):
@@ -306,10 +313,19 @@ def test_a_bad_step_is_a_checkpoint_error(tmp_path, step):
             mgr.save(step, small_state())
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"every_steps": 0}, {"keep_last": 0}, {"every_seconds": -1}, {"every_seconds": math.nan},
-    {"keep_best": ("loss", "lowest", 2)}, {"keep_best": "loss"}, {"max_in_flight": 0}, {"threads": 0},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"every_steps": 0},
+        {"keep_last": 0},
+        {"every_seconds": -1},
+        {"every_seconds": math.nan},
+        {"keep_best": ("loss", "lowest", 2)},
+        {"keep_best": "loss"},
+        {"max_in_flight": 0},
+        {"threads": 0},
+    ],
+)
 def test_bad_manager_arguments_are_checkpoint_errors_and_take_nothing(tmp_path, kwargs):
     with pytest.raises(trainstate.InvalidArgumentError):
         trainstate.CheckpointManager(tmp_path, **kwargs)

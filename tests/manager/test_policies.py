@@ -22,15 +22,18 @@ def ck(step: int, minute: float = 0.0, pinned: bool = False, **metrics: float) -
     return CheckpointInfo(name=f"step_{step:08d}", step=step, created=minute * 60, metrics=metrics, pinned=pinned)
 
 
-@pytest.mark.parametrize("policies, step, now, last, expected", [
-    ([EverySteps(500)], 1000, 0, 0, "every 500 steps"),
-    ([EverySteps(500)], 999, 0, 0, None),
-    ([EverySeconds(60)], 7, 100.0, 30.0, "every 60 s"),
-    ([EverySeconds(60)], 7, 80.0, 30.0, None),
-    ([AtSteps(frozenset({3, 9}))], 9, 0, 0, "at step"),
-    ([EverySteps(500), EverySeconds(60)], 7, 100.0, 0.0, "every 60 s"),  # they compose
-    ([], 500, 1e9, 0, None),
-])
+@pytest.mark.parametrize(
+    "policies, step, now, last, expected",
+    [
+        ([EverySteps(500)], 1000, 0, 0, "every 500 steps"),
+        ([EverySteps(500)], 999, 0, 0, None),
+        ([EverySeconds(60)], 7, 100.0, 30.0, "every 60 s"),
+        ([EverySeconds(60)], 7, 80.0, 30.0, None),
+        ([AtSteps(frozenset({3, 9}))], 9, 0, 0, "at step"),
+        ([EverySteps(500), EverySeconds(60)], 7, 100.0, 0.0, "every 60 s"),  # they compose
+        ([], 500, 1e9, 0, None),
+    ],
+)
 def test_save_policies(policies, step, now, last, expected):
     assert reason_to_save(policies, step, now, last) == expected
 
@@ -39,24 +42,31 @@ def names(plan_list):
     return sorted(f"{int(n[5:])}" for n in plan_list)
 
 
-@pytest.mark.parametrize("checkpoints, policies, deleted", [
-    # keep_last
-    ([ck(1), ck(2), ck(3), ck(4)], [KeepLast(2)], ["1", "2"]),
-    # every Nth step, union with keep_last
-    ([ck(s) for s in range(0, 60, 10)], [KeepLast(1), KeepEverySteps(20)], ["10", "30"]),
-    # one per N minutes of wall time: minutes 0, 4, 11 kept; 12 is the newest
-    ([ck(1, 0), ck(2, 2), ck(3, 4), ck(4, 6), ck(5, 11), ck(6, 12)], [KeepEveryMinutes(4)], ["2", "4"]),
-    # best K (min); checkpoints without the metric get no vote from keep_best
-    ([ck(1, loss=0.5), ck(2, loss=0.2), ck(3), ck(4, loss=0.9), ck(5, loss=0.7)], [KeepBest("loss", "min", 2)], ["4"]),
-    ([ck(1, acc=0.5), ck(2, acc=0.9), ck(3, acc=0.1)], [KeepBest("acc", "max", 1)], ["1"]),
-    # ... but another policy may release them
-    ([ck(1), ck(2, loss=0.1), ck(3), ck(4)], [KeepBest("loss", "min", 1), KeepLast(1)], ["1", "3"]),
-    # pinned and newest are always kept
-    ([ck(1, pinned=True), ck(2), ck(3)], [KeepLast(1)], ["2"]),
-    ([ck(1, loss=0.1), ck(2, loss=0.5)], [KeepBest("loss", "min", 1)], []),  # 2 is the newest
-    # no retention policy: keep everything
-    ([ck(1), ck(2)], [], []),
-])
+@pytest.mark.parametrize(
+    "checkpoints, policies, deleted",
+    [
+        # keep_last
+        ([ck(1), ck(2), ck(3), ck(4)], [KeepLast(2)], ["1", "2"]),
+        # every Nth step, union with keep_last
+        ([ck(s) for s in range(0, 60, 10)], [KeepLast(1), KeepEverySteps(20)], ["10", "30"]),
+        # one per N minutes of wall time: minutes 0, 4, 11 kept; 12 is the newest
+        ([ck(1, 0), ck(2, 2), ck(3, 4), ck(4, 6), ck(5, 11), ck(6, 12)], [KeepEveryMinutes(4)], ["2", "4"]),
+        # best K (min); checkpoints without the metric get no vote from keep_best
+        (
+            [ck(1, loss=0.5), ck(2, loss=0.2), ck(3), ck(4, loss=0.9), ck(5, loss=0.7)],
+            [KeepBest("loss", "min", 2)],
+            ["4"],
+        ),
+        ([ck(1, acc=0.5), ck(2, acc=0.9), ck(3, acc=0.1)], [KeepBest("acc", "max", 1)], ["1"]),
+        # ... but another policy may release them
+        ([ck(1), ck(2, loss=0.1), ck(3), ck(4)], [KeepBest("loss", "min", 1), KeepLast(1)], ["1", "3"]),
+        # pinned and newest are always kept
+        ([ck(1, pinned=True), ck(2), ck(3)], [KeepLast(1)], ["2"]),
+        ([ck(1, loss=0.1), ck(2, loss=0.5)], [KeepBest("loss", "min", 1)], []),  # 2 is the newest
+        # no retention policy: keep everything
+        ([ck(1), ck(2)], [], []),
+    ],
+)
 def test_retention_table(checkpoints, policies, deleted):
     plan = plan_retention(checkpoints, policies)
     assert names(plan.delete) == deleted

@@ -59,8 +59,13 @@ def test_dataloader_workers_do_not_share_the_staging_buffer(tmp_path):
         start, end = buf.ctypes.data, buf.ctypes.data + state["w"].nbytes - 64
         expected = {a: peek(a, 64) for a in (start, end)}
         assert expected[start] == state["w"][:16].numpy().tobytes()
-        loader = torch.utils.data.DataLoader(SeenInWorker(expected), batch_size=None, num_workers=2,
-                                             persistent_workers=True, multiprocessing_context="fork")
+        loader = torch.utils.data.DataLoader(
+            SeenInWorker(expected),
+            batch_size=None,
+            num_workers=2,
+            persistent_workers=True,
+            multiprocessing_context="fork",
+        )
         seen = torch.stack(list(loader))
         assert not seen.any(), "a DataLoader worker shares the staging buffer's pages"
         state["w"] += 1

@@ -56,8 +56,14 @@ def _assert_clean(outcome: fuzz.Outcome, case: fuzz.Case) -> None:
     assert not new, f"{case.describe()}\n" + "\n".join(new)
 
 
-FUZZ = settings(max_examples=150, deadline=2000, database=None, derandomize=True, print_blob=False,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=150,
+    deadline=2000,
+    database=None,
+    derandomize=True,
+    print_blob=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @FUZZ
@@ -208,8 +214,9 @@ def _replace_with(kind: str, name: str, outside: str) -> Callable[[str], None]:
     return prepare
 
 
-@pytest.mark.parametrize("kind", ["symlink-outside", "symlink-relative", "symlink-dev-zero", "symlink-dangling",
-                                  "fifo", "directory"])
+@pytest.mark.parametrize(
+    "kind", ["symlink-outside", "symlink-relative", "symlink-dev-zero", "symlink-dangling", "fifo", "directory"]
+)
 @pytest.mark.parametrize("which", ["data", "manifest"])
 def test_links_and_special_files_are_refused(harness, kind, which):
     name = harness.base.data_files[0] if which == "data" else MANIFEST
@@ -220,8 +227,22 @@ def test_links_and_special_files_are_refused(harness, kind, which):
         assert outcome.results[op] == "CorruptCheckpointError", (op, outcome.results)
 
 
-@pytest.mark.parametrize("bad", ["../data-00000.safetensors", "/etc/passwd", "manifest.json", ".hidden", "a/b", "",
-                                 "..", "data-00000.safetensors\x00x", "x" * 202, 7, None])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "../data-00000.safetensors",
+        "/etc/passwd",
+        "manifest.json",
+        ".hidden",
+        "a/b",
+        "",
+        "..",
+        "data-00000.safetensors\x00x",
+        "x" * 202,
+        7,
+        None,
+    ],
+)
 def test_hostile_file_names_are_refused(harness, bad):
     def edit(body):
         old = body["files"][0]["path"]

@@ -118,8 +118,7 @@ def test_overwrite_is_refused_then_allowed_and_drops_old_files(backend: Backend)
 def test_incomplete_checkpoint_is_refused_invisible_and_swept(backend: Backend, monkeypatch: Any) -> None:
     run = backend.url("run")
     state = {"w": np.arange(64, dtype=np.float32), "v": np.ones(8), "step": 0}
-    with trainstate.CheckpointManager(run, storage=backend.storage, capture_rng=False,
-                                      save_on_preemption=False) as mgr:
+    with trainstate.CheckpointManager(run, storage=backend.storage, capture_rng=False, save_on_preemption=False) as mgr:
         for step in (1, 2):
             state["step"] = step
             mgr.save(step, state, force=True)
@@ -138,12 +137,12 @@ def test_incomplete_checkpoint_is_refused_invisible_and_swept(backend: Backend, 
     assert "step_00000002" in backend.listdir(run)  # a read-only manager sweeps nothing
 
     if backend.kind != "local":  # no lock on object stores: only leftovers left alone for a while go
-        with trainstate.CheckpointManager(run, storage=backend.storage, capture_rng=False,
-                                          save_on_preemption=False) as mgr:
+        with trainstate.CheckpointManager(
+            run, storage=backend.storage, capture_rng=False, save_on_preemption=False
+        ) as mgr:
             assert mgr.swept == []  # could be another process's save in flight
         monkeypatch.setattr(catalog, "REMOTE_SWEEP_AGE", -1.0)  # as if an hour had passed
-    with trainstate.CheckpointManager(run, storage=backend.storage, capture_rng=False,
-                                      save_on_preemption=False) as mgr:
+    with trainstate.CheckpointManager(run, storage=backend.storage, capture_rng=False, save_on_preemption=False) as mgr:
         assert mgr.swept == ["step_00000002"]
         assert not data_files(backend, crashed)
         assert "step_00000002" not in backend.listdir(run)
@@ -158,8 +157,9 @@ def test_incomplete_checkpoint_is_refused_invisible_and_swept(backend: Backend, 
 def test_manager_retention_deletes_on_the_backend_and_resumes(backend: Backend) -> None:
     run = backend.url("run")
     state = {"w": np.zeros(256, dtype=np.float32), "step": 0}
-    with trainstate.CheckpointManager(run, every_steps=2, keep_last=2, storage=backend.storage,
-                                      capture_rng=False, save_on_preemption=False) as mgr:
+    with trainstate.CheckpointManager(
+        run, every_steps=2, keep_last=2, storage=backend.storage, capture_rng=False, save_on_preemption=False
+    ) as mgr:
         for step in range(1, 10):
             state["w"][:] = step
             state["step"] = step
@@ -176,8 +176,7 @@ def test_manager_retention_deletes_on_the_backend_and_resumes(backend: Backend) 
         assert_no_strays(backend, backend.url("run", name))
 
     fresh = {"w": np.full(256, -1, dtype=np.float32), "step": -1}
-    with trainstate.CheckpointManager(run, storage=backend.storage, capture_rng=False,
-                                      save_on_preemption=False) as mgr:
+    with trainstate.CheckpointManager(run, storage=backend.storage, capture_rng=False, save_on_preemption=False) as mgr:
         assert mgr.restore_latest(fresh) == 9
     assert fresh["step"] == 8 and np.all(fresh["w"] == 8)
 
@@ -391,14 +390,16 @@ def test_a_second_manager_does_not_destroy_an_in_flight_save(backend: Backend, r
     slow = SlowCommit.__new__(SlowCommit)
     slow.__dict__.update(backend.storage.__dict__)
     state = {"w": np.arange(1000, dtype=np.float32), "step": 1}
-    first = trainstate.CheckpointManager(run, storage=slow, async_save=True, capture_rng=False,
-                                         save_on_preemption=False)
+    first = trainstate.CheckpointManager(
+        run, storage=slow, async_save=True, capture_rng=False, save_on_preemption=False
+    )
     try:
         first.save(1, state, force=True)
         assert blocked.wait(20)
         try:
-            second = trainstate.CheckpointManager(run, storage=backend.storage, capture_rng=False,
-                                                  save_on_preemption=False)
+            second = trainstate.CheckpointManager(
+                run, storage=backend.storage, capture_rng=False, save_on_preemption=False
+            )
             second.close()
         except trainstate.CheckpointError:
             pass  # refusing the second manager is a fine answer

@@ -57,8 +57,14 @@ class FlakyFS:
     whatever the wrapped filesystem calls internally. Everything else is passed through.
     """
 
-    def __init__(self, inner: Any, *, failures: int = 2, error: type[BaseException] = ConnectionError,
-                 methods: tuple[str, ...] = ("cat_file", "open")) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        failures: int = 2,
+        error: type[BaseException] = ConnectionError,
+        methods: tuple[str, ...] = ("cat_file", "open"),
+    ) -> None:
         self.inner = inner
         self.failures = failures
         self.error = error
@@ -100,8 +106,12 @@ def memory_root() -> Any:
 
 
 def small_state() -> dict[str, Any]:
-    return {"a": np.arange(1000, dtype=np.float32), "b": np.arange(50, dtype=np.int64), "step": 7,
-            "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}
+    return {
+        "a": np.arange(1000, dtype=np.float32),
+        "b": np.arange(50, dtype=np.int64),
+        "step": 7,
+        "opt": {"lr": 0.1, "betas": (0.9, 0.99)},
+    }
 
 
 # -- retries -----------------------------------------------------------------------------------------
@@ -189,12 +199,15 @@ def test_a_checkpoint_deleted_while_it_is_read_is_not_found(memory_root: Any) ->
     storage = FsspecStorage(fs)
     url = root + "/ck"
     for how in ("read", "read_into", "verify", "load"):
-        trainstate.save(url, {"part": _Part(np.arange(1000, dtype=np.float32)), "b": np.arange(50)},
-                        storage=storage, overwrite=True)
+        trainstate.save(
+            url, {"part": _Part(np.arange(1000, dtype=np.float32)), "b": np.arange(50)}, storage=storage, overwrite=True
+        )
         with pytest.raises(trainstate.CheckpointNotFoundError, match="deleted while it was being read") as info:
             if how == "load":
-                target = {"part": _Part(np.zeros(1000, dtype=np.float32), delete=(storage, url)),
-                          "b": np.zeros(50, dtype=np.int64)}
+                target = {
+                    "part": _Part(np.zeros(1000, dtype=np.float32), delete=(storage, url)),
+                    "b": np.zeros(50, dtype=np.int64),
+                }
                 trainstate.load(url, target, storage=storage)
             else:
                 with trainstate.open(url, storage=storage) as ck:
@@ -266,8 +279,9 @@ def test_s3_url_without_storage_uses_the_environment(s3_from_environment: MotoSe
         assert ck.metadata == {"run": "env"}
         ck.verify()
 
-    with trainstate.CheckpointManager(prefix + "/run", every_steps=1, keep_last=1, capture_rng=False,
-                                      save_on_preemption=False) as mgr:
+    with trainstate.CheckpointManager(
+        prefix + "/run", every_steps=1, keep_last=1, capture_rng=False, save_on_preemption=False
+    ) as mgr:
         mgr.save(1, state)
         mgr.save(2, state)
         assert [c.step for c in mgr.list()] == [2]
@@ -295,14 +309,21 @@ def test_the_command_line_works_on_s3_urls(s3_from_environment: MotoServer) -> N
             mgr.save(step, {"w": np.full(16, step, dtype=np.float32)}, metrics={"loss": 1.0 / step})
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "trainstate", *args], capture_output=True, text=True,
-                              timeout=120, env=dict(os.environ))
+        return subprocess.run(
+            [sys.executable, "-m", "trainstate", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ),
+        )
 
     listing = cli("ls", run, "--json")
     assert listing.returncode == 0, listing.stderr
     rows = json.loads(listing.stdout)["checkpoints"]
-    assert [(r["step"], r["status"], r["metrics"]) for r in rows] == [(1, "complete", {"loss": 1.0}),
-                                                                      (2, "complete", {"loss": 0.5})]
+    assert [(r["step"], r["status"], r["metrics"]) for r in rows] == [
+        (1, "complete", {"loss": 1.0}),
+        (2, "complete", {"loss": 0.5}),
+    ]
     assert cli("inspect", f"{run}/step_00000002", "--json").returncode == 0
     assert cli("verify", f"{run}/step_00000002").returncode == 0
     diff = cli("diff", f"{run}/step_00000001", f"{run}/step_00000002", "--json")

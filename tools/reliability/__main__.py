@@ -1,7 +1,7 @@
 """Run every reliability campaign at full size and write docs/reliability.md.
 
-    python -m tools.reliability                 # ~5 minutes on 2 cores; writes docs/reliability.md
-    python -m tools.reliability --quick --print # a smaller run, printed only
+python -m tools.reliability                 # ~5 minutes on 2 cores; writes docs/reliability.md
+python -m tools.reliability --quick --print # a smaller run, printed only
 """
 
 from __future__ import annotations
@@ -96,10 +96,16 @@ def collect(quick: bool) -> list[tuple[str, list[Row], float]]:
 
 
 def render(sections: list[tuple[str, list[Row], float]]) -> str:
-    lines = [INTRO, "## Results", "",
-             f"Run on {datetime.date.today()}, trainstate {trainstate.__version__}, Python "
-             f"{platform.python_version()}, {platform.system()} {platform.release()}, {os.cpu_count()} cores.", "",
-             "| area | campaign | result | rate |", "|---|---|---|---:|"]
+    lines = [
+        INTRO,
+        "## Results",
+        "",
+        f"Run on {datetime.date.today()}, trainstate {trainstate.__version__}, Python "
+        f"{platform.python_version()}, {platform.system()} {platform.release()}, {os.cpu_count()} cores.",
+        "",
+        "| area | campaign | result | rate |",
+        "|---|---|---|---:|",
+    ]
     for title, rows, _ in sections:
         for row in rows:
             lines.append(f"| {title} | {row.campaign} | {row.passed} / {row.trials} {row.measure} | {row.rate} |")

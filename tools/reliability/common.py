@@ -51,8 +51,9 @@ def check_numpy_state(state: dict, step: int) -> None:
 def spawn(code: str, *args: str) -> tuple[subprocess.Popen[str], str]:
     """Start ``python -c code args`` with the repo importable; returns it and the first line it printed."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     assert proc.stdout is not None
     return proc, proc.stdout.readline()
 

@@ -57,8 +57,7 @@ def second_manager_refused(work: Path) -> Row:
 
 def readers_during_saves(work: Path, mode: str, saves: int) -> Row:
     root = work / f"readers-{mode}"
-    row = Row(f"reader listing and restoring during {mode} saves with retention", 0, 0,
-              "reads saw a whole checkpoint")
+    row = Row(f"reader listing and restoring during {mode} saves with retention", 0, 0, "reads saw a whole checkpoint")
     proc = _writer(root, saves, mode)
     deleted = 0
     try:
@@ -79,8 +78,9 @@ def readers_during_saves(work: Path, mode: str, saves: int) -> Row:
         proc.wait()
     if proc.returncode != 0:
         row.notes.append(f"writer failed: {proc.stderr.read()[-500:] if proc.stderr else ''}")
-    row.notes.insert(0, f"{deleted} reads found their checkpoint already deleted by retention (a clean "
-                        "CheckpointNotFoundError)")
+    row.notes.insert(
+        0, f"{deleted} reads found their checkpoint already deleted by retention (a clean CheckpointNotFoundError)"
+    )
     return row
 
 
@@ -137,8 +137,13 @@ def restart_after_sigkill(work: Path, trials: int) -> Row:
     root = work / "restart"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for trial in range(trials):
-        proc = subprocess.Popen([sys.executable, "-c", RESTARTER, str(root), str(trial)], stdout=subprocess.PIPE,
-                                text=True, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", RESTARTER, str(root), str(trial)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         row.trials += 1
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -160,9 +165,13 @@ def restart_after_sigkill(work: Path, trials: int) -> Row:
 def run(saves: int = 300, restarts: int = 10) -> list[Row]:
     work = Path(tempfile.mkdtemp(prefix="trainstate-concurrency-"))
     try:
-        return [second_manager_refused(work), readers_during_saves(work, "sync", saves),
-                readers_during_saves(work, "async", saves), pins_beside_retention(work, saves * 3),
-                restart_after_sigkill(work, restarts)]
+        return [
+            second_manager_refused(work),
+            readers_during_saves(work, "sync", saves),
+            readers_during_saves(work, "async", saves),
+            pins_beside_retention(work, saves * 3),
+            restart_after_sigkill(work, restarts),
+        ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

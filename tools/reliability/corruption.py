@@ -93,8 +93,10 @@ class Case:
         before, after = t.original[o], t.original[o] ^ self.mask
         lo, hi = max(0, o - 12), min(len(t.original), o + 13)
         context = t.original[lo:hi]
-        text = f"{t.ckpt.name}/{t.name} @ {o} ({t.region(o)}): 0x{before:02x} -> 0x{after:02x} " \
-               f"(xor 0x{self.mask:02x}), around it {context!r}"
+        text = (
+            f"{t.ckpt.name}/{t.name} @ {o} ({t.region(o)}): 0x{before:02x} -> 0x{after:02x} "
+            f"(xor 0x{self.mask:02x}), around it {context!r}"
+        )
         if self.outcome.verdict == "unclean":
             text += " — " + "; ".join(self.outcome.errors)
         elif self.outcome.same_state is not None:
@@ -145,8 +147,11 @@ def targets_of(ckpt: Path) -> list[Target]:
             (n,) = struct.unpack("<Q", raw[:8])
             blob = raw[8 : 8 + n]
             json_end = 8 + len(blob.rstrip(b" "))
-            t.regions = [(0, 8, "header length prefix"), (8, json_end, "header JSON"),
-                         (json_end, 8 + n, "header padding")]
+            t.regions = [
+                (0, 8, "header length prefix"),
+                (8, json_end, "header JSON"),
+                (json_end, 8 + n, "header padding"),
+            ]
             header = json.loads(blob)
             entries = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
             for (begin, end), name in entries:
@@ -268,16 +273,21 @@ def run(trials: int = 5000, seed: int = 0, *, with_torch: bool | None = None) ->
         n = sum(v for (what, _), v in c.items() if what == "trials")
         detected = sum(v for (what, _), v in c.items() if what == "detected")
         regions = sorted({r for (_, r) in c})
-        notes = [f"{len(ckpts)} checkpoints ({', '.join(p.name for p in ckpts)}); flips per region: "
-                 + ", ".join(f"{r} {c[('trials', r)]}" for r in regions),
-                 f"caught by load(): {detected - verify_only}; only by verify(): {verify_only}"]
+        notes = [
+            f"{len(ckpts)} checkpoints ({', '.join(p.name for p in ckpts)}); flips per region: "
+            + ", ".join(f"{r} {c[('trials', r)]}" for r in regions),
+            f"caught by load(): {detected - verify_only}; only by verify(): {verify_only}",
+        ]
         for verdict in ("undetected", "unclean"):
             found = [k for k in cases[kind] if k.outcome.verdict == verdict]
             if not found:
                 notes.append(f"{verdict}: 0")
                 continue
-            notes.append(f"{verdict}: {len(found)} (" + ", ".join(
-                f"{r} {c[(verdict, r)]}" for r in regions if c[(verdict, r)]) + ")")
+            notes.append(
+                f"{verdict}: {len(found)} ("
+                + ", ".join(f"{r} {c[(verdict, r)]}" for r in regions if c[(verdict, r)])
+                + ")"
+            )
             notes += [f"  {k.describe()}" for k in found[:NOTE_CAP]]
             if len(found) > NOTE_CAP:
                 notes.append(f"  ... and {len(found) - NOTE_CAP} more {verdict}")

@@ -81,8 +81,11 @@ def campaign(mode: str, kills: int, seed: int = 0) -> Row:
                 row.passed += 1
         with trainstate.CheckpointManager(root / "run") as mgr:
             last = mgr.latest()
-        row.notes.insert(0, f"{interrupted} of {kills} kills landed mid-save (a staging directory was swept "
-                            f"on the next start); the run reached step {last.step if last else None}")
+        row.notes.insert(
+            0,
+            f"{interrupted} of {kills} kills landed mid-save (a staging directory was swept "
+            f"on the next start); the run reached step {last.step if last else None}",
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return row

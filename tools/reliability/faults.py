@@ -82,8 +82,12 @@ def _async_trial(root: Path, storage: FaultyStorage) -> BaseException | None:
 def injected(work: Path, mode: str, error: int = errno.ENOSPC) -> Row:
     """Every call of every operation fails once; ``mode`` is "sync" or "async"."""
     trial: Callable[[Path, FaultyStorage], BaseException | None] = _sync_trial if mode == "sync" else _async_trial
-    row = Row(f"injected {errno.errorcode[error]} at the Nth create/write/fsync/rename, {mode} save", 0, 0,
-              "clean error, nothing lost")
+    row = Row(
+        f"injected {errno.errorcode[error]} at the Nth create/write/fsync/rename, {mode} save",
+        0,
+        0,
+        "clean error, nothing lost",
+    )
     for op in OPERATIONS:
         for n in range(1, MAX_CALLS):
             root = work / f"{mode}-{op}-{n}"
@@ -138,8 +142,9 @@ def overwrite_faults(work: Path) -> Row:
 def mount_tmpfs(size: str) -> Path | None:
     """A real filesystem of ``size`` that fills up (needs root); None where mounting is not allowed."""
     mnt = Path(tempfile.mkdtemp(prefix="trainstate-full-"))
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         mnt.rmdir()
         return None
@@ -207,9 +212,14 @@ def _fill(root: Path, mode: str) -> list[str]:
 def run(quick: bool = False) -> list[Row]:
     work = Path(tempfile.mkdtemp(prefix="trainstate-faults-"))
     try:
-        rows = [injected(work, "sync"), injected(work, "async"), injected(work, "sync", errno.EIO),
-                overwrite_faults(work), real_disk_full("sync", 2 if quick else 5),
-                real_disk_full("async", 2 if quick else 5)]
+        rows = [
+            injected(work, "sync"),
+            injected(work, "async"),
+            injected(work, "sync", errno.EIO),
+            overwrite_faults(work),
+            real_disk_full("sync", 2 if quick else 5),
+            real_disk_full("async", 2 if quick else 5),
+        ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows

@@ -97,7 +97,7 @@ def reseal_bytes(raw: bytes, rnd: Any) -> bytes | None:
         return None
     prefix = b'{"checksum":' + old + b","
     if raw.startswith(prefix) and rnd.random() < 0.5:  # the reader hashes these bytes as they are
-        new = checksum.digest(b"{" + raw[len(prefix):].rstrip(b"\n"))
+        new = checksum.digest(b"{" + raw[len(prefix) :].rstrip(b"\n"))
     else:  # the reader hashes the canonical form of what it parsed
         rest = {k: v for k, v in body.items() if k != "checksum"}
         try:
@@ -158,8 +158,10 @@ def build_base(workdir: str) -> Base:
         "f8": np.linspace(-2, 2, 9).astype(ml_dtypes.float8_e4m3fn),
         "mask": np.array([[True, False, True]]),
         "payload_arr": np.frombuffer(payload, dtype=np.uint8).copy(),
-        "opt": {"state": {0: {"m": np.full(5, -1.0), "step": 3}, 1: {"m": np.full((2, 3), 0.5, np.float32)}},
-                "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
+        "opt": {
+            "state": {0: {"m": np.full(5, -1.0), "step": 3}, 1: {"m": np.full((2, 3), 0.5, np.float32)}},
+            "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+        },
         "t": (1, "a", None, [True, 2.5, float("nan"), -0.0]),
         "raw": b"xy",
         "payload": payload,
@@ -177,8 +179,10 @@ def build_base(workdir: str) -> Base:
     bait = [
         ["os_system", {"t": "stateful", "type": "os.system", "v": f"touch {marker}"}],
         ["sentinel", {"t": "stateful", "type": f"{SENTINEL}.Boom", "v": {"t": "dict", "v": [["x", 1]]}}],
-        ["pickled", {"t": "stateful", "type": "pickle.loads",
-                     "v": {"t": "bytes", "v": base64.b64encode(payload).decode()}}],
+        [
+            "pickled",
+            {"t": "stateful", "type": "pickle.loads", "v": {"t": "bytes", "v": base64.b64encode(payload).decode()}},
+        ],
         ["reduce", {"t": "stateful", "type": "builtins.eval", "v": "__import__('os').system('touch " + marker + "')"}],
     ]
     body["tree"]["v"].extend(bait)
@@ -197,22 +201,124 @@ def write_case(base: Base, files: dict[str, bytes], path: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # hostile values and the three mutators.  ``rnd`` is a random.Random or hypothesis' st.randoms().
 
-HUGE_INTS = [0, 1, -1, 2, 7, 8, 255, 256, 2**31 - 1, 2**31, 2**32, 2**40, 2**53 + 1, 2**62, 2**63 - 1, 2**63,
-             2**64 - 1, 2**64, 2**100, -(2**63), -(2**64), 10**400, -(10**4000), 10**4200]
+HUGE_INTS = [
+    0,
+    1,
+    -1,
+    2,
+    7,
+    8,
+    255,
+    256,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**40,
+    2**53 + 1,
+    2**62,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    2**100,
+    -(2**63),
+    -(2**64),
+    10**400,
+    -(10**4000),
+    10**4200,
+]
 FLOATS = [0.0, -0.0, 0.5, 1.5, -2.5, 1e20, 1e308, -1e308, 5e-324, 2.0**63]
 STRINGS = [
-    "", ".", "..", "../../etc/passwd", "/etc/passwd", "manifest.json", "./manifest.json", "/dev/zero",
-    "/proc/self/mem", "data-00000.safetensors", "data-00001.safetensors", "data-00000.safetensors/..",
-    "..\\..\\windows", "data-00000.safetensors\x00", ".data", "-", "a" * 201, "a" * 202, "\u00e9t\u00e9",
-    "\ud800", "\x00", " ", "1" * 5000 + ".0", "2.0", "1.999999", "0.1", "1", "1.0.0", "F32", "U8", "C128",
-    "F8_E8M0", "I64", "f32", "torch", "numpy", "numpy-scalar", "xxh3_64:0000000000000000", "xxh3_64:",
-    "md5:d41d8cd98f00b204", "sha256", "os.system", "builtins.eval", "subprocess.Popen", SENTINEL,
-    "tensor", "stateful", "bytes", "float", "dict", "list", "tuple", "nan", "inf", "-inf", "w", "b",
-    "opt.state.0.m", "%s%n", "{}", "x" * 100_000,
+    "",
+    ".",
+    "..",
+    "../../etc/passwd",
+    "/etc/passwd",
+    "manifest.json",
+    "./manifest.json",
+    "/dev/zero",
+    "/proc/self/mem",
+    "data-00000.safetensors",
+    "data-00001.safetensors",
+    "data-00000.safetensors/..",
+    "..\\..\\windows",
+    "data-00000.safetensors\x00",
+    ".data",
+    "-",
+    "a" * 201,
+    "a" * 202,
+    "\u00e9t\u00e9",
+    "\ud800",
+    "\x00",
+    " ",
+    "1" * 5000 + ".0",
+    "2.0",
+    "1.999999",
+    "0.1",
+    "1",
+    "1.0.0",
+    "F32",
+    "U8",
+    "C128",
+    "F8_E8M0",
+    "I64",
+    "f32",
+    "torch",
+    "numpy",
+    "numpy-scalar",
+    "xxh3_64:0000000000000000",
+    "xxh3_64:",
+    "md5:d41d8cd98f00b204",
+    "sha256",
+    "os.system",
+    "builtins.eval",
+    "subprocess.Popen",
+    SENTINEL,
+    "tensor",
+    "stateful",
+    "bytes",
+    "float",
+    "dict",
+    "list",
+    "tuple",
+    "nan",
+    "inf",
+    "-inf",
+    "w",
+    "b",
+    "opt.state.0.m",
+    "%s%n",
+    "{}",
+    "x" * 100_000,
 ]
-FIELD_NAMES = ["format", "format_version", "checksum", "created", "writer", "metadata", "files", "tensors",
-               "tree", "path", "size", "header_checksum", "dtype", "shape", "kind", "chunks", "file",
-               "byte_range", "offset", "transforms", "name", "t", "v", "type", "__metadata__", "__proto__"]
+FIELD_NAMES = [
+    "format",
+    "format_version",
+    "checksum",
+    "created",
+    "writer",
+    "metadata",
+    "files",
+    "tensors",
+    "tree",
+    "path",
+    "size",
+    "header_checksum",
+    "dtype",
+    "shape",
+    "kind",
+    "chunks",
+    "file",
+    "byte_range",
+    "offset",
+    "transforms",
+    "name",
+    "t",
+    "v",
+    "type",
+    "__metadata__",
+    "__proto__",
+]
 
 
 def hostile_value(rnd: Any, base: Base | None = None, depth: int = 0) -> Any:
@@ -235,8 +341,10 @@ def hostile_value(rnd: Any, base: Base | None = None, depth: int = 0) -> Any:
     if r == 8:
         return [hostile_value(rnd, base, depth + 1) for _ in range(rnd.randrange(0, 4))]
     if r == 9:
-        return {rnd.choice(FIELD_NAMES + STRINGS[:12]): hostile_value(rnd, base, depth + 1)
-                for _ in range(rnd.randrange(0, 4))}
+        return {
+            rnd.choice(FIELD_NAMES + STRINGS[:12]): hostile_value(rnd, base, depth + 1)
+            for _ in range(rnd.randrange(0, 4))
+        }
     if r == 10:  # deep nesting, tree-like or bare
         d = rnd.choice([50, 199, 200, 201, 202, 400])
         node: Any = rnd.choice([0, {"t": "tensor", "name": "w"}, []])
@@ -249,22 +357,34 @@ def hostile_value(rnd: Any, base: Base | None = None, depth: int = 0) -> Any:
         return [0] * n if rnd.random() < 0.5 else {f"k{i}": i for i in range(n // 10)}
     if r == 12:  # fake tree nodes
         names = sorted(base.body["tensors"]) if base else ["w"]
-        return rnd.choice([
-            {"t": "tensor", "name": rnd.choice(names + ["nope", "../w"])},
-            {"t": "tensor", "name": hostile_value(rnd, base, depth + 1)},
-            {"t": "stateful", "type": rnd.choice(["os.system", f"{SENTINEL}.X", "builtins.exec"]),
-             "v": hostile_value(rnd, base, depth + 1)},
-            {"t": "bytes", "v": rnd.choice(["!!!", "gASV", "", "A", base64.b64encode(b"\x80\x04K\x01.").decode()])},
-            {"t": "float", "v": rnd.choice(["nan", "inf", "-inf", "NaN", 1.0])},
-            {"t": "dict", "v": [[hostile_value(rnd, base, depth + 1), hostile_value(rnd, base, depth + 1)]]},
-            {"t": "dict", "v": [[{"t": "list", "v": []}, 1]]},
-            {"t": "dict", "v": [[{"t": "tensor", "name": "w"}, 1]]},
-            {"t": rnd.choice(["list", "tuple", "dict", "pickle", "eval", ""]), "v": hostile_value(rnd, base, depth + 1)},
-        ])
+        return rnd.choice(
+            [
+                {"t": "tensor", "name": rnd.choice(names + ["nope", "../w"])},
+                {"t": "tensor", "name": hostile_value(rnd, base, depth + 1)},
+                {
+                    "t": "stateful",
+                    "type": rnd.choice(["os.system", f"{SENTINEL}.X", "builtins.exec"]),
+                    "v": hostile_value(rnd, base, depth + 1),
+                },
+                {"t": "bytes", "v": rnd.choice(["!!!", "gASV", "", "A", base64.b64encode(b"\x80\x04K\x01.").decode()])},
+                {"t": "float", "v": rnd.choice(["nan", "inf", "-inf", "NaN", 1.0])},
+                {"t": "dict", "v": [[hostile_value(rnd, base, depth + 1), hostile_value(rnd, base, depth + 1)]]},
+                {"t": "dict", "v": [[{"t": "list", "v": []}, 1]]},
+                {"t": "dict", "v": [[{"t": "tensor", "name": "w"}, 1]]},
+                {
+                    "t": rnd.choice(["list", "tuple", "dict", "pickle", "eval", ""]),
+                    "v": hostile_value(rnd, base, depth + 1),
+                },
+            ]
+        )
     if r == 13:  # fake chunk
-        return {"file": rnd.choice(["data-00000.safetensors", "../data-00000.safetensors", "manifest.json"]),
-                "byte_range": [rnd.choice(HUGE_INTS[:12]), rnd.choice(HUGE_INTS)], "offset": [0], "shape": [rnd.choice(HUGE_INTS)],
-                "checksum": "xxh3_64:0000000000000000"}
+        return {
+            "file": rnd.choice(["data-00000.safetensors", "../data-00000.safetensors", "manifest.json"]),
+            "byte_range": [rnd.choice(HUGE_INTS[:12]), rnd.choice(HUGE_INTS)],
+            "offset": [0],
+            "shape": [rnd.choice(HUGE_INTS)],
+            "checksum": "xxh3_64:0000000000000000",
+        }
     if r == 14:  # fake shape
         return rnd.choice([[2**40], [0, 2**63], [0, 2**64], [1] * 65, [0] * 70, [2**32, 2**32], [-1], [1.5]])
     return {"name": rnd.choice(["zstd", "aes", None, [], {}])}
@@ -369,8 +489,13 @@ def _op_add(rnd: Any, body: dict, base: Base) -> str:
 
 
 def _op_duplicate_chunk(rnd: Any, body: dict, base: Base) -> str:
-    names = [n for n in _tensor_names(body) if isinstance(body["tensors"][n], dict)
-             and isinstance(body["tensors"][n].get("chunks"), list) and body["tensors"][n]["chunks"]]
+    names = [
+        n
+        for n in _tensor_names(body)
+        if isinstance(body["tensors"][n], dict)
+        and isinstance(body["tensors"][n].get("chunks"), list)
+        and body["tensors"][n]["chunks"]
+    ]
     if not names:
         return "no chunk to duplicate"
     name = rnd.choice(names)
@@ -398,8 +523,15 @@ def _single_chunk(t: Any) -> bool:
     if not isinstance(t, dict) or not isinstance(t.get("chunks"), list) or len(t["chunks"]) != 1:
         return False
     c = t["chunks"][0]
-    return (isinstance(c, dict) and _ints_ok(t.get("shape")) and len(t["shape"]) >= 1 and t["shape"][0] > 0
-            and _ints_ok(c.get("shape")) and c["shape"] == t["shape"] and _ints_ok(c.get("byte_range")))
+    return (
+        isinstance(c, dict)
+        and _ints_ok(t.get("shape"))
+        and len(t["shape"]) >= 1
+        and t["shape"][0] > 0
+        and _ints_ok(c.get("shape"))
+        and c["shape"] == t["shape"]
+        and _ints_ok(c.get("byte_range"))
+    )
 
 
 def _ints_ok(v: Any) -> bool:
@@ -448,9 +580,15 @@ def _op_swap_tensors(rnd: Any, body: dict, base: Base) -> str:
 
 def _op_reshape(rnd: Any, body: dict, base: Base) -> str:
     """Consistent lie about a shape: same volume, or an empty tensor with absurd dimensions."""
-    names = [n for n in _tensor_names(body) if isinstance(body["tensors"][n], dict)
-             and isinstance(body["tensors"][n].get("chunks"), list) and len(body["tensors"][n]["chunks"]) == 1
-             and isinstance(body["tensors"][n]["chunks"][0], dict) and _ints_ok(body["tensors"][n].get("shape"))]
+    names = [
+        n
+        for n in _tensor_names(body)
+        if isinstance(body["tensors"][n], dict)
+        and isinstance(body["tensors"][n].get("chunks"), list)
+        and len(body["tensors"][n]["chunks"]) == 1
+        and isinstance(body["tensors"][n]["chunks"][0], dict)
+        and _ints_ok(body["tensors"][n].get("shape"))
+    ]
     if not names:
         return "no tensor to reshape"
     name = rnd.choice(names)
@@ -479,10 +617,19 @@ def _op_claim(rnd: Any, body: dict, base: Base) -> str:
     n = rnd.choice([2**40, 2**40 + 1, 2**61, 2**64])
     size = 16
     body["tensors"][name] = {
-        "dtype": rnd.choice(["U8", "F32", "C128"]), "shape": [n], "kind": "numpy",
-        "chunks": [{"file": "data-00000.safetensors", "byte_range": [0, rnd.choice([n, size, n * 4])], "offset": [0],
-                    "shape": [n], "checksum": "xxh3_64:0000000000000000",
-                    **({"transforms": [{"name": rnd.choice(["zstd", "identity"])}]} if rnd.random() < 0.3 else {})}],
+        "dtype": rnd.choice(["U8", "F32", "C128"]),
+        "shape": [n],
+        "kind": "numpy",
+        "chunks": [
+            {
+                "file": "data-00000.safetensors",
+                "byte_range": [0, rnd.choice([n, size, n * 4])],
+                "offset": [0],
+                "shape": [n],
+                "checksum": "xxh3_64:0000000000000000",
+                **({"transforms": [{"name": rnd.choice(["zstd", "identity"])}]} if rnd.random() < 0.3 else {}),
+            }
+        ],
     }
     return f"tensors.{name}: claims {n} elements"
 
@@ -505,9 +652,17 @@ def _op_files(rnd: Any, body: dict, base: Base) -> str:
 
 
 STRUCTURE_OPS: list[tuple[str, Callable[[Any, dict, Base], str], int]] = [
-    ("replace", _op_replace, 10), ("delete", _op_delete, 5), ("add", _op_add, 4),
-    ("duplicate", _op_duplicate_chunk, 2), ("tile", _op_tile, 2), ("alias", _op_alias, 1), ("swap", _op_swap, 2),
-    ("swap-tensors", _op_swap_tensors, 1), ("reshape", _op_reshape, 2), ("claim", _op_claim, 1), ("files", _op_files, 2),
+    ("replace", _op_replace, 10),
+    ("delete", _op_delete, 5),
+    ("add", _op_add, 4),
+    ("duplicate", _op_duplicate_chunk, 2),
+    ("tile", _op_tile, 2),
+    ("alias", _op_alias, 1),
+    ("swap", _op_swap, 2),
+    ("swap-tensors", _op_swap_tensors, 1),
+    ("reshape", _op_reshape, 2),
+    ("claim", _op_claim, 1),
+    ("files", _op_files, 2),
 ]
 
 
@@ -552,11 +707,43 @@ def structure_case(base: Base, rnd: Any) -> Case:
     return Case("structure", {**base.files, MANIFEST: raw}, steps, ops)
 
 
-BYTE_TOKENS = [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999", b"9" * 5000, b"1" * 4400,
-               b'"\\ud800"', b'"\\u0000"', b"\x00", b"\xff\xfe", b"\xef\xbb\xbf", b"\xc3(", b"[" * 100_000,
-               b"{" * 50_000, b'"' + b"a" * 100_000 + b'"', b"18446744073709551616", b"-9223372036854775809",
-               b"1099511627776", b"0.0e-999999", b'"../../etc/passwd"', b'"/etc/passwd"', b'"manifest.json"',
-               b"null", b"true", b"[]", b"{}", b",", b":", b'"', b"\\", b" " * 4096, b"\n", b"//", b"/*"]
+BYTE_TOKENS = [
+    b"NaN",
+    b"Infinity",
+    b"-Infinity",
+    b"1e999",
+    b"-1e999",
+    b"9" * 5000,
+    b"1" * 4400,
+    b'"\\ud800"',
+    b'"\\u0000"',
+    b"\x00",
+    b"\xff\xfe",
+    b"\xef\xbb\xbf",
+    b"\xc3(",
+    b"[" * 100_000,
+    b"{" * 50_000,
+    b'"' + b"a" * 100_000 + b'"',
+    b"18446744073709551616",
+    b"-9223372036854775809",
+    b"1099511627776",
+    b"0.0e-999999",
+    b'"../../etc/passwd"',
+    b'"/etc/passwd"',
+    b'"manifest.json"',
+    b"null",
+    b"true",
+    b"[]",
+    b"{}",
+    b",",
+    b":",
+    b'"',
+    b"\\",
+    b" " * 4096,
+    b"\n",
+    b"//",
+    b"/*",
+]
 
 
 def bytes_case(base: Base, rnd: Any) -> Case:
@@ -592,22 +779,35 @@ def bytes_case(base: Base, rnd: Any) -> Case:
             if numbers:
                 m = rnd.choice(numbers)
                 tok = rnd.choice([str(rnd.choice(HUGE_INTS)).encode(), b"-1", b"1.5", b"1e3", b"0x10", b"00", b"1e400"])
-                raw[m.start():m.end()] = tok
+                raw[m.start() : m.end()] = tok
                 steps.append(f"number at {m.start()} = {_short(tok)}")
         elif r == 6:  # a string token becomes a hostile one
             strings = list(re.finditer(rb'"[^"\\]*"', bytes(raw)))
             if strings:
                 m = rnd.choice(strings)
                 tok = json.dumps(rnd.choice(STRINGS)).encode()
-                raw[m.start():m.end()] = tok
+                raw[m.start() : m.end()] = tok
                 steps.append(f"string at {m.start()} = {_short(tok)}")
         elif r == 7:
             j = min(n, i + rnd.randrange(1, 200))
             raw[i:i] = raw[i:j]
             steps.append(f"duplicate bytes {i}:{j}")
         else:
-            whole = rnd.choice([b"", b"\n", b" " * 64, b"{}", b"[]", b"null", b"\x00" * 64, b"\xff" * 8,
-                                b"[" * 200_000, b'{"format":"trainstate"}', b'{"format":"trainstate","format_version":"1.0"}'])
+            whole = rnd.choice(
+                [
+                    b"",
+                    b"\n",
+                    b" " * 64,
+                    b"{}",
+                    b"[]",
+                    b"null",
+                    b"\x00" * 64,
+                    b"\xff" * 8,
+                    b"[" * 200_000,
+                    b'{"format":"trainstate"}',
+                    b'{"format":"trainstate","format_version":"1.0"}',
+                ]
+            )
             raw[:] = whole
             steps.append(f"whole file = {_short(whole)}")
     out = bytes(raw)
@@ -621,10 +821,21 @@ def bytes_case(base: Base, rnd: Any) -> Case:
     return Case("bytes", {**base.files, MANIFEST: out}, steps, {"bytes"}, must_reject=must_reject)
 
 
-HEADER_JSON = [b"[]", b'"x"', b"null", b"1", b"{}", b"NaN", b"[" * 10_000, b"\xff\xfe\x00", b'{"\\ud800":1}',
-               b'{"w":{"dtype":"F32","shape":[1099511627776],"data_offsets":[0,4398046511104]}}',
-               b'{"w":{"dtype":"PICKLE","shape":[-1],"data_offsets":[-1,18446744073709551615]}}',
-               b'{"__metadata__":{"format":"pt","pickle":"\\u0080\\u0004"}}', b'{"a":' * 2000]
+HEADER_JSON = [
+    b"[]",
+    b'"x"',
+    b"null",
+    b"1",
+    b"{}",
+    b"NaN",
+    b"[" * 10_000,
+    b"\xff\xfe\x00",
+    b'{"\\ud800":1}',
+    b'{"w":{"dtype":"F32","shape":[1099511627776],"data_offsets":[0,4398046511104]}}',
+    b'{"w":{"dtype":"PICKLE","shape":[-1],"data_offsets":[-1,18446744073709551615]}}',
+    b'{"__metadata__":{"format":"pt","pickle":"\\u0080\\u0004"}}',
+    b'{"a":' * 2000,
+]
 
 
 def headers_case(base: Base, rnd: Any) -> Case:
@@ -635,8 +846,25 @@ def headers_case(base: Base, rnd: Any) -> Case:
     shift = 0  # bytes the data section moved by
     r = rnd.randrange(6)
     if r == 0:
-        new = rnd.choice([0, 1, 7, n - 1, n + 1, n + 8, len(data) - 8, len(data) - 7, len(data), 2**32, 2**63,
-                          2**64 - 1, datafile.MAX_HEADER, datafile.MAX_HEADER + 1, rnd.randrange(2**64)])
+        new = rnd.choice(
+            [
+                0,
+                1,
+                7,
+                n - 1,
+                n + 1,
+                n + 8,
+                len(data) - 8,
+                len(data) - 7,
+                len(data),
+                2**32,
+                2**63,
+                2**64 - 1,
+                datafile.MAX_HEADER,
+                datafile.MAX_HEADER + 1,
+                rnd.randrange(2**64),
+            ]
+        )
         data[:8] = struct.pack("<Q", new)
         steps.append(f"N = {new}")
     elif r == 1:
@@ -647,7 +875,7 @@ def headers_case(base: Base, rnd: Any) -> Case:
             steps.append(f"flip bit {bit} of header byte {j}")
     elif r == 2:  # same length, hostile JSON
         tok = rnd.choice(HEADER_JSON)[:n]
-        data[8:8 + n] = tok + b" " * (n - len(tok))
+        data[8 : 8 + n] = tok + b" " * (n - len(tok))
         steps.append(f"header = {_short(tok)}")
     elif r == 3:  # the header grows or shrinks; the data section moves
         j = 8 + rnd.randrange(n + 1)
@@ -657,22 +885,22 @@ def headers_case(base: Base, rnd: Any) -> Case:
             shift = len(tok)
         else:
             k = min(rnd.randrange(1, 32), 8 + n - j)
-            del data[j:j + k]
+            del data[j : j + k]
             shift = -k
         steps.append(f"header resized by {shift} at {j}")
         if rnd.random() < 0.7:
             data[:8] = struct.pack("<Q", n + shift)
             steps.append("N follows")
     elif r == 4:
-        del data[rnd.randrange(0, 8 + n):]
+        del data[rnd.randrange(0, 8 + n) :]
         steps.append(f"file truncated to {len(data)} bytes")
     else:  # overwrite in place with a token that breaks JSON
         tok = rnd.choice([b'"', b"\\", b"\x00", b"}", b"{", b"9" * 30, b"\xc3", b"\\ud800", b"NaN", b"1e999"])
         j = 8 + rnd.randrange(max(1, n - len(tok)))
-        data[j:j + len(tok)] = tok
+        data[j : j + len(tok)] = tok
         steps.append(f"header bytes at {j} = {tok!r}")
     files = {**base.files, name: bytes(data)}
-    changed = bytes(data[:8 + n]) != base.files[name][:8 + n] or len(data) != len(base.files[name])
+    changed = bytes(data[: 8 + n]) != base.files[name][: 8 + n] or len(data) != len(base.files[name])
     resealed = rnd.random() < 0.5
     if resealed:
         body = _copy(base.body)
@@ -682,7 +910,7 @@ def headers_case(base: Base, rnd: Any) -> Case:
             if f["path"] == name:
                 f["size"] = len(data)
                 if 8 + n2 <= len(data):
-                    f["header_checksum"] = checksum.digest(bytes(data[:8 + n2]))
+                    f["header_checksum"] = checksum.digest(bytes(data[: 8 + n2]))
         if shift:
             for c in _chunks(body):
                 if c["file"] == name:
@@ -694,7 +922,10 @@ def headers_case(base: Base, rnd: Any) -> Case:
 
 
 MUTATORS: dict[str, Callable[[Base, Any], Case]] = {
-    "structure": structure_case, "bytes": bytes_case, "headers": headers_case}
+    "structure": structure_case,
+    "bytes": bytes_case,
+    "headers": headers_case,
+}
 
 # ------------------------------------------------------------------------------------------------
 # watching: audit events, allocation, time
@@ -702,15 +933,58 @@ MUTATORS: dict[str, Callable[[Base, Any], Case]] = {
 _WATCH: list[tuple[str, tuple]] | None = None  # recording switch for the audit hook
 _HOOKED = False
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-WRITE_EVENTS = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.truncate",
-                "os.chmod", "os.chown", "os.utime", "os.chflags", "os.mkfifo", "os.mknod", "shutil.rmtree",
-                "shutil.copyfile", "shutil.copymode", "shutil.copystat", "shutil.move", "shutil.chown",
-                "tempfile.mkstemp", "tempfile.mkdtemp"}
-CODE_EVENTS = {"import", "exec", "compile", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-               "os.forkpty", "os.startfile", "subprocess.Popen", "pickle.find_class", "marshal.loads",
-               "marshal.load", "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "code.__new__",
-               "function.__new__", "builtins.input", "socket.connect", "socket.__new__", "webbrowser.open",
-               "urllib.Request", "os.kill", "signal.pthread_kill", "cpython.run_command"}
+WRITE_EVENTS = {
+    "os.rename",
+    "os.remove",
+    "os.rmdir",
+    "os.mkdir",
+    "os.symlink",
+    "os.link",
+    "os.truncate",
+    "os.chmod",
+    "os.chown",
+    "os.utime",
+    "os.chflags",
+    "os.mkfifo",
+    "os.mknod",
+    "shutil.rmtree",
+    "shutil.copyfile",
+    "shutil.copymode",
+    "shutil.copystat",
+    "shutil.move",
+    "shutil.chown",
+    "tempfile.mkstemp",
+    "tempfile.mkdtemp",
+}
+CODE_EVENTS = {
+    "import",
+    "exec",
+    "compile",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "os.forkpty",
+    "os.startfile",
+    "subprocess.Popen",
+    "pickle.find_class",
+    "marshal.loads",
+    "marshal.load",
+    "ctypes.dlopen",
+    "ctypes.dlsym",
+    "ctypes.call_function",
+    "code.__new__",
+    "function.__new__",
+    "builtins.input",
+    "socket.connect",
+    "socket.__new__",
+    "webbrowser.open",
+    "urllib.Request",
+    "os.kill",
+    "signal.pthread_kill",
+    "cpython.run_command",
+}
 WATCHED = {"open"} | WRITE_EVENTS | CODE_EVENTS
 
 
@@ -822,7 +1096,9 @@ class Checker:
         if os.path.exists(self.base.pwned_marker):
             out.violations.append(Violation("code", "any", "os.system payload ran", self.base.pwned_marker))
         if out.seconds > self.slow_after and not any(v.kind == "hang" for v in out.violations):
-            out.violations.append(Violation("slow", "all", "slow example", f"{out.seconds:.2f} s > {self.slow_after} s"))
+            out.violations.append(
+                Violation("slow", "all", "slow example", f"{out.seconds:.2f} s > {self.slow_after} s")
+            )
         if case is not None and case.must_reject and out.results.get("open") == "ok":
             out.violations.append(Violation("undetected", "open", "changed manifest accepted", case.describe()))
         if case is not None and case.must_fail_verify and out.results.get("verify") == "ok":
@@ -853,8 +1129,11 @@ class Checker:
         if case is not None and case.campaign == "headers":
             for name, data in case.files.items():
                 if name != MANIFEST:
-                    self._op(out, "header", lambda data=data, name=name: datafile.parse_header(
-                        data[:1 << 20], len(data), name))
+                    self._op(
+                        out,
+                        "header",
+                        lambda data=data, name=name: datafile.parse_header(data[: 1 << 20], len(data), name),
+                    )
 
     def _op(self, out: Outcome, op: str, fn: Callable[[], Any], unlisted: bool = False) -> bool:
         alarm = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
@@ -890,8 +1169,14 @@ class Checker:
         peak = tracemalloc.get_traced_memory()[1] - base_mem
         out.peak = max(out.peak, peak)
         if peak > out.bound:
-            out.violations.append(Violation("allocation", op, "allocation beyond the files' size",
-                                            f"peak {peak / MiB:.1f} MiB > bound {out.bound / MiB:.1f} MiB"))
+            out.violations.append(
+                Violation(
+                    "allocation",
+                    op,
+                    "allocation beyond the files' size",
+                    f"peak {peak / MiB:.1f} MiB > bound {out.bound / MiB:.1f} MiB",
+                )
+            )
         out.results.setdefault(op, status)
         if status != "ok":
             out.results[op] = status
@@ -907,10 +1192,12 @@ class Checker:
             if event == "open":
                 path, mode, flags = (tuple(args) + (None, None))[:3]
                 writing = (isinstance(flags, int) and flags & _WRITE_FLAGS) or (
-                    isinstance(mode, str) and any(ch in mode for ch in "wax+"))
+                    isinstance(mode, str) and any(ch in mode for ch in "wax+")
+                )
                 if path is not None and not _inside(path, root):
-                    out.violations.append(Violation("outside-open", "any", "opened outside the checkpoint",
-                                                    _short(path)))
+                    out.violations.append(
+                        Violation("outside-open", "any", "opened outside the checkpoint", _short(path))
+                    )
                 elif writing:
                     out.violations.append(Violation("write", "any", "opened for writing", _short(path)))
             elif event in WRITE_EVENTS:
@@ -935,9 +1222,11 @@ class Harness:
         sentinel_dir = os.path.join(self.workdir, "sentinel")
         os.mkdir(sentinel_dir)
         with open(os.path.join(sentinel_dir, SENTINEL + ".py"), "w") as f:
-            f.write("import sys\nsys._trainstate_fuzz_sentinel = True\n"
-                    "class Boom:\n    def __init__(self, *a, **k):\n        sys._trainstate_fuzz_sentinel = True\n"
-                    "Hook = X = Boom\n")
+            f.write(
+                "import sys\nsys._trainstate_fuzz_sentinel = True\n"
+                "class Boom:\n    def __init__(self, *a, **k):\n        sys._trainstate_fuzz_sentinel = True\n"
+                "Hook = X = Boom\n"
+            )
         sys.path.insert(0, sentinel_dir)  # importable, so that importing it would show
         self._sentinel_dir = sentinel_dir
         self.base = build_base(self.workdir)
@@ -1026,8 +1315,10 @@ def run(examples: int = 2000, seed: int = 0, *, progress: bool = False) -> list[
             notes = []
             for (kind, sig), (count, first, v, case) in sorted(found.items(), key=lambda kv: -kv[1][0]):
                 detail = v.detail.replace(harness.workdir, "<tmp>")
-                notes.append(f"{count}x {kind}: {sig} in {v.op} ({detail}); first: --seed {seed} "
-                             f"--replay {campaign}:{first} [{_short(case.describe())}]")
+                notes.append(
+                    f"{count}x {kind}: {sig} in {v.op} ({detail}); first: --seed {seed} "
+                    f"--replay {campaign}:{first} [{_short(case.describe())}]"
+                )
             rows.append(Row(title, examples, passed, measure="clean error", notes=notes))
     finally:
         harness.close()
@@ -1042,8 +1333,11 @@ def replay(spec: str, seed: int = 0) -> str:
         outcome = harness.run_case(case)
     finally:
         harness.close()
-    lines = [f"case: {case.describe()}", f"results: {outcome.results}",
-             f"peak {outcome.peak / MiB:.2f} MiB (bound {outcome.bound / MiB:.2f} MiB), {outcome.seconds:.3f} s"]
+    lines = [
+        f"case: {case.describe()}",
+        f"results: {outcome.results}",
+        f"peak {outcome.peak / MiB:.2f} MiB (bound {outcome.bound / MiB:.2f} MiB), {outcome.seconds:.3f} s",
+    ]
     lines += [f"VIOLATION {v}" for v in outcome.violations] or ["no violation"]
     return "\n".join(lines)
 

@@ -139,14 +139,23 @@ def _keep_best(text: str) -> tuple[str, str, int]:
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    ap = _Parser(prog="trainstate", description="Inspect, verify, compare and prune trainstate checkpoints.",
-                 epilog="exit codes:" + EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(
+        prog="trainstate",
+        description="Inspect, verify, compare and prune trainstate checkpoints.",
+        epilog="exit codes:" + EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--version", action="version", version=f"trainstate {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, epilog="exit codes:" + EXIT_CODES,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog="exit codes:" + EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
         return p
 
@@ -169,8 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=_positive, metavar="N", help="keep the newest N")
     p.add_argument("--keep-every-steps", type=_positive, metavar="N", help="keep steps that are multiples of N")
     p.add_argument("--keep-every-minutes", type=_minutes, metavar="M", help="keep one per M minutes")
-    p.add_argument("--keep-best", type=_keep_best, metavar="METRIC:min|max:K",
-                   help="keep the K best by a metric recorded at save time")
+    p.add_argument(
+        "--keep-best",
+        type=_keep_best,
+        metavar="METRIC:min|max:K",
+        help="keep the K best by a metric recorded at save time",
+    )
     p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
 
     p = command("pin", "keep a checkpoint whatever the retention policies say")
@@ -182,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="DIR")
     p.add_argument("step", type=_step, metavar="STEP")
 
-    sub.add_parser("demo", help="train, get killed, resume in a fresh process, check it is bit-identical",
-                   add_help=False)
+    sub.add_parser(
+        "demo", help="train, get killed, resume in a fresh process, check it is bit-identical", add_help=False
+    )
     return ap
 
 
@@ -206,9 +220,15 @@ def _run(args: argparse.Namespace) -> int:
     from . import _retention
 
     if args.command == "prune":
-        return _retention.prune(out, args.path, keep_last=args.keep_last, keep_every_steps=args.keep_every_steps,
-                                keep_every_minutes=args.keep_every_minutes, keep_best=args.keep_best,
-                                dry_run=args.dry_run)
+        return _retention.prune(
+            out,
+            args.path,
+            keep_last=args.keep_last,
+            keep_every_steps=args.keep_every_steps,
+            keep_every_minutes=args.keep_every_minutes,
+            keep_best=args.keep_best,
+            dry_run=args.dry_run,
+        )
     if args.command == "pin":
         return _retention.pin(out, args.path, args.step, args.reason)
     return _retention.unpin(out, args.path, args.step)

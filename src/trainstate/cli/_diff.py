@@ -90,8 +90,9 @@ def _tensor_changes(
                 continue
             if not d.equal_bytes and "dtype" not in reasons:
                 reasons.append("values")
-            entry.update(numel=d.numel, different=d.different, max_abs_diff=d.max_abs_diff,
-                         nan_mismatches=d.nan_mismatches)
+            entry.update(
+                numel=d.numel, different=d.different, max_abs_diff=d.max_abs_diff, nan_mismatches=d.nan_mismatches
+            )
         changed.append(entry)
     return added, removed, changed
 
@@ -127,9 +128,16 @@ def diff(out: Printer, path_a: str, path_b: str) -> int:
         metadata = _values.compare(ca.metadata, cb.metadata)
     identical = not (added or removed or changed or values)
     if out.json_mode:
-        out.json({"a": path_a, "b": path_b, "identical": identical,
-                  "tensors": {"added": added, "removed": removed, "changed": changed},
-                  "values": values.as_json(), "metadata": metadata.as_json()})
+        out.json(
+            {
+                "a": path_a,
+                "b": path_b,
+                "identical": identical,
+                "tensors": {"added": added, "removed": removed, "changed": changed},
+                "values": values.as_json(),
+                "metadata": metadata.as_json(),
+            }
+        )
         return OK if identical else DIFFERENT
     t = Table(["", "what", "name", "change"])
     for r in removed:
@@ -151,7 +159,10 @@ def diff(out: Printer, path_a: str, path_b: str) -> int:
         out.table(t)
     n = len(added) + len(removed) + len(changed)
     m = len(values.added) + len(values.removed) + len(values.changed)
-    out.line("identical state" + (" (metadata differs)" if metadata else "") if identical else
-             f"state differs: {n} tensor(s), {m} value(s)", style="green" if identical else "yellow")
+    out.line(
+        "identical state" + (" (metadata differs)" if metadata else "")
+        if identical
+        else f"state differs: {n} tensor(s), {m} value(s)",
+        style="green" if identical else "yellow",
+    )
     return OK if identical else DIFFERENT
-

@@ -175,12 +175,22 @@ class Printer:
         from rich.table import Table as RichTable
         from rich.text import Text
 
-        rt = RichTable(title=Text(t.title, style="bold") if t.title else None, title_justify="left",
-                       show_header=t.show_header, header_style="bold",
-                       box=box.SIMPLE_HEAD if t.show_header else None, pad_edge=False)
+        rt = RichTable(
+            title=Text(t.title, style="bold") if t.title else None,
+            title_justify="left",
+            show_header=t.show_header,
+            header_style="bold",
+            box=box.SIMPLE_HEAD if t.show_header else None,
+            pad_edge=False,
+        )
         for c in t.columns:
-            rt.add_column(Text(c), justify="right" if c in t.right else "left", overflow="fold", no_wrap=c in t.nowrap,
-                          style="bold" if not t.show_header and c == t.columns[0] else None)
+            rt.add_column(
+                Text(c),
+                justify="right" if c in t.right else "left",
+                overflow="fold",
+                no_wrap=c in t.nowrap,
+                style="bold" if not t.show_header and c == t.columns[0] else None,
+            )
         for i, row in enumerate(t.rows):
             rt.add_row(*(Text(cell) for cell in row), style=t.styles.get(i))
         self.console.print(rt)
@@ -191,8 +201,7 @@ class Printer:
         if t.title:
             print(t.title)
         for n, r in enumerate(rows):
-            cells = [c.rjust(w) if t.columns[i] in t.right else c.ljust(w)
-                     for i, (c, w) in enumerate(zip(r, widths))]
+            cells = [c.rjust(w) if t.columns[i] in t.right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
             print("  ".join(cells).rstrip())
             if n == 0 and t.show_header:
                 print("  ".join("-" * w for w in widths))
@@ -216,9 +225,15 @@ class Progress:
             from rich.console import Console
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn(self.label), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                                TextColumn("{task.description}", markup=False),
-                                console=Console(stderr=True), transient=True)
+            self.bar = Progress(
+                TextColumn(self.label),
+                BarColumn(),
+                DownloadColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}", markup=False),
+                console=Console(stderr=True),
+                transient=True,
+            )
             self.bar.start()
             self.task = self.bar.add_task("", total=self.total, completed=self.done)
         if self.bar is not None:

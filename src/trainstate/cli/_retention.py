@@ -33,13 +33,26 @@ def _swept_line(out: Printer, swept: list[str], dry_run: bool = False) -> None:
         out.line(f"leftovers of unfinished saves {verb}: {', '.join(swept)}", style="yellow")
 
 
-def prune(out: Printer, directory: str, *, keep_last: int | None, keep_every_steps: int | None,
-          keep_every_minutes: float | None, keep_best: tuple[str, str, int] | None, dry_run: bool) -> int:
-    policies: dict[str, Any] = {"keep_last": keep_last, "keep_every_steps": keep_every_steps,
-                "keep_every_minutes": keep_every_minutes, "keep_best": keep_best}
+def prune(
+    out: Printer,
+    directory: str,
+    *,
+    keep_last: int | None,
+    keep_every_steps: int | None,
+    keep_every_minutes: float | None,
+    keep_best: tuple[str, str, int] | None,
+    dry_run: bool,
+) -> int:
+    policies: dict[str, Any] = {
+        "keep_last": keep_last,
+        "keep_every_steps": keep_every_steps,
+        "keep_every_minutes": keep_every_minutes,
+        "keep_best": keep_best,
+    }
     if not any(v is not None for v in policies.values()):
-        raise UsageError("prune needs at least one policy: --keep-last, --keep-every-steps, "
-                         "--keep-every-minutes or --keep-best")
+        raise UsageError(
+            "prune needs at least one policy: --keep-last, --keep-every-steps, --keep-every-minutes or --keep-best"
+        )
     require_dir(directory)
     if dry_run:
         mgr = CheckpointManager(directory, read_only=True, **policies)  # no lock, no sweep, no deletes
@@ -54,19 +67,45 @@ def prune(out: Printer, directory: str, *, keep_last: int | None, keep_every_ste
     by_name: dict[str, CheckpointInfo] = {i.name: i for i in infos}
     freed = sum(by_name[n].nbytes for n in plan.delete if n in by_name)
     if out.json_mode:
-        out.json({"path": directory, "dry_run": dry_run, "keep": plan.keep, "delete": plan.delete,
-                  "freed_bytes": freed, ("would_sweep" if dry_run else "swept"): swept})
+        out.json(
+            {
+                "path": directory,
+                "dry_run": dry_run,
+                "keep": plan.keep,
+                "delete": plan.delete,
+                "freed_bytes": freed,
+                ("would_sweep" if dry_run else "swept"): swept,
+            }
+        )
         return OK
     deleting = set(plan.delete)
-    t = Table(["name", "step", "time", "size", "metrics", "action", "why"], right=frozenset({"step", "size"}),
-              title=f"{directory}" + (" (dry run: nothing is deleted)" if dry_run else ""))
+    t = Table(
+        ["name", "step", "time", "size", "metrics", "action", "why"],
+        right=frozenset({"step", "size"}),
+        title=f"{directory}" + (" (dry run: nothing is deleted)" if dry_run else ""),
+    )
     for info in infos:
         if info.name in deleting:
-            t.add(info.name, info.step, local_time(info.created), size(info.nbytes), metrics_text(info.metrics),
-                  "would delete" if dry_run else "deleted", "", style="red")
+            t.add(
+                info.name,
+                info.step,
+                local_time(info.created),
+                size(info.nbytes),
+                metrics_text(info.metrics),
+                "would delete" if dry_run else "deleted",
+                "",
+                style="red",
+            )
         else:
-            t.add(info.name, info.step, local_time(info.created), size(info.nbytes), metrics_text(info.metrics),
-                  "keep", ", ".join(plan.keep.get(info.name, [])))
+            t.add(
+                info.name,
+                info.step,
+                local_time(info.created),
+                size(info.nbytes),
+                metrics_text(info.metrics),
+                "keep",
+                ", ".join(plan.keep.get(info.name, [])),
+            )
     out.table(t)
     _swept_line(out, swept, dry_run)
     verb = "would delete" if dry_run else "deleted"
@@ -87,8 +126,7 @@ def pin(out: Printer, directory: str, step: int, reason: str) -> int:
     added = CheckpointManager(directory, read_only=True).pin(step, reason)  # safe beside a running job
     kept = reason if added else info.pin_reason
     if out.json_mode:
-        out.json({"path": directory, "name": info.name, "step": step, "pinned": True, "reason": kept,
-                  "changed": added})
+        out.json({"path": directory, "name": info.name, "step": step, "pinned": True, "reason": kept, "changed": added})
         return OK
     if added:
         out.line(f"pinned {info.name}" + (f" ({reason})" if reason else ""))

@@ -25,8 +25,7 @@ from . import UsageError, _values
 from ._output import Printer, Table, clip, local_time, metrics_text, short, size
 
 _STAGING = re.compile(r"^\.(.+)\.(tmp|old|del)-[^/]*$")
-_STAGING_NOTE = {"tmp": "unfinished save", "old": "replaced checkpoint not yet removed",
-                 "del": "unfinished delete"}
+_STAGING_NOTE = {"tmp": "unfinished save", "old": "replaced checkpoint not yet removed", "del": "unfinished delete"}
 
 
 def require_dir(path: str) -> None:
@@ -65,11 +64,21 @@ def open_ckpt(path: str) -> Checkpoint:
 
 
 def _row(info: CheckpointInfo, path: str) -> dict[str, Any]:
-    return {"name": info.name, "path": path, "step": info.step, "created": info.created,
-            "created_iso": local_time(info.created), "modified": None, "nbytes": info.nbytes,
-            "metrics": dict(info.metrics),
-            "epoch": info.epoch, "pinned": info.pinned, "pin_reason": info.pin_reason, "status": "complete",
-            "note": ""}
+    return {
+        "name": info.name,
+        "path": path,
+        "step": info.step,
+        "created": info.created,
+        "created_iso": local_time(info.created),
+        "modified": None,
+        "nbytes": info.nbytes,
+        "metrics": dict(info.metrics),
+        "epoch": info.epoch,
+        "pinned": info.pinned,
+        "pin_reason": info.pin_reason,
+        "status": "complete",
+        "note": "",
+    }
 
 
 def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -> dict[str, Any]:
@@ -84,9 +93,21 @@ def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -
         modified = top.mtime if top is not None and top.mtime else None
     except StorageError:
         pass
-    return {"name": name, "path": path, "step": step, "created": None, "created_iso": "", "modified": modified,
-            "nbytes": nbytes, "metrics": {}, "epoch": None, "pinned": False, "pin_reason": "", "status": status,
-            "note": note}
+    return {
+        "name": name,
+        "path": path,
+        "step": step,
+        "created": None,
+        "created_iso": "",
+        "modified": modified,
+        "nbytes": nbytes,
+        "metrics": {},
+        "epoch": None,
+        "pinned": False,
+        "pin_reason": "",
+        "status": status,
+        "note": note,
+    }
 
 
 def _probe(backend: Storage, name: str, path: str) -> dict[str, Any] | None:
@@ -162,13 +183,24 @@ def ls(out: Printer, path: str) -> int:
     if not rows:
         out.line(f"no checkpoints in {path}")
         return 0
-    t = Table(["name", "step", "time", "size", "metrics", "pinned", "status"], right=frozenset({"step", "size"}),
-              title=f"checkpoints in {path}" if kind == "directory" else None)
+    t = Table(
+        ["name", "step", "time", "size", "metrics", "pinned", "status"],
+        right=frozenset({"step", "size"}),
+        title=f"checkpoints in {path}" if kind == "directory" else None,
+    )
     for r in rows:
         status = r["status"] if not r["note"] else f"{r['status']}: {clip(r['note'], 70)}"
         style = {"incomplete": "yellow", "corrupt": "red", "newer format": "magenta"}.get(r["status"])
-        t.add(r["name"], "" if r["step"] is None else r["step"], r["created_iso"], size(r["nbytes"]),
-              metrics_text(r["metrics"]), _pin_text(r), status, style=style)
+        t.add(
+            r["name"],
+            "" if r["step"] is None else r["step"],
+            r["created_iso"],
+            size(r["nbytes"]),
+            metrics_text(r["metrics"]),
+            _pin_text(r),
+            status,
+            style=style,
+        )
     out.table(t)
     complete = [r for r in rows if r["status"] == "complete"]
     others = {s: sum(r["status"] == s for r in rows) for s in ("incomplete", "corrupt")}
@@ -186,27 +218,56 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 def inspect(out: Printer, path: str, pattern: str | None) -> int:
     with open_ckpt(path) as ck:
+
         def wanted(name: str) -> bool:
             return pattern is None or fnmatch.fnmatchcase(name, pattern)
 
         infos = [ck.info(n) for n in ck if wanted(n)]
         values = [(p, v) for p, v in _values.leaves(_values.state_values(ck)) if wanted(p)]
         metadata = ck.metadata
-        head = {"path": path, "format_version": ck.manifest.format_version, "writer": ck.manifest.writer,
-                "created": ck.created, "created_iso": local_time(ck.created), "files": len(ck.manifest.files),
-                "nbytes": ck.nbytes, "tensor_count": len(ck.keys())}
+        head = {
+            "path": path,
+            "format_version": ck.manifest.format_version,
+            "writer": ck.manifest.writer,
+            "created": ck.created,
+            "created_iso": local_time(ck.created),
+            "files": len(ck.manifest.files),
+            "nbytes": ck.nbytes,
+            "tensor_count": len(ck.keys()),
+        }
     tensor_bytes = sum(i.nbytes for i in infos)
     if out.json_mode:
-        out.json({**head, "filter": pattern, "metadata": metadata,
-                  "values": [{"path": p, "value": v} for p, v in values],
-                  "tensors": [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape), "nbytes": i.nbytes,
-                               "kind": i.kind, "chunks": i.chunks} for i in infos],
-                  "tensor_bytes": tensor_bytes})
+        out.json(
+            {
+                **head,
+                "filter": pattern,
+                "metadata": metadata,
+                "values": [{"path": p, "value": v} for p, v in values],
+                "tensors": [
+                    {
+                        "name": i.name,
+                        "dtype": i.dtype,
+                        "shape": list(i.shape),
+                        "nbytes": i.nbytes,
+                        "kind": i.kind,
+                        "chunks": i.chunks,
+                    }
+                    for i in infos
+                ],
+                "tensor_bytes": tensor_bytes,
+            }
+        )
         return 0
-    out.pairs([("checkpoint", path), ("format", f"trainstate {head['format_version']}"),
-               ("writer", str(head["writer"])), ("created", str(head["created_iso"])),
-               ("on disk", f"{size(ck.nbytes)} in {head['files']} data file(s)"),
-               ("tensors", str(head["tensor_count"]))])
+    out.pairs(
+        [
+            ("checkpoint", path),
+            ("format", f"trainstate {head['format_version']}"),
+            ("writer", str(head["writer"])),
+            ("created", str(head["created_iso"])),
+            ("on disk", f"{size(ck.nbytes)} in {head['files']} data file(s)"),
+            ("tensors", str(head["tensor_count"])),
+        ]
+    )
     if metadata is not None:
         meta = Table(["metadata", "value"])
         for p, v in _values.leaves(metadata):
@@ -228,7 +289,6 @@ def inspect(out: Printer, path: str, pattern: str | None) -> int:
     shown = f"{len(infos)} of {head['tensor_count']} tensors match {pattern!r}" if pattern else f"{len(infos)} tensors"
     out.line(f"{shown}, {size(tensor_bytes)} ({tensor_bytes} bytes)")
     return 0
-
 
 
 def _pin_text(row: dict[str, Any]) -> str:

@@ -60,9 +60,11 @@ class Changes:
         return bool(self.added or self.removed or self.changed)
 
     def as_json(self) -> dict[str, Any]:
-        return {"added": [{"path": p, "value": v} for p, v in self.added],
-                "removed": [{"path": p, "value": v} for p, v in self.removed],
-                "changed": [{"path": p, "a": a, "b": b} for p, a, b in self.changed]}
+        return {
+            "added": [{"path": p, "value": v} for p, v in self.added],
+            "removed": [{"path": p, "value": v} for p, v in self.removed],
+            "changed": [{"path": p, "a": a, "b": b} for p, a, b in self.changed],
+        }
 
 
 def compare(a: Any, b: Any) -> Changes:

@@ -38,8 +38,14 @@ def verify(out: Printer, path: str) -> int:
         finally:
             progress.close()
     seconds = time.perf_counter() - start
-    report = {"path": path, "ok": not errors, "tensors": len(names), "nbytes": total,
-              "seconds": round(seconds, 3), "errors": errors}
+    report = {
+        "path": path,
+        "ok": not errors,
+        "tensors": len(names),
+        "nbytes": total,
+        "seconds": round(seconds, 3),
+        "errors": errors,
+    }
     if out.json_mode:
         out.json(report)
     elif errors:

@@ -148,8 +148,14 @@ def parse_cost(raw: bytes | bytearray) -> int:
     text = 1 if raw.isascii() else 4
     wide_strings = text > 1 or raw.count(b"\\u") > raw.count(b"\\u00")  # escapes past Latin-1
     per_byte = text + (4 if wide_strings else 1)
-    return (60 * containers + 40 * objects + 40 * values + 24 * (raw.count(b'"') // 2)
-            + 48 * raw.count(b":") + per_byte * len(raw))
+    return (
+        60 * containers
+        + 40 * objects
+        + 40 * values
+        + 24 * (raw.count(b'"') // 2)
+        + 48 * raw.count(b":")
+        + per_byte * len(raw)
+    )
 
 
 def over_limits(raw: bytes | bytearray) -> str | None:
@@ -158,8 +164,10 @@ def over_limits(raw: bytes | bytearray) -> str | None:
         return f"is {len(raw)} bytes, more than the {MAX_BYTES} a manifest may have"
     cost, budget = parse_cost(raw), PARSE_COST_PER_BYTE * len(raw) + PARSE_COST_ALLOWANCE
     if cost > budget:
-        return (f"would take up to {cost / 1e9:.2f} GB of memory to parse ({cost / len(raw):.1f} bytes per byte), "
-                f"more than a manifest may ({PARSE_COST_PER_BYTE} per byte + {PARSE_COST_ALLOWANCE >> 20} MiB)")
+        return (
+            f"would take up to {cost / 1e9:.2f} GB of memory to parse ({cost / len(raw):.1f} bytes per byte), "
+            f"more than a manifest may ({PARSE_COST_PER_BYTE} per byte + {PARSE_COST_ALLOWANCE >> 20} MiB)"
+        )
     return None
 
 
@@ -189,7 +197,7 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME) -> Manifest:
         raise CorruptCheckpointError(f"{what} has no checksum")
     prefix = b'{"checksum":' + json.dumps(expected).encode() + b","
     if raw.startswith(prefix):  # canonical file: the body is the same bytes without the checksum field
-        checksum.check(b"{" + raw[len(prefix):].rstrip(b"\n"), expected, what)
+        checksum.check(b"{" + raw[len(prefix) :].rstrip(b"\n"), expected, what)
     else:
         try:
             checksum.check(_canonical(body), expected, what)
@@ -378,8 +386,9 @@ def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes
         raise CorruptCheckpointError(f"tensor {name}: chunk rank does not match the tensor's rank {len(shape)}")
     if any(o + s > n for o, s, n in zip(offset, cshape, shape)):
         raise CorruptCheckpointError(f"tensor {name}: chunk at {list(offset)} of {list(cshape)} exceeds {list(shape)}")
-    transforms = tuple(_typed(x, dict, f"{name}.transforms[]") for x in _typed(c.get("transforms", []), list,
-                                                                                  f"{name}.transforms"))
+    transforms = tuple(
+        _typed(x, dict, f"{name}.transforms[]") for x in _typed(c.get("transforms", []), list, f"{name}.transforms")
+    )
     for x in transforms:
         if not isinstance(x.get("name"), str) or x["name"] not in KNOWN_TRANSFORMS:
             raise FormatVersionError(

@@ -48,8 +48,12 @@ def empty(code: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def writable_view(target: Any) -> memoryview | None:
     """Memory to read straight into ``target``, or None when its layout does not allow it."""
-    if isinstance(target, np.ndarray) and target.flags.c_contiguous and target.flags.writeable \
-            and target.dtype.byteorder != ">":
+    if (
+        isinstance(target, np.ndarray)
+        and target.flags.c_contiguous
+        and target.flags.writeable
+        and target.dtype.byteorder != ">"
+    ):
         return target.reshape(-1).view(np.uint8).data
     return None
 

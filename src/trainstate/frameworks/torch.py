@@ -30,10 +30,12 @@ def _check_plain(t: torch.Tensor) -> None:
         raise UnsupportedValueError(
             f"a quantized tensor ({t.dtype}, {t.qscheme()}) cannot be stored: store t.dequantize(), or "
             "t.int_repr() together with its scale and zero point (t.q_scale(), t.q_zero_point(); per channel: "
-            "t.q_per_channel_scales(), t.q_per_channel_zero_points(), t.q_per_channel_axis())")
+            "t.q_per_channel_scales(), t.q_per_channel_zero_points(), t.q_per_channel_axis())"
+        )
     if t.is_nested:
-        raise UnsupportedValueError("a nested tensor cannot be stored: store t.unbind() (a list of tensors), "
-                                    "or t.to_padded_tensor(0)")
+        raise UnsupportedValueError(
+            "a nested tensor cannot be stored: store t.unbind() (a list of tensors), or t.to_padded_tensor(0)"
+        )
     if t.layout != torch.strided:
         raise UnsupportedValueError(f"a torch tensor with layout {t.layout} cannot be stored: store t.to_dense()")
     if t.device.type == "meta":
@@ -51,8 +53,15 @@ def identity(value: torch.Tensor) -> tuple[object, ...] | None:
     if value.numel() == 0:
         return None
     storage = value.untyped_storage()
-    return ("torch", str(value.device), storage.data_ptr(), value.storage_offset(), tuple(value.shape),
-            value.stride(), str(value.dtype))
+    return (
+        "torch",
+        str(value.device),
+        storage.data_ptr(),
+        value.storage_offset(),
+        tuple(value.shape),
+        value.stride(),
+        str(value.dtype),
+    )
 
 
 def byte_view(value: torch.Tensor) -> memoryview:
@@ -68,8 +77,14 @@ def empty(code: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def writable_view(target: Any) -> memoryview | None:
-    if isinstance(target, torch.Tensor) and target.device.type == "cpu" and target.is_contiguous() \
-            and target.layout == torch.strided and not target.is_conj() and not target.is_neg():
+    if (
+        isinstance(target, torch.Tensor)
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and target.layout == torch.strided
+        and not target.is_conj()
+        and not target.is_neg()
+    ):
         return target.detach().reshape(-1).view(torch.uint8).numpy().data
     return None
 

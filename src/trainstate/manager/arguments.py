@@ -24,7 +24,8 @@ def step(value: Any, what: str = "step") -> int:
         number = operator.index(value)
     except TypeError:
         raise InvalidArgumentError(
-            f"{what} must be a non-negative integer, got {type(value).__name__} {value!r:.40}") from None
+            f"{what} must be a non-negative integer, got {type(value).__name__} {value!r:.40}"
+        ) from None
     if number < 0:
         raise InvalidArgumentError(f"{what} must be non-negative, got {number}")
     return number
@@ -46,8 +47,10 @@ def number(value: Any, what: str) -> float:
             return float(item())
         except (TypeError, ValueError):
             pass
-    raise InvalidArgumentError(f"{what} must be a number (a float, a NumPy scalar or a one-element tensor), "
-                               f"got {type(value).__name__} {value!r:.60}")
+    raise InvalidArgumentError(
+        f"{what} must be a number (a float, a NumPy scalar or a one-element tensor), "
+        f"got {type(value).__name__} {value!r:.60}"
+    )
 
 
 def metrics(values: Mapping[str, Any] | None) -> dict[str, float]:
@@ -69,8 +72,9 @@ def positive_int(value: Any, what: str) -> int:
     try:
         n = operator.index(value)
     except TypeError:
-        raise InvalidArgumentError(f"{what} must be a positive integer, got {type(value).__name__} {value!r:.40}") \
-            from None
+        raise InvalidArgumentError(
+            f"{what} must be a positive integer, got {type(value).__name__} {value!r:.40}"
+        ) from None
     if n < 1:
         raise InvalidArgumentError(f"{what} must be at least 1, got {n}")
     return n

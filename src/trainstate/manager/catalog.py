@@ -92,10 +92,15 @@ class Catalog:
         metrics = facts.get("metrics")
         epoch = facts.get("epoch")
         info = CheckpointInfo(
-            name=name, step=step, created=m.created,
+            name=name,
+            step=step,
+            created=m.created,
             metrics={k: v for k, v in metrics.items() if isinstance(k, str)} if isinstance(metrics, dict) else {},
-            epoch=epoch if type(epoch) is int else None, pinned=pin is not None, pin_reason=pin or "",
-            nbytes=sum(f.size for f in m.files), seq=seq if type(seq) is int and seq >= 0 else None,
+            epoch=epoch if type(epoch) is int else None,
+            pinned=pin is not None,
+            pin_reason=pin or "",
+            nbytes=sum(f.size for f in m.files),
+            seq=seq if type(seq) is int and seq >= 0 else None,
         )
         self._cache[name] = (stamp.mtime, stamp.size, info)
         return info
@@ -203,8 +208,10 @@ class Catalog:
             if is_staging_name(name):
                 if ".old-" in name and self.storage.recover(self.path(name[1:].split(".old-")[0])):
                     continue
-            elif naming.step_of(name) is None or self.storage.stat(
-                    self.storage.join(self.path(name), MANIFEST_NAME)) is not None:
+            elif (
+                naming.step_of(name) is None
+                or self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME)) is not None
+            ):
                 continue
             if not local and self.storage.age(self.path(name)) < REMOTE_SWEEP_AGE:
                 continue
@@ -221,8 +228,9 @@ def _with_pin(info: CheckpointInfo, reason: str | None) -> CheckpointInfo:
     return replace(info, pinned=reason is not None, pin_reason=reason or "")
 
 
-def facts(step: int, epoch: int | None, metrics: dict[str, Any] | None, reason: str, now: float,
-          seq: int) -> dict[str, Any]:
+def facts(
+    step: int, epoch: int | None, metrics: dict[str, Any] | None, reason: str, now: float, seq: int
+) -> dict[str, Any]:
     """What the manager records in each checkpoint's metadata (``seq`` orders commits; ``time`` is display)."""
     return {"step": step, "epoch": epoch, "metrics": dict(metrics or {}), "reason": reason, "time": now, "seq": seq}
 

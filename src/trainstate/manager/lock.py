@@ -58,8 +58,7 @@ class DirectoryLock:
             os.close(fd)
             if not report:
                 return False
-            same = (" (this process: call close() on the other manager, or del it)" if holder == str(os.getpid())
-                    else "")
+            same = " (this process: call close() on the other manager, or del it)" if holder == str(os.getpid()) else ""
             raise CheckpointError(
                 f"another CheckpointManager (pid {holder}){same} is using {self._path.parent}; close it first"
             ) from None

@@ -166,17 +166,28 @@ class CheckpointManager:
             keep.append(KeepBest(*arguments.keep_best(keep_best)))
         max_in_flight = arguments.positive_int(max_in_flight, "max_in_flight")
         threads = arguments.positive_int(threads, "threads")
-        if staging_budget_bytes is not None and (isinstance(staging_budget_bytes, bool) or
-                                                 not isinstance(staging_budget_bytes, int) or staging_budget_bytes < 0):
+        if staging_budget_bytes is not None and (
+            isinstance(staging_budget_bytes, bool)
+            or not isinstance(staging_budget_bytes, int)
+            or staging_budget_bytes < 0
+        ):
             raise InvalidArgumentError(f"staging_budget_bytes must be a non-negative int, got {staging_budget_bytes!r}")
         for name in preemption_signals:
             if not isinstance(name, str) or not name.startswith("SIG"):
                 raise InvalidArgumentError(f"preemption_signals takes names like 'SIGTERM', got {name!r}")
         storage_, root = resolve(directory, storage)
         self._config = _Config(
-            directory=root, storage=storage_, save_policies=tuple(save_list), retention=tuple(keep),
-            async_save=bool(async_save), max_in_flight=max_in_flight, staging_budget_bytes=staging_budget_bytes,
-            capture_rng=bool(capture_rng), fsync=bool(fsync), threads=threads, metadata=dict(metadata or {}),
+            directory=root,
+            storage=storage_,
+            save_policies=tuple(save_list),
+            retention=tuple(keep),
+            async_save=bool(async_save),
+            max_in_flight=max_in_flight,
+            staging_budget_bytes=staging_budget_bytes,
+            capture_rng=bool(capture_rng),
+            fsync=bool(fsync),
+            threads=threads,
+            metadata=dict(metadata or {}),
             read_only=bool(read_only),
         )
         self.catalog = Catalog(storage_, root)
@@ -219,7 +230,8 @@ class CheckpointManager:
         if name in _Config.__dataclass_fields__ and "_config" in self.__dict__:
             raise InvalidArgumentError(
                 f"CheckpointManager.{name} is fixed when the manager is built; create a new manager "
-                f"with {name}={value!r:.40} (close() this one first)")
+                f"with {name}={value!r:.40} (close() this one first)"
+            )
         super().__setattr__(name, value)
 
     directory = property(lambda self: self._config.directory, doc="Where the checkpoints go.")
@@ -249,7 +261,8 @@ class CheckpointManager:
             name, why = next(iter(self.catalog.newer.items()))
             raise FormatVersionError(
                 f"{self.catalog.path(name)} was written by a newer trainstate ({why}). Resuming from an older "
-                "checkpoint would save over it: upgrade trainstate to continue this run.")
+                "checkpoint would save over it: upgrade trainstate to continue this run."
+            )
         return items
 
     def latest(self) -> CheckpointInfo | None:
@@ -310,8 +323,11 @@ class CheckpointManager:
             except (StateMismatchError, FormatVersionError, InvalidArgumentError):
                 raise
             except CheckpointError as e:
-                log.warning("checkpoint %s cannot be restored (%s); trying the one before it", info.name,
-                            " ".join(str(e).split())[:300])
+                log.warning(
+                    "checkpoint %s cannot be restored (%s); trying the one before it",
+                    info.name,
+                    " ".join(str(e).split())[:300],
+                )
                 failures.append((info.name, " ".join(str(e).split())[:300]))
                 continue
             log.info("resumed from %s", info.name)
@@ -323,7 +339,8 @@ class CheckpointManager:
             raise CorruptCheckpointError(
                 f"none of the {len(failures)} checkpoint(s) in {self.directory} could be restored:\n{lines}\n"
                 "The state may be partly overwritten by the attempts; do not train from it. Restore a copy, "
-                "or move the damaged checkpoints away to start over.")
+                "or move the damaged checkpoints away to start over."
+            )
         self.prepare(state)
         return None
 
@@ -336,8 +353,9 @@ class CheckpointManager:
         if not self.async_save or self.read_only or self._buffers[0].capacity:
             return
         snapshot = encode_state(self._with_rng(state))  # cheap: no array is copied
-        threading.Thread(target=self._buffers[0].reserve, args=(snapshot,), name="trainstate-reserve",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._buffers[0].reserve, args=(snapshot,), name="trainstate-reserve", daemon=True
+        ).start()
 
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
         """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`)."""
@@ -346,8 +364,7 @@ class CheckpointManager:
     def _restore_into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
         """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state."""
         target = self._with_rng(state)
-        load_from(path, target, storage=self.storage, optional=(RNG_KEY,) if target is not state else (),
-                  **load_kwargs)
+        load_from(path, target, storage=self.storage, optional=(RNG_KEY,) if target is not state else (), **load_kwargs)
         if target is not state:
             state.update((k, v) for k, v in target.items() if k != RNG_KEY)
         return state
@@ -359,13 +376,22 @@ class CheckpointManager:
         if RNG_KEY in state:
             raise InvalidArgumentError(
                 f"the state has a key {RNG_KEY!r}, where CheckpointManager(capture_rng=True) keeps the RNG it "
-                f"captures; rename your key, put a trainstate.RNGState() in the state, or pass capture_rng=False")
+                f"captures; rename your key, put a trainstate.RNGState() in the state, or pass capture_rng=False"
+            )
         return {**state, RNG_KEY: self._rng}
 
     # -- save ---------------------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, *, metrics: dict[str, float] | None = None, epoch: int | None = None,
-             force: bool = False, metadata: dict[str, Any] | None = None) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, float] | None = None,
+        epoch: int | None = None,
+        force: bool = False,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
         """Save ``state`` as step ``step`` if a policy says so (or ``force``); returns whether it did.
 
         ``step``, ``epoch`` and metric values may be NumPy scalars or one-element tensors.
@@ -390,7 +416,8 @@ class CheckpointManager:
             return False
         if self.catalog.is_pinned(naming.name_for(step)):
             raise CheckpointExistsError(
-                f"step {step} is pinned in {self.directory}; unpin it (mgr.unpin({step})) to save over it")
+                f"step {step} is pinned in {self.directory}; unpin it (mgr.unpin({step})) to save over it"
+            )
         self._save(step, state, reason, values, epoch, metadata, background=self.async_save and not preempting)
         if preempting:
             self._preemption_saved = True
@@ -398,8 +425,16 @@ class CheckpointManager:
                 _raise(stale)
         return True
 
-    def _save(self, step: int, state: Any, reason: str, metrics: dict[str, float], epoch: int | None,
-              metadata: dict[str, Any] | None, background: bool) -> None:
+    def _save(
+        self,
+        step: int,
+        state: Any,
+        reason: str,
+        metrics: dict[str, float],
+        epoch: int | None,
+        metadata: dict[str, Any] | None,
+        background: bool,
+    ) -> None:
         start = time.perf_counter()
         if background:
             buffer = self._free_buffer()  # waits for an in-flight save if all buffers are busy
@@ -407,12 +442,19 @@ class CheckpointManager:
         else:
             self._collect(block=True)  # one writer at a time: retention never races itself
         self._seq = max(self._seq, self.catalog.next_seq() - 1) + 1
-        meta = {**self._config.metadata, **(metadata or {}),
-                META_KEY: facts(step, epoch, metrics, reason, time.time(), self._seq)}
+        meta = {
+            **self._config.metadata,
+            **(metadata or {}),
+            META_KEY: facts(step, epoch, metrics, reason, time.time(), self._seq),
+        }
         snapshot = encode_state(self._with_rng(state), meta)
         if background and self.staging_budget_bytes is not None and snapshot.nbytes > self.staging_budget_bytes:
-            log.warning("step %d: state is %d bytes, over the staging budget of %d; saving synchronously",
-                        step, snapshot.nbytes, self.staging_budget_bytes)
+            log.warning(
+                "step %d: state is %d bytes, over the staging budget of %d; saving synchronously",
+                step,
+                snapshot.nbytes,
+                self.staging_budget_bytes,
+            )
             background = False
             self._collect(block=True)
             self._raise_pending()
@@ -431,18 +473,42 @@ class CheckpointManager:
         self._last_step, self._last_save_time = step, time.monotonic()  # taken back if the write fails
         log.debug("step %d: async save started, blocked %.3fs", step, blocking)
 
-    def _write(self, step: int, reason: str, snapshot: Snapshot, background: bool,
-               blocking_start: float | None, blocking: float = 0.0) -> SaveRecord:
-        result = write_checkpoint(self.path_for(step), snapshot, storage=self.storage, overwrite=True,
-                                  fsync=self.fsync, threads=self.threads)
+    def _write(
+        self,
+        step: int,
+        reason: str,
+        snapshot: Snapshot,
+        background: bool,
+        blocking_start: float | None,
+        blocking: float = 0.0,
+    ) -> SaveRecord:
+        result = write_checkpoint(
+            self.path_for(step), snapshot, storage=self.storage, overwrite=True, fsync=self.fsync, threads=self.threads
+        )
         deleted = self._apply_retention()
         if blocking_start is not None:
             blocking = time.perf_counter() - blocking_start
-        log.info("saved step %d (%s): %.1f MB, blocked %.3fs, wrote %.3fs, committed %.3fs%s", step, reason,
-                 result.nbytes / 1e6, blocking, result.write_seconds, result.commit_seconds,
-                 f", deleted {list(deleted)}" if deleted else "")
-        return SaveRecord(step, reason, result.path, background, blocking, result.write_seconds,
-                          result.commit_seconds, result.nbytes, deleted)
+        log.info(
+            "saved step %d (%s): %.1f MB, blocked %.3fs, wrote %.3fs, committed %.3fs%s",
+            step,
+            reason,
+            result.nbytes / 1e6,
+            blocking,
+            result.write_seconds,
+            result.commit_seconds,
+            f", deleted {list(deleted)}" if deleted else "",
+        )
+        return SaveRecord(
+            step,
+            reason,
+            result.path,
+            background,
+            blocking,
+            result.write_seconds,
+            result.commit_seconds,
+            result.nbytes,
+            deleted,
+        )
 
     def prune(self, *, dry_run: bool = False) -> RetentionPlan:
         """Apply the retention policies now (without saving); returns what was kept and deleted, and why.
@@ -488,8 +554,11 @@ class CheckpointManager:
                     self._error = self._error or error
                     if self._last_step == job.step:  # the step is not saved: a later save(step) must write it
                         self._last_step, self._last_save_time = job.previous
-                    self._history.append(SaveRecord(job.step, job.reason, str(self.path_for(job.step)), True,
-                                                    job.blocking, error=repr(error)))
+                    self._history.append(
+                        SaveRecord(
+                            job.step, job.reason, str(self.path_for(job.step)), True, job.blocking, error=repr(error)
+                        )
+                    )
                 else:
                     self._history.append(job.future.result())
             else:
@@ -557,8 +626,9 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 
@@ -578,8 +648,7 @@ class _Config:
     read_only: bool
 
 
-def _release(lock: DirectoryLock | None, preemption: PreemptionWatcher | None,
-             pool: ThreadPoolExecutor | None) -> None:
+def _release(lock: DirectoryLock | None, preemption: PreemptionWatcher | None, pool: ThreadPoolExecutor | None) -> None:
     """Give back what a manager holds; also its finalizer, so it must not refer to the manager."""
     if pool is not None:
         pool.shutdown(wait=True)

@@ -141,8 +141,9 @@ class KeepBest:
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
         scored = [c for c in checkpoints if finite(c.metrics.get(self.metric))]
         scored.sort(key=lambda c: (c.metrics[self.metric] if self.mode == "min" else -c.metrics[self.metric], -c.step))
-        return {c.name: (f"best {self.k} {self.metric} ({self.mode})" if i < self.k else None)
-                for i, c in enumerate(scored)}
+        return {
+            c.name: (f"best {self.k} {self.metric} ({self.mode})" if i < self.k else None) for i, c in enumerate(scored)
+        }
 
 
 def finite(value: object) -> bool:

@@ -29,7 +29,7 @@ def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> tup
     if storage is not None:
         return storage, storage.strip(text)
     if text.startswith("file://"):
-        return _LOCAL, text[len("file://"):]
+        return _LOCAL, text[len("file://") :]
     if "://" in text:
         protocol = text.split("://", 1)[0]
         if protocol not in _REMOTE:

@@ -61,8 +61,9 @@ class FsspecStorage(Storage):
     in_place = True  # data files are written into the final location, under unique names
     target_file_bytes = 64 << 20  # the saver cuts state into files of about this size, uploaded in parallel
 
-    def __init__(self, fs: Any, *, part_size: int = 16 << 20, read_parallelism: int = 8, retries: int = 4,
-                 backoff: float = 0.2) -> None:
+    def __init__(
+        self, fs: Any, *, part_size: int = 16 << 20, read_parallelism: int = 8, retries: int = 4, backoff: float = 0.2
+    ) -> None:
         self.fs = fs
         self.part_size = part_size
         self.read_parallelism = max(1, read_parallelism)
@@ -80,7 +81,8 @@ class FsspecStorage(Storage):
         except ImportError as e:  # fsspec's message names the package; the s3 extra covers only S3
             raise MissingDependencyError(
                 f"{protocol}:// needs an fsspec backend that is not installed ({e}); for S3: pip install "
-                '"trainstate[s3]"') from e
+                '"trainstate[s3]"'
+            ) from e
         except ValueError as e:
             raise StorageError(errno.EINVAL, f"unknown storage protocol {protocol!r}: {e}") from e
         return cls(fs)
@@ -150,8 +152,7 @@ class FsspecStorage(Storage):
                 return None
             raise
         is_dir = info.get("type") == "directory"
-        return FileInfo(int(info.get("size") or 0), is_dir, info.get("type") in ("file", "directory"),
-                        _mtime(info))
+        return FileInfo(int(info.get("size") or 0), is_dir, info.get("type") in ("file", "directory"), _mtime(info))
 
     def list(self, path: str) -> list[str]:
         try:
@@ -176,7 +177,8 @@ class FsspecStorage(Storage):
         if self.stat(posixpath.join(final, MANIFEST_NAME)) is not None:
             if not overwrite:
                 raise CheckpointExistsError(
-                    f"a checkpoint already exists at {final}; pass overwrite=True to replace it")
+                    f"a checkpoint already exists at {final}; pass overwrite=True to replace it"
+                )
         elif any(not _is_data_file(n) for n in self.list(final)):
             raise CheckpointExistsError(f"{final} holds objects that are not a trainstate checkpoint; refusing")
         return final

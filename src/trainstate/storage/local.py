@@ -173,7 +173,7 @@ class LocalStorage(Storage):
         return False
 
     def strip(self, url: str) -> str:
-        return url[len("file://"):] if url.startswith("file://") else url
+        return url[len("file://") :] if url.startswith("file://") else url
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
@@ -259,7 +259,9 @@ class LocalStorage(Storage):
         if (final / MANIFEST_NAME).exists():
             if not overwrite:
                 raise CheckpointExistsError(
-                    f"a checkpoint already exists at {final}; pass overwrite=True to replace it")
+                    f"a checkpoint already exists at {final}; pass overwrite=True to replace it"
+                )
         elif any(final.iterdir()):
             raise CheckpointExistsError(
-                f"{final} is a non-empty directory without a trainstate manifest; refusing to replace it")
+                f"{final} is a non-empty directory without a trainstate manifest; refusing to replace it"
+            )
