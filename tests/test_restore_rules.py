@@ -81,3 +81,22 @@ def test_a_stateful_chain_counts_levels_like_containers(tmp_path):
         value = Wrap(value)
     with pytest.raises(trainstate.UnsupportedValueError, match="deeper"):
         trainstate.save(tmp_path / "c", value)
+
+
+def test_include_that_matches_nothing_says_so(tmp_path):
+    trainstate.save(tmp_path / "c", {"model": {"w": np.ones(3)}, "step": 1})
+    for patterns in ("model", "nomatch.*", ["x", "y"]):
+        with pytest.raises(trainstate.InvalidArgumentError, match="matches no key"):
+            trainstate.load(tmp_path / "c", include=patterns)
+    with pytest.raises(trainstate.InvalidArgumentError, match="glob pattern"):
+        trainstate.load(tmp_path / "c", include=3)
+    assert trainstate.load(tmp_path / "c", exclude="*") == {}
+
+
+def test_reading_an_unknown_tensor_is_a_checkpoint_error_and_a_key_error(tmp_path):
+    trainstate.save(tmp_path / "c", {"model": {"weight": np.ones(3)}})
+    with trainstate.open(tmp_path / "c") as ck:
+        with pytest.raises(trainstate.UnknownKeyError, match="model.weight"):
+            ck.read("model.weight2")
+        with pytest.raises(KeyError):
+            ck.info("nope")

@@ -164,3 +164,9 @@ def test_seed_per_sample_refuses_what_it_cannot_make_exact():
             trainstate.seed_per_sample(
                 StatefulDataLoader(Noisy(), batch_size=2, num_workers=1, persistent_workers=True)
             )
+
+
+def test_saving_a_sampler_before_attach_is_a_checkpoint_error(tmp_path):
+    sampler = trainstate.ResumableSampler(10)
+    with pytest.raises(trainstate.CheckpointError, match="attach"):
+        trainstate.save(tmp_path / "c", {"sampler": sampler})

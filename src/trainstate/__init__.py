@@ -21,6 +21,7 @@ from .errors import (
     MissingDependencyError,
     StateMismatchError,
     StorageError,
+    UnknownKeyError,
     UnsupportedValueError,
 )
 from .format.manifest import FORMAT_VERSION
@@ -73,6 +74,7 @@ __all__ = [
     "Stateful",
     "StorageError",
     "TensorInfo",
+    "UnknownKeyError",
     "UnsupportedValueError",
     "__version__",
     "check_storage",

@@ -106,7 +106,10 @@ class ResumableSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         if self._loader is None:
-            raise RuntimeError("call sampler.attach(loader) so the sampler can count consumed batches")
+            raise CheckpointError(
+                "ResumableSampler: call loader = sampler.attach(DataLoader(...)) before saving it, so it can count "
+                "the batches the loop consumed"
+            )
         state: dict[str, Any] = {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed}
         if self._loader_rng is not None and self.consumed:
             state["loader_rng"] = self._loader_rng

@@ -14,6 +14,7 @@ fit — comes out as one of these, never as a traceback from deep inside a depen
     ├── StorageError                 (also OSError) disk full, I/O error, permission denied
     ├── MissingDependencyError       (also ImportError) an optional extra is not installed
     └── InvalidArgumentError         (also ValueError and TypeError) a call's argument is wrong
+        └── UnknownKeyError          (also KeyError) no tensor of that name in the checkpoint
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "MissingDependencyError",
     "StateMismatchError",
     "StorageError",
+    "UnknownKeyError",
     "UnsupportedValueError",
 ]
 
@@ -110,6 +112,13 @@ class InvalidArgumentError(CheckpointError, ValueError, TypeError):
 
     Also a ``ValueError`` and a ``TypeError``, so code written against the built-in errors still catches it.
     """
+
+
+class UnknownKeyError(InvalidArgumentError, KeyError):
+    """``ck.read(name)`` or ``ck.info(name)`` for a name the checkpoint does not hold (also a ``KeyError``)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 _TENSOR = re.compile(r"^tensor (\w+)(\[.*\])$")  # how restore describes a tensor: "tensor F32[3, 4]"

@@ -10,6 +10,7 @@ data file truncated while the checkpoint is open is a CorruptCheckpointError, no
 
 from __future__ import annotations
 
+import difflib
 import errno
 import math
 import mmap
@@ -29,6 +30,7 @@ from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     StorageError,
+    UnknownKeyError,
 )
 from .format import checksum, datafile, dtypes, manifest
 from .frameworks import adapter_named, numpy_adapter
@@ -221,7 +223,9 @@ class Checkpoint:
         try:
             return self.manifest.tensors[name]
         except KeyError:
-            raise KeyError(f"no tensor {name!r} in {self.path}") from None
+            close = difflib.get_close_matches(str(name), list(self.manifest.tensors), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else "; ck.keys() lists them"
+            raise UnknownKeyError(f"no tensor {name!r:.80} in {self.path}{hint}") from None
 
     def _file(self, name: str) -> str:
         return self.storage.join(self.path, name)

@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from . import tree
-from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+from .errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 from .frameworks import adapter_for, adapter_named
 from .reader import Checkpoint
 from .storage import Storage
@@ -38,8 +38,7 @@ RESERVED_RNG_KEY = "_rng"  # where CheckpointManager(capture_rng=True) puts the 
 
 def selector(include: str | list[str] | None, exclude: str | list[str] | None) -> Callable[[str], bool] | None:
     """A predicate over dotted keys from glob patterns (``"model.*"``), or None when everything is selected."""
-    inc = [include] if isinstance(include, str) else list(include or [])
-    exc = [exclude] if isinstance(exclude, str) else list(exclude or [])
+    inc, exc = _patterns(include, "include"), _patterns(exclude, "exclude")
     if not inc and not exc:
         return None
 
@@ -49,6 +48,16 @@ def selector(include: str | list[str] | None, exclude: str | list[str] | None) -
         return not any(fnmatch.fnmatchcase(key, p) for p in exc)
 
     return selected
+
+
+def _patterns(value: Any, what: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
+        return list(value)
+    raise InvalidArgumentError(f'{what} takes a glob pattern or a list of them ("model.*"), got {value!r:.60}')
 
 
 def _is_module(obj: Any) -> bool:
@@ -338,10 +347,18 @@ def restore(
     ``include`` / ``exclude`` the same way.
     """
     r = Restorer(ck, strict=strict, selected=selector(include, exclude), framework=framework, optional=optional)
+    if include is not None and r.partial and not r._any_selected(ck.manifest.tree, ()):
+        keys = r._leaves(ck.manifest.tree, ())
+        raise InvalidArgumentError(
+            f"include={include!r:.60} matches no key of the checkpoint (keys look like {keys[:3]}); patterns "
+            "match whole dotted keys: 'model.*' selects everything under 'model'"
+        )
     finish = r.plan(target, ck.manifest.tree, (), free=False)
     r.check()
     r.read(verify=verify, threads=threads)
     result = finish()
+    if result is _ABSENT:  # every key excluded
+        return {}
     if target is not _ABSENT and "torch.utils.data" in sys.modules:
         from .data import arm_exact_resume
 

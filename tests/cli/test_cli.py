@@ -351,3 +351,13 @@ def test_ls_marks_a_checkpoint_from_a_newer_trainstate(tmp_path):
     reseal_manifest(tmp_path / "step_00000002", lambda b: b.update(format_version="2.0"))
     assert "newer format" in cli("ls", str(tmp_path)).stdout
     cli("inspect", str(tmp_path / "step_00000002"), code=5)
+
+
+def test_diff_does_not_call_a_checkpoint_with_a_damaged_header_identical(tmp_path):
+    trainstate.save(tmp_path / "a", {"x": np.arange(3)})
+    trainstate.save(tmp_path / "b", {"x": np.arange(3)})
+    data = next((tmp_path / "b").glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0x01  # inside the safetensors header
+    data.write_bytes(bytes(raw))
+    cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), code=5)

@@ -158,3 +158,91 @@ def test_the_first_ctrl_c_saves_and_sets_preempted(tmp_path):
         time.sleep(0.05)
         assert mgr.save(3, {"w": torch.ones(2)}) and mgr.preempted
     assert (tmp_path / "step_00000003" / "manifest.json").exists()
+
+
+_RETRY_SCRIPT = textwrap.dedent("""
+    import sys, torch, trainstate
+
+    def train(attempt):
+        mgr = trainstate.CheckpointManager(sys.argv[1], every_steps=10, async_save=True)
+        state = {"w": torch.zeros(2_000_000)}
+        start = mgr.restore_latest(state) or 0
+        for step in range(start, 60):
+            state["w"].add_(1)
+            mgr.save(step, state)
+            if attempt == 0 and step == 50:
+                raise RuntimeError("transient failure")   # the manager is dropped with a save in flight
+        mgr.close()
+        return start
+
+    try:
+        train(0)
+    except RuntimeError:
+        pass
+    print("resumed at", train(1), flush=True)
+""")
+
+
+def test_a_manager_dropped_with_an_async_save_in_flight_lets_a_retry_start(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", _RETRY_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "resumed at 51", out.stdout + out.stderr
+    assert "Exception ignored" not in out.stderr, out.stderr
+
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import sys, torch, trainstate
+    mgr = trainstate.CheckpointManager(sys.argv[1], every_steps=1, async_save=True)
+    mgr.save(1, {"w": torch.ones(4_000_000)})
+    # the script ends here, without close(): the save it was told had started must still commit
+""")
+
+
+def test_an_async_save_in_flight_at_exit_still_commits(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "step_00000001" / "manifest.json").exists(), out.stderr
+
+
+def test_close_with_a_final_step_never_silently_does_nothing(tmp_path):
+    mgr = trainstate.CheckpointManager(tmp_path)
+    with pytest.raises(trainstate.InvalidArgumentError, match="both"):
+        mgr.close(7)
+    mgr.close()
+    with pytest.raises(trainstate.CheckpointError, match="closed"):
+        mgr.close(8, {"w": torch.ones(2)})
+
+
+def test_settings_cannot_be_set_on_a_built_manager(tmp_path):
+    with trainstate.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(trainstate.InvalidArgumentError, match="keep_last"):
+            mgr.keep_last = 5  # not a setting of a built manager: silently ignored before
+
+
+@pytest.mark.parametrize("kwargs", [{"async_save": "yes"}, {"fsync": 1}])
+def test_flags_must_be_booleans(tmp_path, kwargs):
+    with pytest.raises(trainstate.InvalidArgumentError):
+        trainstate.CheckpointManager(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("directory", [None, "", 123])
+def test_a_bad_directory_is_an_argument_error(directory):
+    with pytest.raises(trainstate.InvalidArgumentError):
+        trainstate.CheckpointManager(directory)
+
+
+def test_forked_children_do_not_act_on_the_managers_signal_handler(tmp_path):
+    with trainstate.CheckpointManager(tmp_path):
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker, say: Ctrl-C to the group reaches it too
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+                os._exit(1)  # the manager's handler swallowed it
+            except KeyboardInterrupt:
+                os._exit(0)  # as if no manager existed
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from ..errors import InvalidArgumentError
 
@@ -96,3 +99,19 @@ def keep_best(value: Any) -> tuple[str, str, int]:
         raise InvalidArgumentError(f"keep_best mode must be 'min' or 'max', got {mode!r:.40}")
     k = positive_int(value[2], "keep_best k") if len(value) == 3 else 1
     return metric, mode, k
+
+
+def flag(value: Any, what: str) -> bool:
+    """A real bool (or NumPy bool): ``async_save="yes"`` is a mistake, not a truthy string."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise InvalidArgumentError(f"{what} must be True or False, got {type(value).__name__} {value!r:.40}")
+
+
+def location(value: Any) -> str | os.PathLike[str]:
+    """A checkpoint directory: a non-empty path or URL."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgumentError(f"the directory must be a non-empty path or URL, got {value!r:.60}")
+    return value

@@ -175,7 +175,15 @@ class CheckpointManager:
         for name in preemption_signals:
             if not isinstance(name, str) or not name.startswith("SIG"):
                 raise InvalidArgumentError(f"preemption_signals takes names like 'SIGTERM', got {name!r}")
-        storage_, root = resolve(directory, storage)
+        for name, value in (
+            ("async_save", async_save),
+            ("capture_rng", capture_rng),
+            ("fsync", fsync),
+            ("read_only", read_only),
+            ("save_on_preemption", save_on_preemption),
+        ):
+            arguments.flag(value, name)
+        storage_, root = resolve(arguments.location(directory), storage)
         self._config = _Config(
             directory=root,
             storage=storage_,
@@ -200,7 +208,7 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()  # a clock that never steps back
         self._last_step: int | None = None
         self._seq = 0  # the highest commit sequence number this manager has handed out
-        self.last_retention: RetentionPlan | None = None
+        self._committer = _Committer(self.catalog, self._config)
         self.swept: builtins.list[str] = []
         self._lock: DirectoryLock | None = None
         self._preemption: PreemptionWatcher | None = None
@@ -219,18 +227,24 @@ class CheckpointManager:
                 self._buffers = [StagingBuffer() for _ in range(max_in_flight)]
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-async")
         except BaseException:
-            _release(self._lock, self._preemption, self._pool)
+            _release(self._lock, self._preemption, self._pool, [])
             raise
         # Dropped without close() (a notebook cell run again): let go of the lock and the signal handlers.
-        self._finalizer = weakref.finalize(self, _release, self._lock, self._preemption, self._pool)
+        _LIVE.add(self)
+        self._finalizer = weakref.finalize(self, _release, self._lock, self._preemption, self._pool, self._in_flight)
 
     # -- configuration (fixed at construction) ----------------------------------------------------
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _Config.__dataclass_fields__ and "_config" in self.__dict__:
+        if "_finalizer" in self.__dict__ and not name.startswith("_") and name not in self.__dict__:
+            if name in _Config.__dataclass_fields__:
+                raise InvalidArgumentError(
+                    f"CheckpointManager.{name} is fixed when the manager is built; create a new manager "
+                    f"with {name}={value!r:.40} (close() this one first)"
+                )
             raise InvalidArgumentError(
-                f"CheckpointManager.{name} is fixed when the manager is built; create a new manager "
-                f"with {name}={value!r:.40} (close() this one first)"
+                f"CheckpointManager has no setting {name!r} to change: settings are arguments of the "
+                "constructor and fixed once it is built"
             )
         super().__setattr__(name, value)
 
@@ -256,14 +270,12 @@ class CheckpointManager:
             FormatVersionError: a checkpoint here was written by a newer trainstate (a read-only manager
                 lists the others instead).
         """
-        items = self.catalog.list()
-        if self.catalog.newer and not self.read_only:
-            name, why = next(iter(self.catalog.newer.items()))
-            raise FormatVersionError(
-                f"{self.catalog.path(name)} was written by a newer trainstate ({why}). Resuming from an older "
-                "checkpoint would save over it: upgrade trainstate to continue this run."
-            )
-        return items
+        return self._committer.list()
+
+    @property
+    def last_retention(self) -> RetentionPlan | None:
+        """What the latest retention pass kept and deleted, and why."""
+        return self._committer.last_retention
 
     def latest(self) -> CheckpointInfo | None:
         """The most recently committed checkpoint (after a rollback: the new timeline's, not a higher step)."""
@@ -323,12 +335,9 @@ class CheckpointManager:
             except (StateMismatchError, FormatVersionError, InvalidArgumentError):
                 raise
             except CheckpointError as e:
-                log.warning(
-                    "checkpoint %s cannot be restored (%s); trying the one before it",
-                    info.name,
-                    " ".join(str(e).split())[:300],
-                )
-                failures.append((info.name, " ".join(str(e).split())[:300]))
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__  # the first line says what failed
+                log.warning("checkpoint %s cannot be restored (%s); trying the one before it", info.name, why)
+                failures.append((info.name, why))
                 continue
             log.info("resumed from %s", info.name)
             self._last_step = info.step
@@ -400,6 +409,7 @@ class CheckpointManager:
         """
         self._check_open()
         step = arguments.step(step)
+        force = arguments.flag(force, "force")
         epoch = None if epoch is None else arguments.step(epoch, "epoch")
         values = arguments.metrics(metrics)
         preempting = self._preemption is not None and self._preemption.requested and not self._preemption_saved
@@ -460,7 +470,7 @@ class CheckpointManager:
             self._raise_pending()
         previous = (self._last_step, self._last_save_time)
         if not background:
-            record = self._write(step, reason, snapshot, background=False, blocking_start=start)
+            record = self._committer.write(step, reason, snapshot, background=False, blocking_start=start)
             self._history.append(record)  # only now is the step saved: a failed save leaves it unsaved
             self._last_step, self._last_save_time = step, time.monotonic()
             return
@@ -468,47 +478,12 @@ class CheckpointManager:
         blocking = time.perf_counter() - start
         assert self._pool is not None
         buffer.in_use.set()
-        future = self._pool.submit(self._write, step, reason, staged, True, None, blocking)
+        # the background job holds the committer, never the manager: a manager dropped with a save in
+        # flight is collected at once, and its finalizer waits for the save before letting go of the lock
+        future = self._pool.submit(self._committer.write, step, reason, staged, True, None, blocking)
         self._in_flight.append(_InFlight(future, buffer, step, reason, blocking, previous))
         self._last_step, self._last_save_time = step, time.monotonic()  # taken back if the write fails
         log.debug("step %d: async save started, blocked %.3fs", step, blocking)
-
-    def _write(
-        self,
-        step: int,
-        reason: str,
-        snapshot: Snapshot,
-        background: bool,
-        blocking_start: float | None,
-        blocking: float = 0.0,
-    ) -> SaveRecord:
-        result = write_checkpoint(
-            self.path_for(step), snapshot, storage=self.storage, overwrite=True, fsync=self.fsync, threads=self.threads
-        )
-        deleted = self._apply_retention()
-        if blocking_start is not None:
-            blocking = time.perf_counter() - blocking_start
-        log.info(
-            "saved step %d (%s): %.1f MB, blocked %.3fs, wrote %.3fs, committed %.3fs%s",
-            step,
-            reason,
-            result.nbytes / 1e6,
-            blocking,
-            result.write_seconds,
-            result.commit_seconds,
-            f", deleted {list(deleted)}" if deleted else "",
-        )
-        return SaveRecord(
-            step,
-            reason,
-            result.path,
-            background,
-            blocking,
-            result.write_seconds,
-            result.commit_seconds,
-            result.nbytes,
-            deleted,
-        )
 
     def prune(self, *, dry_run: bool = False) -> RetentionPlan:
         """Apply the retention policies now (without saving); returns what was kept and deleted, and why.
@@ -519,15 +494,9 @@ class CheckpointManager:
             return plan_retention(self.list(), self.retention)
         self._check_open()
         self._collect(block=True)
-        self._apply_retention()
+        self._committer.apply_retention()
         assert self.last_retention is not None
         return self.last_retention
-
-    def _apply_retention(self) -> tuple[str, ...]:
-        plan = plan_retention(self.list(), self.retention)
-        deleted = tuple(name for name in plan.delete if self.catalog.delete(name))  # a pin found late wins
-        self.last_retention = RetentionPlan(plan.keep, list(deleted)) if deleted != tuple(plan.delete) else plan
-        return deleted
 
     def _free_buffer(self) -> StagingBuffer:
         while len(self._in_flight) >= self.max_in_flight:
@@ -563,7 +532,7 @@ class CheckpointManager:
                     self._history.append(job.future.result())
             else:
                 still.append(job)
-        self._in_flight = still
+        self._in_flight[:] = still  # in place: the finalizer holds this list
 
     def _take_error(self) -> BaseException | None:
         self._collect(block=False)
@@ -600,7 +569,13 @@ class CheckpointManager:
         The final checkpoint is written even if an earlier background save failed; that error is raised
         afterwards. A failed final save raises its own error.
         """
+        if (step is None) != (state is None):
+            raise InvalidArgumentError(
+                "close(step, state) saves a final checkpoint and needs both; close() alone waits"
+            )
         if self._closed:
+            if state is not None:
+                raise CheckpointError("this CheckpointManager is closed: the final checkpoint was not saved")
             return
         try:
             if state is not None and step is not None:
@@ -648,14 +623,111 @@ class _Config:
     read_only: bool
 
 
-def _release(lock: DirectoryLock | None, preemption: PreemptionWatcher | None, pool: ThreadPoolExecutor | None) -> None:
-    """Give back what a manager holds; also its finalizer, so it must not refer to the manager."""
-    if pool is not None:
-        pool.shutdown(wait=True)
-    if preemption is not None:
-        preemption.close()
-    if lock is not None:
-        lock.release()
+_LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _finish_saves_at_exit() -> None:
+    """At interpreter exit, let async saves in flight commit (a script that ends right after ``save()``
+    must not lose that save). Runs before concurrent.futures stops accepting work, which the writers need."""
+    for mgr in list(_LIVE):
+        for job in list(mgr._in_flight):
+            try:
+                job.future.result()
+            except Exception as e:  # noqa: BLE001 - nobody is left to raise it to
+                log.error("the background save of step %d failed at exit: %r", job.step, e)
+
+
+if hasattr(threading, "_register_atexit"):  # runs before concurrent.futures' own exit hook (LIFO)
+    threading._register_atexit(_finish_saves_at_exit)
+
+
+def _release(
+    lock: DirectoryLock | None,
+    preemption: PreemptionWatcher | None,
+    pool: ThreadPoolExecutor | None,
+    in_flight: builtins.list[_InFlight],
+) -> None:
+    """Give back what a manager holds; also its finalizer, so it must not refer to the manager.
+
+    Saves still in flight finish first (their commits and retention run under the lock); an error one of
+    them met is logged, since nobody is left to raise it to.
+    """
+    try:
+        if preemption is not None:
+            preemption.close()
+        if pool is not None:
+            on_pool = threading.current_thread().name.startswith("trainstate-async")
+            pool.shutdown(wait=not on_pool)  # a collection on the pool's own thread cannot wait for itself
+        for job in in_flight:
+            error = job.future.exception() if job.future.done() else None
+            if error is not None:
+                log.error("the background save of step %d failed and nobody waited for it: %r", job.step, error)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class _Committer:
+    """Writes a snapshot, commits it and applies retention: the part of a save that may run in the
+    background. It holds the catalog and the settings, never the manager."""
+
+    def __init__(self, catalog: Catalog, config: _Config) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.last_retention: RetentionPlan | None = None
+
+    def list(self) -> builtins.list[CheckpointInfo]:
+        items = self.catalog.list()
+        if self.catalog.newer and not self.config.read_only:
+            name, why = next(iter(self.catalog.newer.items()))
+            raise FormatVersionError(
+                f"{self.catalog.path(name)} was written by a newer trainstate ({why}). Resuming from an older "
+                "checkpoint would save over it: upgrade trainstate to continue this run."
+            )
+        return items
+
+    def write(
+        self,
+        step: int,
+        reason: str,
+        snapshot: Snapshot,
+        background: bool,
+        blocking_start: float | None,
+        blocking: float = 0.0,
+    ) -> SaveRecord:
+        c = self.config
+        path = self.catalog.path(naming.name_for(step))
+        result = write_checkpoint(path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads)
+        deleted = self.apply_retention()
+        if blocking_start is not None:
+            blocking = time.perf_counter() - blocking_start
+        log.info(
+            "saved step %d (%s): %.1f MB, blocked %.3fs, wrote %.3fs, committed %.3fs%s",
+            step,
+            reason,
+            result.nbytes / 1e6,
+            blocking,
+            result.write_seconds,
+            result.commit_seconds,
+            f", deleted {list(deleted)}" if deleted else "",
+        )
+        return SaveRecord(
+            step,
+            reason,
+            result.path,
+            background,
+            blocking,
+            result.write_seconds,
+            result.commit_seconds,
+            result.nbytes,
+            deleted,
+        )
+
+    def apply_retention(self) -> tuple[str, ...]:
+        plan = plan_retention(self.list(), self.config.retention)
+        deleted = tuple(name for name in plan.delete if self.catalog.delete(name))  # a pin found late wins
+        self.last_retention = RetentionPlan(plan.keep, list(deleted)) if deleted != tuple(plan.delete) else plan
+        return deleted
 
 
 def _raise(error: BaseException) -> None:

@@ -8,7 +8,14 @@ What Ctrl-C does under a manager with ``save_on_preemption=True`` (the default):
 * a second SIGINT goes to the handler that was installed before the manager (normally it raises
   KeyboardInterrupt), also while the manager waits for an async save in flight: a user who really wants
   out is never stuck;
-* once the manager is closed — or dropped without ``close()`` — signals go to the previous handlers again.
+* once the manager is closed — or dropped without ``close()`` — signals go to the previous handlers again;
+* forked children (DataLoader workers) inherit the handler but do not act on it: there signals go to the
+  previous handlers, as if no manager existed.
+
+Sending SIGTERM to the whole process group (as some schedulers do) also reaches the DataLoader workers,
+which PyTorch's own worker handler ends at once: the training loop then fails on its next batch before it
+can call ``save()``. Signal the training process only (e.g. SLURM ``--signal=B:TERM@60`` with a batch
+script that forwards it to the trainer's pid), or send SIGUSR1 to the trainer.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import logging
 import os
 import signal
 import threading
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -24,12 +32,23 @@ log = logging.getLogger("trainstate")
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 
+_watchers: weakref.WeakSet[PreemptionWatcher] = weakref.WeakSet()
+
+
+def _not_in_child() -> None:
+    for watcher in list(_watchers):
+        watcher._closed = True
+
+
+os.register_at_fork(after_in_child=_not_in_child)
+
 
 class PreemptionWatcher:
     def __init__(self, signals: tuple[str, ...] = DEFAULT_SIGNALS) -> None:
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
         self._closed = False
+        _watchers.add(self)
         if threading.current_thread() is not threading.main_thread():
             log.warning("preemption signals can only be watched from the main thread; not watching")
             return
