@@ -149,7 +149,7 @@ def test_the_checks_catch_a_misbehaving_loader(harness, monkeypatch, kind):
 def test_base_checkpoint_reads_cleanly_and_runs_no_code(harness):
     outcome = harness.run_files(dict(harness.base.files))
     assert outcome.violations == []
-    assert {op: r for op, r in outcome.results.items() if r != "ok"} == {"read-unlisted": "KeyError"}
+    assert {op: r for op, r in outcome.results.items() if r != "ok"} == {"read-unlisted": "UnknownKeyError"}
     path = harness.write(dict(harness.base.files))
     try:
         tree = trainstate.load(path)
