@@ -21,17 +21,22 @@ from ..errors import InvalidArgumentError
 
 def step(value: Any, what: str = "step") -> int:
     """A non-negative integer step or epoch: ints, NumPy integers and 0-d integer tensors."""
-    if isinstance(value, bool) or isinstance(value, str):
-        raise InvalidArgumentError(f"{what} must be a non-negative integer, got {type(value).__name__} {value!r:.40}")
+    return _integer(value, what, minimum=0)
+
+
+def _integer(value: Any, what: str, minimum: int) -> int:
+    kind = "non-negative" if minimum == 0 else "positive"
     try:
-        number = operator.index(value)
+        if isinstance(value, (bool, str)):
+            raise TypeError
+        n = operator.index(value)
     except TypeError:
         raise InvalidArgumentError(
-            f"{what} must be a non-negative integer, got {type(value).__name__} {value!r:.40}"
+            f"{what} must be a {kind} integer, got {type(value).__name__} {value!r:.40}"
         ) from None
-    if number < 0:
-        raise InvalidArgumentError(f"{what} must be non-negative, got {number}")
-    return number
+    if n < minimum:
+        raise InvalidArgumentError(f"{what} must be at least {minimum}, got {n}")
+    return n
 
 
 def number(value: Any, what: str) -> float:
@@ -70,17 +75,7 @@ def metrics(values: Mapping[str, Any] | None) -> dict[str, float]:
 
 
 def positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{what} must be a positive integer, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"{what} must be a positive integer, got {type(value).__name__} {value!r:.40}"
-        ) from None
-    if n < 1:
-        raise InvalidArgumentError(f"{what} must be at least 1, got {n}")
-    return n
+    return _integer(value, what, minimum=1)
 
 
 def positive_number(value: Any, what: str) -> float:
