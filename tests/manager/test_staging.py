@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import trainstate
-from trainstate.manager import manager as manager_module
+from trainstate.manager import committer as committer_module
 from trainstate.manager.staging import StagingBuffer
 from trainstate.save import encode_state
 
@@ -103,7 +103,7 @@ def test_prepare_then_an_immediate_save_stores_the_state(tmp_path, monkeypatch):
     # before the background write reads the staged bytes.
     state = {"w": torch.arange(1 << 20, dtype=torch.float32) + 1}
     staged, reserved = threading.Event(), threading.Event()
-    real_reserve, real_write = StagingBuffer.reserve, manager_module.write_checkpoint
+    real_reserve, real_write = StagingBuffer.reserve, committer_module.write_checkpoint
 
     def late_reserve(self, snapshot):
         staged.wait()
@@ -118,7 +118,7 @@ def test_prepare_then_an_immediate_save_stores_the_state(tmp_path, monkeypatch):
         return real_write(*args, **kwargs)
 
     monkeypatch.setattr(StagingBuffer, "reserve", late_reserve)
-    monkeypatch.setattr(manager_module, "write_checkpoint", write_after_reservation)
+    monkeypatch.setattr(committer_module, "write_checkpoint", write_after_reservation)
     with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True) as mgr:
         mgr.prepare(state)
         mgr.save(1, state)

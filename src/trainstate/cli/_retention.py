@@ -85,27 +85,19 @@ def prune(
         title=f"{directory}" + (" (dry run: nothing is deleted)" if dry_run else ""),
     )
     for info in infos:
-        if info.name in deleting:
-            t.add(
-                info.name,
-                info.step,
-                local_time(info.created),
-                size(info.nbytes),
-                metrics_text(info.metrics),
-                "would delete" if dry_run else "deleted",
-                "",
-                style="red",
-            )
-        else:
-            t.add(
-                info.name,
-                info.step,
-                local_time(info.created),
-                size(info.nbytes),
-                metrics_text(info.metrics),
-                "keep",
-                ", ".join(plan.keep.get(info.name, [])),
-            )
+        gone = info.name in deleting
+        action = ("would delete" if dry_run else "deleted") if gone else "keep"
+        why = "" if gone else ", ".join(plan.keep.get(info.name, []))
+        t.add(
+            info.name,
+            info.step,
+            local_time(info.created),
+            size(info.nbytes),
+            metrics_text(info.metrics),
+            action,
+            why,
+            style="red" if gone else None,
+        )
     out.table(t)
     _swept_line(out, swept, dry_run)
     verb = "would delete" if dry_run else "deleted"

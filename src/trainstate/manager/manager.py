@@ -14,8 +14,7 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,10 +29,12 @@ from ..errors import (
 )
 from ..restore import RESERVED_RNG_KEY, load_from
 from ..rng import RNGState
-from ..save import DEFAULT_THREADS, Snapshot, encode_state, write_checkpoint
+from ..save import DEFAULT_THREADS, encode_state
 from ..storage import LocalStorage, Storage, resolve
 from . import arguments, naming
+from .background import InFlight, InFlightJobs, release, track
 from .catalog import META_KEY, Catalog, ensure_directory, facts
+from .committer import Committer, SaveRecord, Settings, raise_background
 from .lock import DirectoryLock
 from .policies import (
     AtSteps,
@@ -57,32 +58,6 @@ from .staging import StagingBuffer
 
 log = logging.getLogger("trainstate")
 RNG_KEY = RESERVED_RNG_KEY
-
-
-@dataclass(frozen=True)
-class SaveRecord:
-    """One save as the manager saw it. Times in seconds."""
-
-    step: int
-    reason: str
-    path: str
-    background: bool
-    blocking_seconds: float  # how long save() held up the training loop
-    write_seconds: float = 0.0  # writing data files and manifest (in the background when async)
-    commit_seconds: float = 0.0  # rename + fsync of the directory
-    nbytes: int = 0
-    deleted: tuple[str, ...] = ()
-    error: str | None = None
-
-
-@dataclass
-class _InFlight:
-    future: Future[SaveRecord]
-    buffer: StagingBuffer
-    step: int
-    reason: str
-    blocking: float
-    previous: tuple[int | None, float]  # (last step, last save time) to go back to if this save fails
 
 
 class CheckpointManager:
@@ -184,7 +159,7 @@ class CheckpointManager:
         ):
             arguments.flag(value, name)
         storage_, root = resolve(arguments.location(directory), storage)
-        self._config = _Config(
+        self._config = Settings(
             directory=root,
             storage=storage_,
             save_policies=tuple(save_list),
@@ -201,14 +176,14 @@ class CheckpointManager:
         self.catalog = Catalog(storage_, root)
         self._rng = RNGState()
         self._history: builtins.list[SaveRecord] = []
-        self._in_flight: builtins.list[_InFlight] = []
+        self._in_flight = track(InFlightJobs())
         self._error: BaseException | None = None
         self._closed = False
         self._preemption_saved = False
         self._last_save_time = time.monotonic()  # a clock that never steps back
         self._last_step: int | None = None
         self._seq = 0  # the highest commit sequence number this manager has handed out
-        self._committer = _Committer(self.catalog, self._config)
+        self._committer = Committer(self.catalog, self._config)
         self.swept: builtins.list[str] = []
         self._lock: DirectoryLock | None = None
         self._preemption: PreemptionWatcher | None = None
@@ -227,17 +202,16 @@ class CheckpointManager:
                 self._buffers = [StagingBuffer() for _ in range(max_in_flight)]
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-async")
         except BaseException:
-            _release(self._lock, self._preemption, self._pool, [])
+            release(self._lock, self._preemption, self._pool, [])
             raise
         # Dropped without close() (a notebook cell run again): let go of the lock and the signal handlers.
-        _LIVE.add(self)
-        self._finalizer = weakref.finalize(self, _release, self._lock, self._preemption, self._pool, self._in_flight)
+        self._finalizer = weakref.finalize(self, release, self._lock, self._preemption, self._pool, self._in_flight)
 
     # -- configuration (fixed at construction) ----------------------------------------------------
 
     def __setattr__(self, name: str, value: Any) -> None:
         if "_finalizer" in self.__dict__ and not name.startswith("_") and name not in self.__dict__:
-            if name in _Config.__dataclass_fields__:
+            if name in Settings.__dataclass_fields__:
                 raise InvalidArgumentError(
                     f"CheckpointManager.{name} is fixed when the manager is built; create a new manager "
                     f"with {name}={value!r:.40} (close() this one first)"
@@ -432,7 +406,7 @@ class CheckpointManager:
         if preempting:
             self._preemption_saved = True
             if stale is not None:
-                _raise(stale)
+                raise_background(stale)
         return True
 
     def _save(
@@ -481,7 +455,7 @@ class CheckpointManager:
         # the background job holds the committer, never the manager: a manager dropped with a save in
         # flight is collected at once, and its finalizer waits for the save before letting go of the lock
         future = self._pool.submit(self._committer.write, step, reason, staged, True, None, blocking)
-        self._in_flight.append(_InFlight(future, buffer, step, reason, blocking, previous))
+        self._in_flight.append(InFlight(future, buffer, step, reason, blocking, previous))
         self._last_step, self._last_save_time = step, time.monotonic()  # taken back if the write fails
         log.debug("step %d: async save started, blocked %.3fs", step, blocking)
 
@@ -542,7 +516,7 @@ class CheckpointManager:
     def _raise_pending(self) -> None:
         error = self._take_error()
         if error is not None:
-            _raise(error)
+            raise_background(error)
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -586,7 +560,7 @@ class CheckpointManager:
                 if step != self._last_step:
                     self._save(step, state, "at close", values, None, None, background=False)
                 if stale is not None:
-                    _raise(stale)
+                    raise_background(stale)
             self.wait()
         finally:
             self._closed = True
@@ -605,132 +579,3 @@ class CheckpointManager:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-@dataclass(frozen=True)
-class _Config:
-    directory: str
-    storage: Storage
-    save_policies: tuple[SavePolicy, ...]
-    retention: tuple[RetentionPolicy, ...]
-    async_save: bool
-    max_in_flight: int
-    staging_budget_bytes: int | None
-    capture_rng: bool
-    fsync: bool
-    threads: int
-    metadata: dict[str, Any]
-    read_only: bool
-
-
-_LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-
-
-def _finish_saves_at_exit() -> None:
-    """At interpreter exit, let async saves in flight commit (a script that ends right after ``save()``
-    must not lose that save). Runs before concurrent.futures stops accepting work, which the writers need."""
-    for mgr in list(_LIVE):
-        for job in list(mgr._in_flight):
-            try:
-                job.future.result()
-            except Exception as e:  # noqa: BLE001 - nobody is left to raise it to
-                log.error("the background save of step %d failed at exit: %r", job.step, e)
-
-
-if hasattr(threading, "_register_atexit"):  # runs before concurrent.futures' own exit hook (LIFO)
-    threading._register_atexit(_finish_saves_at_exit)
-
-
-def _release(
-    lock: DirectoryLock | None,
-    preemption: PreemptionWatcher | None,
-    pool: ThreadPoolExecutor | None,
-    in_flight: builtins.list[_InFlight],
-) -> None:
-    """Give back what a manager holds; also its finalizer, so it must not refer to the manager.
-
-    Saves still in flight finish first (their commits and retention run under the lock); an error one of
-    them met is logged, since nobody is left to raise it to.
-    """
-    try:
-        if preemption is not None:
-            preemption.close()
-        if pool is not None:
-            on_pool = threading.current_thread().name.startswith("trainstate-async")
-            pool.shutdown(wait=not on_pool)  # a collection on the pool's own thread cannot wait for itself
-        for job in in_flight:
-            error = job.future.exception() if job.future.done() else None
-            if error is not None:
-                log.error("the background save of step %d failed and nobody waited for it: %r", job.step, error)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-class _Committer:
-    """Writes a snapshot, commits it and applies retention: the part of a save that may run in the
-    background. It holds the catalog and the settings, never the manager."""
-
-    def __init__(self, catalog: Catalog, config: _Config) -> None:
-        self.catalog = catalog
-        self.config = config
-        self.last_retention: RetentionPlan | None = None
-
-    def list(self) -> builtins.list[CheckpointInfo]:
-        items = self.catalog.list()
-        if self.catalog.newer and not self.config.read_only:
-            name, why = next(iter(self.catalog.newer.items()))
-            raise FormatVersionError(
-                f"{self.catalog.path(name)} was written by a newer trainstate ({why}). Resuming from an older "
-                "checkpoint would save over it: upgrade trainstate to continue this run."
-            )
-        return items
-
-    def write(
-        self,
-        step: int,
-        reason: str,
-        snapshot: Snapshot,
-        background: bool,
-        blocking_start: float | None,
-        blocking: float = 0.0,
-    ) -> SaveRecord:
-        c = self.config
-        path = self.catalog.path(naming.name_for(step))
-        result = write_checkpoint(path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads)
-        deleted = self.apply_retention()
-        if blocking_start is not None:
-            blocking = time.perf_counter() - blocking_start
-        log.info(
-            "saved step %d (%s): %.1f MB, blocked %.3fs, wrote %.3fs, committed %.3fs%s",
-            step,
-            reason,
-            result.nbytes / 1e6,
-            blocking,
-            result.write_seconds,
-            result.commit_seconds,
-            f", deleted {list(deleted)}" if deleted else "",
-        )
-        return SaveRecord(
-            step,
-            reason,
-            result.path,
-            background,
-            blocking,
-            result.write_seconds,
-            result.commit_seconds,
-            result.nbytes,
-            deleted,
-        )
-
-    def apply_retention(self) -> tuple[str, ...]:
-        plan = plan_retention(self.list(), self.config.retention)
-        deleted = tuple(name for name in plan.delete if self.catalog.delete(name))  # a pin found late wins
-        self.last_retention = RetentionPlan(plan.keep, list(deleted)) if deleted != tuple(plan.delete) else plan
-        return deleted
-
-
-def _raise(error: BaseException) -> None:
-    if isinstance(error, CheckpointError):
-        raise error
-    raise CheckpointError(f"a background save failed: {error!r}") from error
