@@ -4,7 +4,7 @@ State: GPT-2-small shaped, built on CPU without downloads -- 124M float32 parame
 token embedding) plus AdamW moments after one step on a fake gradient: ~1.5 GB in ~600 tensors, held as
 {"model": model, "optim": opt, "step": 1}. Every number is the median of --repeats runs.
 
-1. save, with and without fsync: trainstate.save; safetensors save_file (building the flat dict is timed);
+1. save, with and without fsync: trainstate._save; safetensors save_file (building the flat dict is timed);
    torch.save; torch.distributed.checkpoint.save; a raw os.write of the same bytes (the floor). With fsync,
    the others get os.fsync on every file and directory after they return, as trainstate does itself.
 2. restore in place into the live model and optimizer, warm and (as root) cold page cache; each restore

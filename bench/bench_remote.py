@@ -6,7 +6,7 @@ stops at the end, reached through s3fs over HTTP, so the S3 numbers measure trai
 moto on this machine, not a real object store; the raw s3fs rows (one object of the same bytes, written
 and read whole) show what the server allows without trainstate.
 
-1. save: trainstate.save (fsync on for the local disk); each checkpoint is deleted before the next run.
+1. save: trainstate._save (fsync on for the local disk); each checkpoint is deleted before the next run.
 2. restore in place (trainstate.load(path, target)) into preallocated arrays; the local disk is read with
    a warm page cache.
 3. for S3: how trainstate cut the state into files, how many uploads and ranged GETs ran at once
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 import trainstate
-from trainstate.storage.fsspec import FsspecStorage
+from trainstate._storage.fsspec import FsspecStorage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.s3_server import AWS_ISOLATION, MotoServer  # noqa: E402

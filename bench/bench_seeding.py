@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import trainstate
-from trainstate import seeding
+from trainstate import _seeding as seeding
 
 
 class Indices(Dataset[int]):

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from trainstate.format import checksum
+from trainstate._format import checksum
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:

@@ -15,7 +15,7 @@ import pytest
 
 import trainstate
 from helpers import reseal_manifest
-from trainstate.format import checksum
+from trainstate._format import checksum
 
 
 def _state():
@@ -291,7 +291,7 @@ def test_a_manifest_costly_to_parse_is_refused_before_parsing(ckpt, unit):
 
 
 def test_legit_manifests_stay_within_the_parse_cost_per_byte(tmp_path, monkeypatch, training_state):
-    from trainstate.format import manifest
+    from trainstate._format import manifest
 
     monkeypatch.setattr(manifest, "PARSE_COST_ALLOWANCE", 0)  # the per-byte bound alone
     states = {
@@ -314,7 +314,7 @@ def test_legit_manifests_stay_within_the_parse_cost_per_byte(tmp_path, monkeypat
 
 
 def test_a_state_whose_manifest_readers_would_refuse_is_not_saved(tmp_path, monkeypatch):
-    from trainstate.format import manifest
+    from trainstate._format import manifest
 
     monkeypatch.setattr(manifest, "PARSE_COST_ALLOWANCE", 0)  # stands for a state 1,000 times as large
     with pytest.raises(trainstate.UnsupportedValueError, match="store long lists of numbers as arrays"):

@@ -62,7 +62,7 @@ def test_sigkill_mid_save_leaves_only_complete_checkpoints(tmp_path, seed):
 
 def test_overwrite_without_rename_exchange_and_recovery(tmp_path, monkeypatch):
     """Where RENAME_EXCHANGE is missing, overwrite takes two renames; a crash between them is recoverable."""
-    from trainstate.storage.local import LocalStorage
+    from trainstate._storage.local import LocalStorage
 
     monkeypatch.setattr(LocalStorage, "_exchange", lambda self, a, b: False)
     trainstate.save(tmp_path / "c", {"v": 0})

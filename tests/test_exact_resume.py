@@ -49,7 +49,7 @@ def test_restore_mid_epoch_is_bit_identical(tmp_path, loader_kind, save_at):
 
 def test_without_the_rng_fix_the_run_diverges(tmp_path, monkeypatch):
     """The RNG trap is real: skip the post-iterator-start RNG re-apply and dropout masks differ."""
-    from trainstate import data
+    from trainstate import _data as data
 
     monkeypatch.setattr(data, "arm_exact_resume", lambda target: None)
     pytest.importorskip("torchdata")

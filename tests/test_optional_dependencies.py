@@ -75,8 +75,8 @@ def test_demo_without_torch_says_to_install_the_demo_extra(tmp_path: Path, no_to
     "use",
     [
         "trainstate.ResumableSampler",
-        "import trainstate.data",
-        "from trainstate.data import ResumableSampler",
+        "import trainstate._data",
+        "from trainstate._data import ResumableSampler",
         "trainstate.load(CKPT, framework='torch')",
         "trainstate.open(CKPT).read('w', framework='torch')",
     ],

@@ -26,3 +26,20 @@ def test_error_tree():
         obj = getattr(trainstate, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, trainstate.CheckpointError)
+
+
+def test_internal_modules_are_private():
+    import pkgutil
+
+    found = {m.name for m in pkgutil.iter_modules(trainstate.__path__)}
+    assert found - {"errors", "__main__"}, found
+    assert all(name.startswith("_") for name in found - {"errors", "__main__"}), sorted(found)
+    # `trainstate.save` is the function, never shadowed by a submodule of the same name
+    assert callable(trainstate.save) and not isinstance(trainstate.save, types.ModuleType)
+    assert not isinstance(trainstate.load, types.ModuleType)
+
+
+def test_backends_and_policies_are_public():
+    assert issubclass(trainstate.LocalStorage, trainstate.Storage)
+    assert issubclass(trainstate.FsspecStorage, trainstate.Storage)
+    assert trainstate.KeepLast(3) == trainstate.KeepLast(3)

@@ -49,13 +49,13 @@ def _nest(levels: int):
 
 
 def test_what_saves_also_opens_at_the_depth_limit(tmp_path):
-    deepest = _nest(trainstate.tree.MAX_DEPTH)
-    trainstate.save(tmp_path / "deep", {"x": _nest(trainstate.tree.MAX_DEPTH - 1)})
+    deepest = _nest(trainstate._tree.MAX_DEPTH)
+    trainstate.save(tmp_path / "deep", {"x": _nest(trainstate._tree.MAX_DEPTH - 1)})
     back = trainstate.load(tmp_path / "deep")
     with trainstate.open(tmp_path / "deep") as ck:
         assert len(ck.keys()) == 1
     node = back["x"]
-    for _ in range(trainstate.tree.MAX_DEPTH - 1):
+    for _ in range(trainstate._tree.MAX_DEPTH - 1):
         node = node["k"] if isinstance(node, dict) else node[0]
     assert np.array_equal(node, np.arange(3))
     trainstate.save(tmp_path / "deepest", deepest)
@@ -77,7 +77,7 @@ def test_a_stateful_chain_counts_levels_like_containers(tmp_path):
             pass
 
     value: object = 1
-    for _ in range(trainstate.tree.MAX_DEPTH + 1):
+    for _ in range(trainstate._tree.MAX_DEPTH + 1):
         value = Wrap(value)
     with pytest.raises(trainstate.UnsupportedValueError, match="deeper"):
         trainstate.save(tmp_path / "c", value)

@@ -94,7 +94,7 @@ torch = pytest.importorskip("torch")
 
 
 def _to_torch(a: np.ndarray):
-    from trainstate.frameworks.torch import from_numpy
+    from trainstate._frameworks.torch import from_numpy
 
     t = from_numpy(np.ascontiguousarray(a))
     return t.t() if t.dim() == 2 else t  # keep some non-contiguous tensors

@@ -9,8 +9,29 @@ Example:
 
 from __future__ import annotations
 
-from .api import load
-from .errors import (
+from trainstate._format.manifest import FORMAT_VERSION
+from trainstate._manager import CheckpointInfo, CheckpointManager, SaveRecord
+from trainstate._manager.policies import (
+    AtSteps,
+    EverySeconds,
+    EverySteps,
+    KeepBest,
+    KeepEveryMinutes,
+    KeepEverySteps,
+    KeepLast,
+    RetentionPlan,
+    RetentionPolicy,
+    SavePolicy,
+)
+from trainstate._restore import load
+from trainstate._restore.checkpoint import Checkpoint, TensorInfo
+from trainstate._restore.checkpoint import open_checkpoint as open
+from trainstate._rng import RNGState
+from trainstate._save import SaveResult, save
+from trainstate._storage import FileInfo, LocalStorage, Storage
+from trainstate._storage import check as check_storage
+from trainstate._tree import Stateful
+from trainstate.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -24,21 +45,14 @@ from .errors import (
     UnknownKeyError,
     UnsupportedValueError,
 )
-from .format.manifest import FORMAT_VERSION
-from .manager import CheckpointInfo, CheckpointManager, SaveRecord
-from .reader import Checkpoint, TensorInfo
-from .reader import open_checkpoint as open
-from .rng import RNGState
-from .save import SaveResult, save
-from .storage import check as check_storage
-from .tree import Stateful
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ResumableSampler": "trainstate.data",
-    "seed_per_sample": "trainstate.data",
-}  # these import torch: only on first use
+    "FsspecStorage": "trainstate._storage.fsspec",
+    "ResumableSampler": "trainstate._data",
+    "seed_per_sample": "trainstate._data",
+}  # these import torch or fsspec: only on first use
 
 
 def __getattr__(name: str) -> object:
@@ -54,6 +68,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AtSteps",
     "Checkpoint",
     "CheckpointError",
     "CheckpointExistsError",
@@ -61,17 +76,30 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "EverySeconds",
+    "EverySteps",
     "FORMAT_VERSION",
+    "FileInfo",
     "FormatVersionError",
+    "FsspecStorage",
     "IncompleteCheckpointError",
     "InvalidArgumentError",
+    "KeepBest",
+    "KeepEveryMinutes",
+    "KeepEverySteps",
+    "KeepLast",
+    "LocalStorage",
     "MissingDependencyError",
     "RNGState",
     "ResumableSampler",
+    "RetentionPlan",
+    "RetentionPolicy",
+    "SavePolicy",
     "SaveRecord",
     "SaveResult",
     "StateMismatchError",
     "Stateful",
+    "Storage",
     "StorageError",
     "TensorInfo",
     "UnknownKeyError",

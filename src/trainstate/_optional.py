@@ -5,7 +5,7 @@ in an ``optional(...)`` block, so whoever uses a feature without its extra gets 
 what needed what and which ``pip install`` fixes it, never a bare ``No module named 'torch'`` from
 deep inside trainstate::
 
-    with optional("torch", extra="torch", needed_for="trainstate.data"):
+    with optional("torch", extra="torch", needed_for="trainstate._data"):
         import torch
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .errors import MissingDependencyError
+from trainstate.errors import MissingDependencyError
 
 
 def missing(package: str, *, extra: str, needed_for: str, reason: str = "") -> MissingDependencyError:

@@ -75,7 +75,7 @@ def test_help_documents_exit_codes() -> None:
 @pytest.mark.parametrize("args", [["--help"], ["verify", "--help"], ["demo", "--help"]])
 def test_help_works_without_docstrings(args: list[str]) -> None:
     """``python -OO`` strips docstrings; help text (and every exit code in it) must not come from them."""
-    from trainstate import cli as cli_module
+    from trainstate import _cli as cli_module
 
     proc = subprocess.run(
         [sys.executable, "-OO", "-m", "trainstate", *args],
@@ -314,7 +314,7 @@ def test_torch_checkpoint_without_importing_torch(tmp_path: Path) -> None:
         model.bias += 1
     trainstate.save(b, {"model": model, "step": 1})
     code = (
-        "import sys; from trainstate.cli import main; rc = main(sys.argv[1:]); "
+        "import sys; from trainstate._cli import main; rc = main(sys.argv[1:]); "
         "assert 'torch' not in sys.modules, 'the CLI imported torch'; sys.exit(rc)"
     )
     proc = subprocess.run(

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import trainstate
-from trainstate.format import manifest
+from trainstate._format import manifest
 
 
 def _grid(rows: int, cols: int, dup: bool = False) -> tuple[manifest.Chunk, ...]:

@@ -124,7 +124,7 @@ def test_a_full_disk_while_writing_the_lock_is_a_storage_error(tmp_path):
 
 _CTRL_C_SCRIPT = textwrap.dedent("""
     import os, signal, sys, threading, time, torch, trainstate
-    from trainstate.storage.local import LocalStorage
+    from trainstate._storage.local import LocalStorage
 
     class Slow(LocalStorage):
         def _write(self, fd, view):

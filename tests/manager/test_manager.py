@@ -9,8 +9,8 @@ import threading
 import pytest
 
 import trainstate
-import trainstate.manager.committer
-from trainstate.manager import staging
+import trainstate._manager.committer
+from trainstate._manager import staging
 
 torch = pytest.importorskip("torch")
 
@@ -117,14 +117,14 @@ def test_a_second_manager_on_the_directory_is_refused(tmp_path):
 def test_async_snapshot_is_isolated_from_later_mutation(tmp_path):
     state = {"w": torch.zeros(1 << 20)}  # 4 MB
     gate = threading.Event()
-    original = trainstate.manager.committer.write_checkpoint
+    original = trainstate._manager.committer.write_checkpoint
 
     def slow_write(*args, **kwargs):
         gate.wait(5)  # hold the background write until the loop has mutated the tensor
         return original(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainstate.manager.committer, "write_checkpoint", slow_write)
+        mp.setattr(trainstate._manager.committer, "write_checkpoint", slow_write)
         with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True) as mgr:
             mgr.save(0, state)
             state["w"].fill_(7.0)  # the loop goes on and changes the tensor in place
@@ -152,7 +152,7 @@ def test_a_failed_background_save_raises_on_the_next_call(tmp_path, monkeypatch)
     mgr = trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True)
     mgr.save(0, state)
     mgr.wait()
-    monkeypatch.setattr(trainstate.manager.committer, "write_checkpoint", broken)
+    monkeypatch.setattr(trainstate._manager.committer, "write_checkpoint", broken)
     mgr.save(1, state)
     with pytest.raises(trainstate.StorageError, match="No space"):
         mgr.wait()
@@ -260,14 +260,14 @@ def test_a_manager_checkpoint_loads_with_plain_load_into_the_users_state(tmp_pat
 
 
 def test_a_failed_background_save_keeps_its_step_in_history(tmp_path, monkeypatch):
-    real = trainstate.manager.committer.write_checkpoint
+    real = trainstate._manager.committer.write_checkpoint
 
     def flaky(final, snapshot, **kwargs):
         if str(final).endswith("3"):
             raise trainstate.StorageError(28, "No space left on device")
         return real(final, snapshot, **kwargs)
 
-    monkeypatch.setattr(trainstate.manager.committer, "write_checkpoint", flaky)
+    monkeypatch.setattr(trainstate._manager.committer, "write_checkpoint", flaky)
     mgr = trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True)
     mgr.save(3, small_state())
     with pytest.raises(trainstate.StorageError):

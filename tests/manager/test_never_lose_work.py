@@ -12,7 +12,7 @@ import pytest
 
 import trainstate
 from helpers import reseal_manifest
-from trainstate.storage.faulty import FaultyStorage
+from trainstate._storage.faulty import FaultyStorage
 
 torch = pytest.importorskip("torch")
 
@@ -207,7 +207,7 @@ def any_storage(request, tmp_path):
     if request.param == "local":
         return str(tmp_path), None
     fsspec = pytest.importorskip("fsspec")
-    from trainstate.storage.fsspec import FsspecStorage
+    from trainstate._storage.fsspec import FsspecStorage
 
     fs = fsspec.filesystem("memory")
     fs.store.clear()

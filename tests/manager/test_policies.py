@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainstate.manager.policies import (
+from trainstate._manager.policies import (
     AtSteps,
     CheckpointInfo,
     EverySeconds,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import trainstate
-from trainstate.manager import committer as committer_module
-from trainstate.manager.staging import StagingBuffer
-from trainstate.save import encode_state
+from trainstate._manager import committer as committer_module
+from trainstate._manager.staging import StagingBuffer
+from trainstate._save import encode_state
 
 torch = pytest.importorskip("torch")
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="MADV_DONTFORK and /proc/self/maps are Linux")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from tools.s3_server import AWS_ISOLATION, S3_KEY, S3_REGION, S3_SECRET, MotoServer  # noqa: F401 (re-exported)
 
-from trainstate.storage import LocalStorage, Storage
+from trainstate._storage import LocalStorage, Storage
 
 BACKENDS = ("local", "memory", "s3")
 BUCKET = "trainstate-conformance"
@@ -86,7 +86,7 @@ class Backend:
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    from trainstate.storage.fsspec import FsspecStorage
+    from trainstate._storage.fsspec import FsspecStorage
 
     unique = uuid.uuid4().hex[:12]
     if request.param == "local":

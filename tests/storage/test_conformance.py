@@ -21,10 +21,10 @@ import pytest
 
 import trainstate
 from helpers import assert_same
+from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._manager import catalog
+from trainstate._storage import FileInfo, Storage
 from trainstate.errors import StorageError
-from trainstate.format.manifest import MANIFEST_NAME
-from trainstate.manager import catalog
-from trainstate.storage import FileInfo, Storage
 
 from .conftest import Backend
 

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 
 import trainstate
-import trainstate.storage
+import trainstate._storage
 from helpers import assert_same
+from trainstate._format.manifest import MANIFEST_NAME
 from trainstate.errors import StorageError
-from trainstate.format.manifest import MANIFEST_NAME
 
 from .conftest import BUCKET, S3_REGION, MotoServer
 
 fsspec = pytest.importorskip("fsspec")
-from trainstate.storage.fsspec import FsspecStorage  # noqa: E402 - only once fsspec is known to exist
+from trainstate._storage.fsspec import FsspecStorage  # noqa: E402 - only once fsspec is known to exist
 
 
 class _FlakyFile:
@@ -261,7 +261,7 @@ def s3_from_environment(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
     monkeypatch.setenv("AWS_DEFAULT_REGION", S3_REGION)
-    monkeypatch.setattr(trainstate.storage, "_REMOTE", {})  # one cached FsspecStorage per protocol
+    monkeypatch.setattr(trainstate._storage, "_REMOTE", {})  # one cached FsspecStorage per protocol
     s3fs.S3FileSystem.clear_instance_cache()  # and fsspec caches filesystems by their arguments
     yield moto_server
     s3fs.S3FileSystem.clear_instance_cache()
@@ -273,7 +273,7 @@ def test_s3_url_without_storage_uses_the_environment(s3_from_environment: MotoSe
     state = small_state()
     trainstate.check_storage(prefix)
     trainstate.save(url, state, metadata={"run": "env"})
-    assert isinstance(trainstate.storage._REMOTE.get("s3"), FsspecStorage)
+    assert isinstance(trainstate._storage._REMOTE.get("s3"), FsspecStorage)
     assert_same(state, trainstate.load(url))
     with trainstate.open(url) as ck:
         assert ck.metadata == {"run": "env"}

@@ -35,7 +35,7 @@ EXPLAIN = """## What each campaign checks
   at a random moment; then a new manager opens the directory. Survived means: nothing incomplete is
   listed, every listed checkpoint (the newest included) restores to exactly the state saved at its
   step, and the leftovers of the interrupted save were swept. The next child resumes the numbering.
-- **Injected faults**: a storage backend (`trainstate.storage.faulty.FaultyStorage`) fails the Nth
+- **Injected faults**: a storage backend (`trainstate._storage.faulty.FaultyStorage`) fails the Nth
   create / write / fsync / rename of a save with ENOSPC or EIO, for every N the save reaches. Clean
   means: a `StorageError` with the errno, the earlier checkpoints restore exactly, no staging directory
   is left, and the new checkpoint is absent or complete. Async saves must raise on the next call.

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import trainstate
-from trainstate.storage import is_staging_name
+from trainstate._storage import is_staging_name
 
 from .common import Row, check_numpy_state, print_rows, spawn
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import trainstate
-from trainstate.storage import LocalStorage, is_staging_name
-from trainstate.storage.faulty import OPERATIONS, FaultyStorage
+from trainstate._storage import LocalStorage, is_staging_name
+from trainstate._storage.faulty import OPERATIONS, FaultyStorage
 
 from .common import Row, check_numpy_state, numpy_state, print_rows
 

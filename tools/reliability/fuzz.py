@@ -54,7 +54,7 @@ import ml_dtypes
 import numpy as np
 
 import trainstate
-from trainstate.format import checksum, datafile
+from trainstate._format import checksum, datafile
 
 from .common import Row
 

@@ -1,0 +1,279 @@
+"""The ``trainstate`` command: a thin shell over the public API.
+
+Commands::
+
+    trainstate ls DIR|CKPT            checkpoints of a manager directory (complete, incomplete, corrupt)
+    trainstate inspect CKPT           metadata, plain values and the tensor table (--filter GLOB)
+    trainstate verify CKPT            re-check every checksum
+    trainstate diff A B               tensors and values added, removed or changed
+    trainstate prune DIR --keep-...   apply retention policies now (--dry-run to only show the plan)
+    trainstate pin DIR STEP           keep a checkpoint whatever the retention says; unpin undoes it
+    trainstate demo                   train, get killed, resume, check the result is bit-identical
+
+Every command but ``demo`` takes ``--json``: then stdout holds one JSON document and nothing else
+(non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``).
+
+Exit codes are listed in ``EXIT_CODES`` below (``--help`` prints them). Errors print one line to
+stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from typing import Any, NoReturn
+
+from trainstate.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+    StorageError,
+)
+
+OK, DIFFERENT, USAGE, NOT_FOUND, INCOMPLETE, CORRUPT, MISMATCH, STORAGE, OTHER, INTERNAL = range(10)
+INTERRUPTED = 130
+
+# The help text's table, kept here rather than in the docstring: ``python -OO`` strips docstrings.
+EXIT_CODES = """
+
+    0  success; diff: the states are identical
+    1  diff: the states differ
+    2  usage error (bad arguments, or a path of the wrong kind)
+    3  not found (no such file, directory, checkpoint or step)
+    4  incomplete checkpoint (no manifest: its save never committed)
+    5  corrupt checkpoint (checksum mismatch, malformed manifest), or one written by a newer
+       trainstate (upgrade to read it); also verify finding any damage
+    6  state mismatch
+    7  storage error (I/O error, permission denied, disk full)
+    8  other trainstate error (e.g. the directory is locked by a running CheckpointManager,
+       a missing optional dependency)
+    9  internal error (a bug: please report it; TRAINSTATE_DEBUG=1 shows the traceback)
+    130 interrupted
+"""
+
+
+class UsageError(Exception):
+    """A bad argument noticed after parsing (exit code 2)."""
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit code for an error; order matters (subclasses first)."""
+    table: list[tuple[type[BaseException], int]] = [
+        (UsageError, USAGE),
+        (CheckpointNotFoundError, NOT_FOUND),
+        (IncompleteCheckpointError, INCOMPLETE),
+        (CorruptCheckpointError, CORRUPT),
+        (FormatVersionError, CORRUPT),  # not damage, but the same answer for scripts: cannot be read here
+        (StateMismatchError, MISMATCH),
+        (StorageError, STORAGE),
+        (CheckpointError, OTHER),
+        (FileNotFoundError, NOT_FOUND),
+        (NotADirectoryError, USAGE),
+        (OSError, STORAGE),
+        (ImportError, OTHER),
+    ]
+    for kind, code in table:
+        if isinstance(error, kind):
+            return code
+    return INTERNAL
+
+
+def one_line(error: BaseException) -> str:
+    text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+    if exit_code(error) == INTERNAL:
+        return f"internal error: {type(error).__name__}: {text} (TRAINSTATE_DEBUG=1 shows the traceback)"
+    return text or type(error).__name__
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of minutes, got {text!r}")
+    return value
+
+
+def _step(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative step, got {value}")
+    return value
+
+
+def _keep_best(text: str) -> tuple[str, str, int]:
+    """``METRIC:min|max[:K]`` (K defaults to 1)."""
+    parts = text.rsplit(":", 2) if text.count(":") >= 2 else text.rsplit(":", 1)
+    if len(parts) == 2:
+        parts.append("1")
+    if len(parts) != 3 or not parts[0] or parts[1] not in ("min", "max"):
+        raise argparse.ArgumentTypeError(f"expected METRIC:min|max[:K], got {text!r}")
+    return parts[0], parts[1], _positive(parts[2])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from trainstate import __version__
+
+    ap = _Parser(
+        prog="trainstate",
+        description="Inspect, verify, compare and prune trainstate checkpoints.",
+        epilog="exit codes:" + EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--version", action="version", version=f"trainstate {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog="exit codes:" + EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+        return p
+
+    p = command("ls", "list the checkpoints of a manager directory (or show one checkpoint)")
+    p.add_argument("path", metavar="DIR", help="a CheckpointManager directory, or one checkpoint")
+
+    p = command("inspect", "show a checkpoint's metadata, plain values and tensors")
+    p.add_argument("path", metavar="CKPT")
+    p.add_argument("--filter", metavar="GLOB", help="only names matching this glob, e.g. 'model.*'")
+
+    p = command("verify", "re-check every checksum of a checkpoint")
+    p.add_argument("path", metavar="CKPT")
+
+    p = command("diff", "compare two checkpoints: tensors and plain values (exit 1 if they differ)")
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+
+    p = command("prune", "apply retention policies to a manager directory now")
+    p.add_argument("path", metavar="DIR")
+    p.add_argument("--keep-last", type=_positive, metavar="N", help="keep the newest N")
+    p.add_argument("--keep-every-steps", type=_positive, metavar="N", help="keep steps that are multiples of N")
+    p.add_argument("--keep-every-minutes", type=_minutes, metavar="M", help="keep one per M minutes")
+    p.add_argument(
+        "--keep-best",
+        type=_keep_best,
+        metavar="METRIC:min|max:K",
+        help="keep the K best by a metric recorded at save time",
+    )
+    p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
+
+    p = command("pin", "keep a checkpoint whatever the retention policies say")
+    p.add_argument("path", metavar="DIR")
+    p.add_argument("step", type=_step, metavar="STEP")
+    p.add_argument("--reason", default="", metavar="TEXT", help="why (stored with the pin)")
+
+    p = command("unpin", "let the retention policies decide about a checkpoint again")
+    p.add_argument("path", metavar="DIR")
+    p.add_argument("step", type=_step, metavar="STEP")
+
+    sub.add_parser(
+        "demo", help="train, get killed, resume in a fresh process, check it is bit-identical", add_help=False
+    )
+    return ap
+
+
+def _run(args: argparse.Namespace) -> int:
+    from trainstate._cli._output import Printer
+
+    out = Printer(args.json)
+    if args.command in ("ls", "inspect"):
+        from trainstate._cli import _show
+
+        return _show.ls(out, args.path) if args.command == "ls" else _show.inspect(out, args.path, args.filter)
+    if args.command == "verify":
+        from trainstate._cli import _verify
+
+        return _verify.verify(out, args.path)
+    if args.command == "diff":
+        from trainstate._cli import _diff
+
+        return _diff.diff(out, args.a, args.b)
+    from trainstate._cli import _retention
+
+    if args.command == "prune":
+        return _retention.prune(
+            out,
+            args.path,
+            keep_last=args.keep_last,
+            keep_every_steps=args.keep_every_steps,
+            keep_every_minutes=args.keep_every_minutes,
+            keep_best=args.keep_best,
+            dry_run=args.dry_run,
+        )
+    if args.command == "pin":
+        return _retention.pin(out, args.path, args.step, args.reason)
+    return _retention.unpin(out, args.path, args.step)
+
+
+def _library_warnings() -> None:
+    """The library's warnings (e.g. a checkpoint skipped as damaged) as one stderr line each."""
+    logger = logging.getLogger("trainstate")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("trainstate: warning: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+
+
+def _guarded(fn: Any, *args: Any) -> int:
+    try:
+        return int(fn(*args))
+    except KeyboardInterrupt:
+        print("trainstate: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except BrokenPipeError:  # e.g. piped into head: stop quietly
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return OK
+    except Exception as e:  # noqa: BLE001 - the one place every error becomes an exit code and one line
+        if os.environ.get("TRAINSTATE_DEBUG"):
+            traceback.print_exc()
+        print(f"trainstate: error: {one_line(e)}", file=sys.stderr)
+        return exit_code(e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "demo":
+        from trainstate import _demo as demo
+
+        return _guarded(demo.main, args[1:])
+    parser = build_parser()
+    parsed = parser.parse_args(args)
+    if parsed.command is None:
+        parser.print_help(sys.stderr)
+        return USAGE
+    _library_warnings()
+    return _guarded(_run, parsed)

@@ -1,0 +1,139 @@
+"""``trainstate prune``, ``pin`` and ``unpin``: a CheckpointManager's retention, from the shell.
+
+A writable CheckpointManager takes the directory's lock (so these refuse to run beside a training job
+that has the directory open) and sweeps leftovers of crashed saves when it starts; the output lists what
+that sweep removed. ``prune --dry-run`` uses a read-only manager and deletes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from trainstate._cli import OK, UsageError
+from trainstate._cli._output import Printer, Table, local_time, metrics_text, size
+from trainstate._cli._show import _directory_rows, require_dir
+from trainstate._manager import CheckpointInfo, CheckpointManager
+from trainstate.errors import CheckpointNotFoundError
+
+
+@contextmanager
+def _writable(directory: str, **policies: Any) -> Iterator[CheckpointManager]:
+    mgr = CheckpointManager(directory, save_on_preemption=False, capture_rng=False, **policies)
+    try:
+        yield mgr
+    finally:
+        mgr.close()
+
+
+def _swept_line(out: Printer, swept: list[str], dry_run: bool = False) -> None:
+    if swept:
+        verb = "would be removed" if dry_run else "removed"
+        out.line(f"leftovers of unfinished saves {verb}: {', '.join(swept)}", style="yellow")
+
+
+def prune(
+    out: Printer,
+    directory: str,
+    *,
+    keep_last: int | None,
+    keep_every_steps: int | None,
+    keep_every_minutes: float | None,
+    keep_best: tuple[str, str, int] | None,
+    dry_run: bool,
+) -> int:
+    policies: dict[str, Any] = {
+        "keep_last": keep_last,
+        "keep_every_steps": keep_every_steps,
+        "keep_every_minutes": keep_every_minutes,
+        "keep_best": keep_best,
+    }
+    if not any(v is not None for v in policies.values()):
+        raise UsageError(
+            "prune needs at least one policy: --keep-last, --keep-every-steps, --keep-every-minutes or --keep-best"
+        )
+    require_dir(directory)
+    if dry_run:
+        mgr = CheckpointManager(directory, read_only=True, **policies)  # no lock, no sweep, no deletes
+        infos = mgr.list()
+        plan = mgr.prune(dry_run=True)
+        swept = [r["name"] for r in _directory_rows(directory) if r["status"] == "incomplete"]
+    else:
+        with _writable(directory, **policies) as mgr:
+            infos = mgr.list()
+            plan = mgr.prune()
+            swept = list(mgr.swept)
+    by_name: dict[str, CheckpointInfo] = {i.name: i for i in infos}
+    freed = sum(by_name[n].nbytes for n in plan.delete if n in by_name)
+    if out.json_mode:
+        out.json(
+            {
+                "path": directory,
+                "dry_run": dry_run,
+                "keep": plan.keep,
+                "delete": plan.delete,
+                "freed_bytes": freed,
+                ("would_sweep" if dry_run else "swept"): swept,
+            }
+        )
+        return OK
+    deleting = set(plan.delete)
+    t = Table(
+        ["name", "step", "time", "size", "metrics", "action", "why"],
+        right=frozenset({"step", "size"}),
+        title=f"{directory}" + (" (dry run: nothing is deleted)" if dry_run else ""),
+    )
+    for info in infos:
+        gone = info.name in deleting
+        action = ("would delete" if dry_run else "deleted") if gone else "keep"
+        why = "" if gone else ", ".join(plan.keep.get(info.name, []))
+        t.add(
+            info.name,
+            info.step,
+            local_time(info.created),
+            size(info.nbytes),
+            metrics_text(info.metrics),
+            action,
+            why,
+            style="red" if gone else None,
+        )
+    out.table(t)
+    _swept_line(out, swept, dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    out.line(f"{len(infos) - len(deleting)} kept, {len(deleting)} {verb} ({size(freed)})")
+    return OK
+
+
+def _find(directory: str, step: int) -> CheckpointInfo:
+    require_dir(directory)
+    for info in CheckpointManager(directory, read_only=True).list():
+        if info.step == step:
+            return info
+    raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {directory}")
+
+
+def pin(out: Printer, directory: str, step: int, reason: str) -> int:
+    info = _find(directory, step)
+    added = CheckpointManager(directory, read_only=True).pin(step, reason)  # safe beside a running job
+    kept = reason if added else info.pin_reason
+    if out.json_mode:
+        out.json({"path": directory, "name": info.name, "step": step, "pinned": True, "reason": kept, "changed": added})
+        return OK
+    if added:
+        out.line(f"pinned {info.name}" + (f" ({reason})" if reason else ""))
+    else:
+        note = f" (reason: {info.pin_reason})" if info.pin_reason else ""
+        change = "; its reason was not changed: unpin and pin again to change it" if reason != info.pin_reason else ""
+        out.line(f"{info.name} was already pinned{note}{change}")
+    return OK
+
+
+def unpin(out: Printer, directory: str, step: int) -> int:
+    info = _find(directory, step)
+    CheckpointManager(directory, read_only=True).unpin(step)
+    if out.json_mode:
+        out.json({"path": directory, "name": info.name, "step": step, "pinned": False, "was_pinned": info.pinned})
+        return OK
+    out.line(f"unpinned {info.name}" if info.pinned else f"{info.name} was not pinned")
+    return OK

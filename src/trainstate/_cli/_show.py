@@ -1,0 +1,297 @@
+"""``trainstate ls`` and ``trainstate inspect``: manifests only, no tensor byte is read."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import posixpath
+import re
+from typing import Any
+
+from trainstate import open as open_checkpoint
+from trainstate._cli import UsageError, _values
+from trainstate._cli._output import Printer, Table, clip, local_time, metrics_text, short, size
+from trainstate._manager import CheckpointInfo, CheckpointManager
+from trainstate._manager.naming import step_of
+from trainstate._restore.checkpoint import Checkpoint
+from trainstate._storage import LocalStorage, Storage, is_staging_name, resolve
+from trainstate.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompleteCheckpointError,
+    StorageError,
+)
+
+_STAGING = re.compile(r"^\.(.+)\.(tmp|old|del)-[^/]*$")
+_STAGING_NOTE = {"tmp": "unfinished save", "old": "replaced checkpoint not yet removed", "del": "unfinished delete"}
+
+
+def require_dir(path: str) -> None:
+    backend, root = resolve(path)
+    info = backend.stat_followed(root)  # the user's own link to a directory counts as one
+    if info is None:
+        raise CheckpointNotFoundError(f"no such directory: {path}")
+    if not info.is_dir:
+        raise CheckpointNotFoundError(f"{path} is not a directory")
+
+
+def _is_dir(backend: Storage, path: str) -> bool:
+    info = backend.stat(path)
+    return info is not None and info.is_dir
+
+
+def _parent_and_name(backend: Storage, root: str) -> tuple[str, str]:
+    if isinstance(backend, LocalStorage):  # a link (``latest``) stands for the checkpoint it points to
+        return os.path.split(os.path.realpath(root))
+    return posixpath.dirname(root.rstrip("/")), posixpath.basename(root.rstrip("/"))
+
+
+def open_ckpt(path: str) -> Checkpoint:
+    """Open one checkpoint; a directory that exists but is none (a manager's) is a usage error."""
+    try:
+        return open_checkpoint(path)
+    except CheckpointNotFoundError as e:
+        backend, root = resolve(path)
+        info = backend.stat_followed(root)
+        if info is not None and info.is_dir:
+            raise UsageError(f"{e}; 'trainstate ls {path}' lists its checkpoints") from None
+        raise
+
+
+# -- ls ---------------------------------------------------------------------------------------------
+
+
+def _row(info: CheckpointInfo, path: str) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "path": path,
+        "step": info.step,
+        "created": info.created,
+        "created_iso": local_time(info.created),
+        "modified": None,
+        "nbytes": info.nbytes,
+        "metrics": dict(info.metrics),
+        "epoch": info.epoch,
+        "pinned": info.pinned,
+        "pin_reason": info.pin_reason,
+        "status": "complete",
+        "note": "",
+    }
+
+
+def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -> dict[str, Any]:
+    m = _STAGING.match(name)
+    step = step_of(m.group(1) if m else name)
+    nbytes, modified = 0, None
+    try:
+        for entry in backend.list(path):
+            info = backend.stat(backend.join(path, entry))
+            nbytes += info.size if info is not None and not info.is_dir else 0
+        top = backend.stat(path)
+        modified = top.mtime if top is not None and top.mtime else None
+    except StorageError:
+        pass
+    return {
+        "name": name,
+        "path": path,
+        "step": step,
+        "created": None,
+        "created_iso": "",
+        "modified": modified,
+        "nbytes": nbytes,
+        "metrics": {},
+        "epoch": None,
+        "pinned": False,
+        "pin_reason": "",
+        "status": status,
+        "note": note,
+    }
+
+
+def _probe(backend: Storage, name: str, path: str) -> dict[str, Any] | None:
+    """A row for a step directory the catalog did not list: incomplete, damaged, or committed just now."""
+    try:
+        with open_checkpoint(path, backend) as ck:
+            info = CheckpointInfo(name, step_of(name) or 0, ck.created, nbytes=ck.nbytes)
+            return _row(info, path)
+    except IncompleteCheckpointError:
+        return _other_row(backend, name, path, "incomplete", "no manifest")
+    except CorruptCheckpointError as e:
+        return _other_row(backend, name, path, "corrupt", " ".join(str(e).split()))
+    except FormatVersionError as e:
+        return _other_row(backend, name, path, "newer format", " ".join(str(e).split()))
+    except CheckpointNotFoundError:
+        return None  # deleted meanwhile
+
+
+def _directory_rows(directory: str) -> list[dict[str, Any]]:
+    backend, root = resolve(directory)
+    logger = logging.getLogger("trainstate")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # damaged checkpoints become rows below, not warnings
+    try:
+        infos = CheckpointManager(root, read_only=True, storage=backend).list()
+    finally:
+        logger.setLevel(level)
+    rows = [_row(i, backend.join(root, i.name)) for i in infos]
+    listed = {i.name for i in infos}
+    for name in backend.list(root):
+        path = backend.join(root, name)
+        if name in listed or not (step_of(name) is not None or is_staging_name(name)) or not _is_dir(backend, path):
+            continue
+        if step_of(name) is not None:
+            row = _probe(backend, name, path)
+            if row is not None:
+                rows.append(row)
+        else:
+            m = _STAGING.match(name)
+            rows.append(_other_row(backend, name, path, "incomplete", _STAGING_NOTE[m.group(2)] if m else "leftover"))
+    rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
+    return rows
+
+
+def _single_row(path: str, ck: Checkpoint) -> dict[str, Any]:
+    parent, name = _parent_and_name(ck.storage, ck.path)
+    if step_of(name) is not None:
+        for info in CheckpointManager(parent, read_only=True, storage=ck.storage).list():
+            if info.name == name:
+                return _row(info, path)
+    row = _row(CheckpointInfo(name, 0, ck.created, nbytes=ck.nbytes), path)
+    row["step"] = None  # not a manager's checkpoint: no step, metrics or pin
+    return row
+
+
+def ls(out: Printer, path: str) -> int:
+    path = path.rstrip("/") or "/"
+    require_dir(path)
+    kind = "checkpoint"
+    try:
+        with open_checkpoint(path) as ck:
+            rows = [_single_row(path, ck)]
+    except (IncompleteCheckpointError, CheckpointNotFoundError):  # not one checkpoint: list the directory
+        backend, root = resolve(path)
+        name = _parent_and_name(backend, root)[1]
+        if step_of(name) is not None or is_staging_name(name):
+            rows = [_other_row(backend, name, root, "incomplete", "no manifest")]
+        else:
+            kind, rows = "directory", _directory_rows(path)
+    if out.json_mode:
+        out.json({"path": path, "kind": kind, "checkpoints": rows})
+        return 0
+    if not rows:
+        out.line(f"no checkpoints in {path}")
+        return 0
+    t = Table(
+        ["name", "step", "time", "size", "metrics", "pinned", "status"],
+        right=frozenset({"step", "size"}),
+        title=f"checkpoints in {path}" if kind == "directory" else None,
+    )
+    for r in rows:
+        status = r["status"] if not r["note"] else f"{r['status']}: {clip(r['note'], 70)}"
+        style = {"incomplete": "yellow", "corrupt": "red", "newer format": "magenta"}.get(r["status"])
+        t.add(
+            r["name"],
+            "" if r["step"] is None else r["step"],
+            r["created_iso"],
+            size(r["nbytes"]),
+            metrics_text(r["metrics"]),
+            _pin_text(r),
+            status,
+            style=style,
+        )
+    out.table(t)
+    complete = [r for r in rows if r["status"] == "complete"]
+    others = {s: sum(r["status"] == s for r in rows) for s in ("incomplete", "corrupt")}
+    extra = "".join(f", {n} {s}" for s, n in others.items() if n)
+    out.line(f"{len(complete)} complete{extra}; {size(sum(r['nbytes'] for r in complete))} in complete checkpoints")
+    return 0
+
+
+# -- inspect ----------------------------------------------------------------------------------------
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def inspect(out: Printer, path: str, pattern: str | None) -> int:
+    with open_ckpt(path) as ck:
+
+        def wanted(name: str) -> bool:
+            return pattern is None or fnmatch.fnmatchcase(name, pattern)
+
+        infos = [ck.info(n) for n in ck if wanted(n)]
+        values = [(p, v) for p, v in _values.leaves(_values.state_values(ck)) if wanted(p)]
+        metadata = ck.metadata
+        head = {
+            "path": path,
+            "format_version": ck.manifest.format_version,
+            "writer": ck.manifest.writer,
+            "created": ck.created,
+            "created_iso": local_time(ck.created),
+            "files": len(ck.manifest.files),
+            "nbytes": ck.nbytes,
+            "tensor_count": len(ck.keys()),
+        }
+    tensor_bytes = sum(i.nbytes for i in infos)
+    if out.json_mode:
+        out.json(
+            {
+                **head,
+                "filter": pattern,
+                "metadata": metadata,
+                "values": [{"path": p, "value": v} for p, v in values],
+                "tensors": [
+                    {
+                        "name": i.name,
+                        "dtype": i.dtype,
+                        "shape": list(i.shape),
+                        "nbytes": i.nbytes,
+                        "kind": i.kind,
+                        "chunks": i.chunks,
+                    }
+                    for i in infos
+                ],
+                "tensor_bytes": tensor_bytes,
+            }
+        )
+        return 0
+    out.pairs(
+        [
+            ("checkpoint", path),
+            ("format", f"trainstate {head['format_version']}"),
+            ("writer", str(head["writer"])),
+            ("created", str(head["created_iso"])),
+            ("on disk", f"{size(ck.nbytes)} in {head['files']} data file(s)"),
+            ("tensors", str(head["tensor_count"])),
+        ]
+    )
+    if metadata is not None:
+        meta = Table(["metadata", "value"])
+        for p, v in _values.leaves(metadata):
+            meta.add(p, short(v, 80))
+        out.line()
+        out.table(meta)
+    if values:
+        vt = Table(["value", "type", "repr"])
+        for p, v in values:
+            vt.add(p, type(v).__name__, short(v, 80))
+        out.line()
+        out.table(vt)
+    t = Table(["tensor", "dtype", "shape", "bytes"], right=frozenset({"bytes"}))
+    for i in infos:
+        t.add(i.name, i.dtype, _shape(i.shape), size(i.nbytes))
+    out.line()
+    if infos:
+        out.table(t)
+    shown = f"{len(infos)} of {head['tensor_count']} tensors match {pattern!r}" if pattern else f"{len(infos)} tensors"
+    out.line(f"{shown}, {size(tensor_bytes)} ({tensor_bytes} bytes)")
+    return 0
+
+
+def _pin_text(row: dict[str, Any]) -> str:
+    if not row["pinned"]:
+        return ""
+    return clip(row["pin_reason"], 30) if row.get("pin_reason") else "yes"

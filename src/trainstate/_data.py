@@ -1,0 +1,315 @@
+"""The data position: a resumable sampler for plain DataLoaders, per-sample seeding, and the RNG trap.
+
+Starting a DataLoader iterator draws a base seed from torch's global RNG (a resumed StatefulDataLoader's
+too). An uninterrupted run drew it at the start of the epoch; a resumed run draws it again mid-epoch,
+right after the RNG was restored — so every dropout mask after the resume would differ. trainstate arms a
+one-shot hook on each restored loader: once the first iterator after a restore exists, torch's RNG is put
+back to the restored state. The natural loop — restore, then ``for batch in loader:`` — is then exact.
+
+Plain DataLoader users get :class:`ResumableSampler`: a per-epoch permutation from ``(seed, epoch)``
+that knows how many samples the loop has really consumed (not how many workers prefetched) and, on
+resume, starts the iterator with the same base seed the interrupted epoch had.
+
+Randomness inside ``Dataset.__getitem__`` (augmentation, token masking) is seeded per sample
+(:mod:`trainstate._seeding`): right before ``dataset[index]`` Python's ``random``, NumPy's global generator
+and torch's CPU generator are seeded from the sample's (seed, epoch, index), in worker processes and with
+``num_workers=0`` alike. This replaces torch's per-worker streams, whose draws depended on which worker
+served a sample and what it served before — which a resume cannot reproduce. A loader attached to a
+ResumableSampler gets it from ``attach()``; any other map-style loader (torchdata's StatefulDataLoader) from
+:func:`seed_per_sample`, called before its first epoch in every run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, TypeVar
+
+from trainstate._optional import optional
+
+with optional("torch", extra="torch", needed_for="trainstate._data (ResumableSampler)"):
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+from trainstate import _seeding as seeding
+from trainstate.errors import CheckpointError
+
+log = logging.getLogger("trainstate")
+_HOOK = "_get_iterator"
+_BASE_SEED = "_base_seed"  # the key torchdata's multi-process state keeps it under; trainstate adds it for 0 workers
+L = TypeVar("L", bound=DataLoader[Any])
+
+
+class ResumableSampler(Sampler[int]):
+    """A shuffling (or sequential) sampler that resumes mid-epoch exactly.
+
+    Args:
+        data_source: the dataset, or its length.
+        shuffle: a fresh permutation each epoch, drawn from ``seed + epoch`` (never the global RNG).
+        seed: the shuffle seed.
+
+    Once attached, it yields indices that carry their sample's seed (``int`` subclasses), and the loader's
+    dataset sees each sample with the global generators seeded from (``seed``, epoch, index).
+
+    Example:
+        >>> sampler = trainstate.ResumableSampler(dataset, seed=0)
+        >>> loader = sampler.attach(DataLoader(dataset, batch_size=32, sampler=sampler, num_workers=2))
+        >>> state = {"model": model, "optim": opt, "sampler": sampler, "rng": trainstate.RNGState()}
+    """
+
+    def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0) -> None:
+        self.n = data_source if isinstance(data_source, int) else len(data_source)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self._start = 0  # position the current epoch's iterator started from
+        self._batches = 0  # batches the loop has received from it
+        self._loader: DataLoader[Any] | None = None
+        self._batch_size = 1
+        self._loader_rng: torch.Tensor | None = None  # RNG the epoch's iterator drew its base seed from
+        self._resume_rng: torch.Tensor | None = None
+
+    def attach(self, loader: DataLoader[Any]) -> DataLoader[Any]:
+        """Count what ``loader`` actually hands to the loop and seed its samples; returns the loader."""
+        if loader.sampler is not self and getattr(loader.batch_sampler, "sampler", None) is not self:
+            raise ValueError("attach() takes the DataLoader built with this sampler")
+        size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(
+                "ResumableSampler needs a fixed batch size (batch_size=, or a BatchSampler) to count consumed samples"
+            )
+        self._batch_size = size
+        self._loader = loader
+        _hooks(loader).counter = self
+        return seed_per_sample(loader)
+
+    @property
+    def consumed(self) -> int:
+        return min(self.n, self._start + self._batches * self._batch_size)
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        order = self._order()[self._start :]
+        if self._loader is None:
+            return iter(order)
+        key = seeding.epoch_seed(self.seed, self.epoch)
+        return (seeding.SeededIndex(i, seeding.sample_seed(key, i)) for i in order)
+
+    def __len__(self) -> int:
+        return self.n - self._start
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._loader is None:
+            raise CheckpointError(
+                "ResumableSampler: call loader = sampler.attach(DataLoader(...)) before saving it, so it can count "
+                "the batches the loop consumed"
+            )
+        state: dict[str, Any] = {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed}
+        if self._loader_rng is not None and self.consumed:
+            state["loader_rng"] = self._loader_rng
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+        self._start, self._batches = int(state["consumed"]), 0
+        rng = state.get("loader_rng")
+        self._resume_rng = None if rng is None else torch.as_tensor(rng, dtype=torch.uint8)
+        if self._loader is not None:
+            _hooks(self._loader).base_seed_rng = self._resume_rng
+
+    # called by the loader hook
+    def _iterator_starting(self) -> None:
+        if self._batches:  # a new iterator after a partial one (a break): continue where the loop stopped
+            self._start = self.consumed
+        self._batches = 0
+        if self._start >= self.n:  # the loop took the last batch but never saw StopIteration
+            self._epoch_finished()
+
+    def _iterator_started(self, loader_rng: torch.Tensor) -> None:
+        self._loader_rng = loader_rng
+
+    def _batch_received(self) -> None:
+        self._batches += 1
+
+    def _epoch_finished(self) -> None:
+        self.epoch += 1
+        self._start = self._batches = 0
+
+
+class _Hooks:
+    """Per-loader one-shot and counting behaviour, installed as an instance attribute ``_get_iterator``."""
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        self.loader = loader
+        self.original = type(loader)._get_iterator.__get__(loader)
+        self.counter: ResumableSampler | None = None
+        self.base_seed_rng: torch.Tensor | None = None
+        self.after_start: list[Callable[[], None]] = []
+        self.seed_samples = False
+
+    def __call__(self) -> Any:
+        loader = self.loader
+        if self.counter is not None:
+            self.counter._iterator_starting()
+        source, user_init = loader.generator, loader.worker_init_fn
+        loader_rng = source.get_state() if source is not None else torch.get_rng_state()
+        restored = getattr(loader, "next_iter_state", None)  # a StatefulDataLoader's state to resume from
+        if self.base_seed_rng is not None:  # resume: draw the base seed the interrupted epoch drew
+            replay = torch.Generator()
+            replay.set_state(self.base_seed_rng)
+            loader.generator, self.base_seed_rng = replay, None
+            loader_rng = replay.get_state()
+        if self.seed_samples and loader.num_workers > 0:
+            loader.worker_init_fn = seeding.SeedingWorkerInit(user_init)
+        try:
+            it = self.original()
+        finally:
+            loader.generator, loader.worker_init_fn = source, user_init
+        if self.seed_samples and loader.num_workers == 0:
+            _seed_in_this_process(it, restored)
+        callbacks, self.after_start = self.after_start, []
+        for callback in callbacks:
+            callback()
+        if self.counter is None:
+            return it
+        self.counter._iterator_started(loader_rng)
+        return _CountingIterator(it, self.counter)
+
+
+class _CountingIterator:
+    def __init__(self, it: Any, counter: ResumableSampler) -> None:
+        self._it = it
+        self._counter = counter
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._counter._epoch_finished()
+            raise
+        self._counter._batch_received()
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:  # _reset, _finished, ... for persistent workers
+        return getattr(self._it, name)
+
+
+def _seed_in_this_process(it: Any, restored: Any) -> None:
+    """Seed per sample in the training process; keep the base seed in a stateful iterator's state.
+
+    torchdata keeps ``_base_seed`` in a multi-process loader's state only (it seeds the workers); without
+    workers the resumed iterator would draw another one, and the rest of the epoch other sample seeds.
+    """
+    if isinstance(restored, dict) and isinstance(restored.get(_BASE_SEED), int):
+        it._base_seed = restored[_BASE_SEED]
+    it._dataset_fetcher = seeding.seeding_fetcher(it._dataset_fetcher, it._base_seed)
+    if callable(getattr(it, "state_dict", None)):
+        it.state_dict = _StateWithBaseSeed(it.state_dict, it._base_seed)
+
+
+class _StateWithBaseSeed:
+    def __init__(self, state_dict: Callable[[], dict[str, Any]], base_seed: int) -> None:
+        self.state_dict, self.base_seed = state_dict, base_seed
+
+    def __call__(self) -> dict[str, Any]:
+        return {**self.state_dict(), _BASE_SEED: self.base_seed}
+
+
+def seed_per_sample(loader: L) -> L:
+    """Seed the randomness of each sample ``loader`` fetches from (epoch seed, index); returns the loader.
+
+    Before each ``dataset[index]`` — in worker processes, or in this process with ``num_workers=0`` —
+    Python's ``random``, NumPy's global generator and torch's CPU generator are seeded for that sample, so
+    its augmentation no longer depends on which worker served it, and a resumed run draws the same numbers.
+    The epoch seed is the iterator's base seed, which a StatefulDataLoader saves with its state.
+    ``ResumableSampler.attach()`` calls this itself. Call it on a new loader, before its first epoch, in the
+    uninterrupted run and in the resumed one alike.
+
+    Raises:
+        CheckpointError: an iterable dataset (no index to seed from), or persistent workers without a
+            ResumableSampler (the base seed is drawn once for all epochs: every epoch would repeat).
+
+    Example:
+        >>> loader = trainstate.seed_per_sample(StatefulDataLoader(ds, batch_size=32, shuffle=True,
+        ...                                                        num_workers=2))
+    """
+    if isinstance(loader.dataset, IterableDataset):
+        raise CheckpointError(
+            f"seed_per_sample needs a map-style dataset (samples fetched by index), found "
+            f"the iterable dataset {type(loader.dataset).__name__}: seed its iterator yourself"
+        )
+    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    if loader.persistent_workers and loader.num_workers > 0 and not isinstance(sampler, ResumableSampler):
+        raise CheckpointError(
+            "seed_per_sample cannot tell the epochs of persistent_workers=True apart (their base seed is drawn "
+            "once, and no epoch count reaches the workers): use persistent_workers=False, or a DataLoader with "
+            "trainstate.ResumableSampler, whose indices carry (seed, epoch) to persistent workers"
+        )
+    _hooks(loader).seed_samples = True
+    return loader
+
+
+def _hooks(loader: DataLoader[Any]) -> _Hooks:
+    hooks = loader.__dict__.get(_HOOK)
+    if not isinstance(hooks, _Hooks):
+        hooks = _Hooks(loader)
+        object.__setattr__(loader, _HOOK, hooks)
+    return hooks
+
+
+def is_loader(obj: Any) -> bool:
+    return isinstance(obj, DataLoader)
+
+
+def reapply_after_iterator_start(loader: DataLoader[Any], callback: Callable[[], None]) -> None:
+    """Run ``callback`` once, right after ``loader``'s next iterator has started."""
+    _hooks(loader).after_start.append(callback)
+
+
+def arm_exact_resume(target: Any) -> None:
+    """After a restore: put torch's RNG back once each restored loader's first iterator has started."""
+    from trainstate._rng import RNGState
+
+    rngs = [r for r in _walk(target) if isinstance(r, RNGState) and r.restored_torch_state is not None]
+    if not rngs:
+        return
+    for loader in loaders_in(target):
+        for rng in rngs:
+            reapply_after_iterator_start(loader, rng.reapply_torch)
+
+
+def _walk(value: Any, depth: int = 0) -> Iterator[Any]:
+    yield value
+    if depth < 50 and isinstance(value, dict):
+        for v in value.values():
+            yield from _walk(v, depth + 1)
+    elif depth < 50 and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _walk(v, depth + 1)
+
+
+def loaders_in(value: Any, depth: int = 0) -> list[DataLoader[Any]]:
+    """DataLoaders in a state tree, including those attached to a ResumableSampler."""
+    if depth > 50:
+        return []
+    if isinstance(value, DataLoader):
+        return [value]
+    if isinstance(value, ResumableSampler):
+        return [value._loader] if value._loader is not None else []
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in loaders_in(v, depth + 1)]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in loaders_in(v, depth + 1)]
+    return []

@@ -1,0 +1,422 @@
+"""The manifest: a checkpoint's table of contents and its commit marker.
+
+It is written last; a checkpoint without one never committed. It is plain JSON with an explicit
+``format_version`` (the format's, not the package's) and a checksum over its own canonical bytes, so
+a flipped byte in it is caught like one in a data file. Parsing validates everything a hostile file could
+lie about — file names, byte ranges, shapes, dtypes — before a single data byte is read, so a reader
+never allocates more than the files hold. Before the JSON is parsed at all, its size and a cheap bound on
+what parsing it costs (:func:`parse_cost`) are checked, so a small file cannot make the reader build gigabytes
+of Python objects; the writer checks the same bound, so every manifest it writes can be read back.
+docs/format.md is the normative description.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainstate import _tree as tree
+from trainstate._format import checksum, dtypes
+from trainstate.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
+
+FORMAT_NAME = "trainstate"
+FORMAT_VERSION = "1.0"
+MANIFEST_NAME = "manifest.json"
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+KNOWN_TRANSFORMS: frozenset[str] = frozenset()  # per-chunk byte transforms (compression, encryption) go here
+
+# Limits on one manifest (docs/format.md, "Limits"). A merged manifest of 1,024 ranks x 1,000 tensors is about
+# 0.3 GB, with a parse cost under 13 bytes per byte.
+MAX_BYTES = 1 << 30
+PARSE_COST_PER_BYTE = 18  # parse_cost() may be this many bytes per manifest byte ...
+PARSE_COST_ALLOWANCE = 256 << 20  # ... plus this much
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of a tensor stored contiguously (C order) in one data file."""
+
+    file: str
+    byte_range: tuple[int, int]  # absolute offsets in the file, end exclusive
+    offset: tuple[int, ...]  # where the box starts in the tensor
+    shape: tuple[int, ...]  # the box's shape
+    checksum: str  # over the stored bytes
+    transforms: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str  # what the saver held: "torch", "numpy" or "numpy-scalar"
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(math.prod(self.shape)) * dtypes.from_code(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    size: int
+    header_checksum: str  # over the safetensors header, length prefix included
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tree: Any  # the encoded state (see tree.py)
+    tensors: Mapping[str, TensorEntry]
+    files: tuple[FileEntry, ...]
+    metadata: Any = None  # encoded like the tree
+    created: float = 0.0
+    writer: str = ""
+    format_version: str = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)  # fields from a newer minor version, kept as-is
+
+    def to_json_bytes(self) -> bytes:
+        """The manifest file's bytes.
+
+        Raises:
+            UnsupportedValueError: a reader would refuse them as too large or too costly to parse.
+        """
+        body = self._body()
+        body["checksum"] = checksum.digest(_canonical(body))
+        raw = _canonical(body) + b"\n"
+        problem = over_limits(raw)
+        if problem:
+            raise UnsupportedValueError(
+                f"this checkpoint's manifest {problem}, so no reader would open it; the state holds too many "
+                "small Python values (lists, dicts, numbers, strings): store long lists of numbers as arrays"
+            )
+        return raw
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            **self.extra,
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "created": self.created,
+            "writer": self.writer,
+            "metadata": self.metadata,
+            "files": [{"path": f.path, "size": f.size, "header_checksum": f.header_checksum} for f in self.files],
+            "tensors": {name: _tensor_json(t) for name, t in self.tensors.items()},
+            "tree": self.tree,
+        }
+
+
+def _tensor_json(t: TensorEntry) -> dict[str, Any]:
+    return {
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "kind": t.kind,
+        "chunks": [
+            {
+                "file": c.file,
+                "byte_range": list(c.byte_range),
+                "offset": list(c.offset),
+                "shape": list(c.shape),
+                "checksum": c.checksum,
+                **({"transforms": list(c.transforms)} if c.transforms else {}),
+            }
+            for c in t.chunks
+        ],
+    }
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def parse_cost(raw: bytes | bytearray) -> int:
+    """An upper bound on the memory (bytes) ``json.loads(raw)`` allocates, from counts of JSON's structural
+    characters: no parsing, no copy.
+
+    The weights are CPython's (3.11, 64-bit; later versions' objects are no larger), worst case per item: a container (list 56 bytes plus its
+    slot array; dict 64 plus a 120-byte table), a value's slot and a number object, a string object, a dict
+    member (table entry, resizes, json's key memo), and per byte the decoded text and string contents (4
+    where non-ASCII text makes strings wide). Characters inside strings are counted as structure too,
+    which only overestimates. tests/format/test_manifest.py checks the bound against tracemalloc.
+    """
+    objects = raw.count(b"{")
+    containers = raw.count(b"[") + objects
+    values = raw.count(b",") + containers + 1
+    text = 1 if raw.isascii() else 4
+    wide_strings = text > 1 or raw.count(b"\\u") > raw.count(b"\\u00")  # escapes past Latin-1
+    per_byte = text + (4 if wide_strings else 1)
+    return (
+        60 * containers
+        + 40 * objects
+        + 40 * values
+        + 24 * (raw.count(b'"') // 2)
+        + 48 * raw.count(b":")
+        + per_byte * len(raw)
+    )
+
+
+def over_limits(raw: bytes | bytearray) -> str | None:
+    """What makes these manifest bytes too large or too costly to parse, or None if nothing does."""
+    if len(raw) > MAX_BYTES:
+        return f"is {len(raw)} bytes, more than the {MAX_BYTES} a manifest may have"
+    cost, budget = parse_cost(raw), PARSE_COST_PER_BYTE * len(raw) + PARSE_COST_ALLOWANCE
+    if cost > budget:
+        return (
+            f"would take up to {cost / 1e9:.2f} GB of memory to parse ({cost / len(raw):.1f} bytes per byte), "
+            f"more than a manifest may ({PARSE_COST_PER_BYTE} per byte + {PARSE_COST_ALLOWANCE >> 20} MiB)"
+        )
+    return None
+
+
+def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME) -> Manifest:
+    """Parse, checksum-check and validate manifest bytes.
+
+    Raises:
+        FormatVersionError: written by a newer major format version.
+        CorruptCheckpointError: anything else wrong with it.
+    """
+    problem = over_limits(raw)  # before json.loads: a hostile file is refused before it costs anything
+    if problem:
+        raise CorruptCheckpointError(
+            f"{what} {problem}. trainstate refuses to write such a manifest, so this one is damaged or forged "
+            "(or an older trainstate wrote it for a state of millions of tiny Python values): restore another "
+            "checkpoint"
+        )
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{what} is not valid JSON ({e})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{what} is not a trainstate manifest")
+    _check_version(body.get("format_version"), what)
+    expected = body.pop("checksum", None)
+    if not isinstance(expected, str):
+        raise CorruptCheckpointError(f"{what} has no checksum")
+    prefix = b'{"checksum":' + json.dumps(expected).encode() + b","
+    if raw.startswith(prefix):  # canonical file: the body is the same bytes without the checksum field
+        checksum.check(b"{" + raw[len(prefix) :].rstrip(b"\n"), expected, what)
+    else:
+        try:
+            checksum.check(_canonical(body), expected, what)
+        except ValueError as e:  # non-finite floats smuggled in
+            raise CorruptCheckpointError(f"{what}: {e}") from None
+    with malformed(what):
+        return _build(body)
+
+
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError)
+
+
+class malformed:
+    """Turn the errors a lying manifest provokes while being read into CorruptCheckpointError."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if kind is not None and issubclass(kind, _MALFORMED) and not isinstance(error, CorruptCheckpointError):
+            raise CorruptCheckpointError(f"{self.what} is malformed: {kind.__name__}: {error}") from None
+
+
+def _check_version(version: object, what: str) -> None:
+    if not isinstance(version, str) or not re.fullmatch(r"\d{1,6}\.\d{1,6}", version):
+        raise CorruptCheckpointError(f"{what}: bad format_version {version!r}")
+    if int(version.split(".")[0]) != int(FORMAT_VERSION.split(".")[0]):
+        raise FormatVersionError(
+            f"{what} has format_version {version}; this trainstate reads {FORMAT_VERSION.split('.')[0]}.x — "
+            "upgrade trainstate to read it"
+        )
+
+
+_KNOWN_FIELDS = {"format", "format_version", "created", "writer", "metadata", "files", "tensors", "tree"}
+
+
+def _build(body: dict[str, Any]) -> Manifest:
+    files = tuple(_file_entry(f) for f in _typed(body["files"], list, "files"))
+    sizes = {f.path: f.size for f in files}
+    if len(sizes) != len(files):
+        raise CorruptCheckpointError("manifest lists a data file twice")
+    raw_tensors = _typed(body["tensors"], dict, "tensors")
+    _check_byte_ranges(raw_tensors)
+    tensors = _LazyTensors(raw_tensors, sizes)
+    created = body["created"]
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+        raise CorruptCheckpointError(f"manifest 'created' is not a finite number: {created!r:.40}")
+    tree.validate(body["tree"])
+    tree.validate(body["metadata"], tensors=False, what="metadata")
+    return Manifest(
+        tree=body["tree"],
+        tensors=tensors,
+        files=files,
+        metadata=body["metadata"],
+        created=float(created),
+        writer=_typed(body["writer"], str, "writer"),
+        format_version=body["format_version"],
+        extra={k: v for k, v in body.items() if k not in _KNOWN_FIELDS},
+    )
+
+
+class _LazyTensors(Mapping[str, TensorEntry]):
+    """Tensor entries validated when first looked up, so open() costs the same for 10 or 10,000 tensors.
+
+    Every read looks its entry up here first, so nothing is read from a file before its entry passed.
+    """
+
+    def __init__(self, raw: dict[str, Any], sizes: dict[str, int]) -> None:
+        self._raw = raw
+        self._sizes = sizes
+        self._done: dict[str, TensorEntry] = {}
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        entry = self._done.get(name)
+        if entry is None:
+            raw = self._raw[name]  # KeyError for a name that is not listed: the caller's mistake
+            with malformed(f"tensor {name!r:.80} in the manifest"):
+                entry = self._done[name] = _tensor_entry(name, raw, self._sizes)
+        return entry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._raw
+
+
+def _typed(value: Any, kind: type, what: str) -> Any:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CorruptCheckpointError(f"manifest field {what} should be {kind.__name__}, found {value!r:.80}")
+    return value
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    items = tuple(_typed(v, int, what) for v in _typed(value, list, what))
+    if any(v < 0 for v in items):
+        raise CorruptCheckpointError(f"manifest field {what} has a negative entry: {list(items)}")
+    return items
+
+
+MAX_RANK = 32
+MAX_DIM = 1 << 48
+
+
+def _shape(value: Any, what: str) -> tuple[int, ...]:
+    """A shape NumPy and torch can allocate: bounded rank, dimensions and element count."""
+    shape = _ints(value, what)
+    if len(shape) > MAX_RANK or any(d >= MAX_DIM for d in shape):
+        raise CorruptCheckpointError(f"manifest field {what} is not a plausible shape: {list(shape)[:8]}")
+    if math.prod(d for d in shape if d) >= MAX_DIM:
+        raise CorruptCheckpointError(f"manifest field {what} has too many elements: {list(shape)[:8]}")
+    return shape
+
+
+def _check_byte_ranges(raw_tensors: dict[str, Any]) -> None:
+    """No two stored chunks may share bytes, so the tensors can never add up to more than the files hold.
+
+    A cheap pass over the raw entries (the full per-tensor checks run when a tensor is first used).
+    """
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for t in raw_tensors.values():
+        for c in t.get("chunks", []) if isinstance(t, dict) and isinstance(t.get("chunks"), list) else []:
+            rng = c.get("byte_range") if isinstance(c, dict) else None
+            if isinstance(rng, list) and len(rng) == 2 and all(type(v) is int for v in rng) and rng[0] < rng[1]:
+                spans.setdefault(str(c.get("file")), []).append((rng[0], rng[1]))
+    for file, ranges in spans.items():
+        ranges.sort()
+        for (_, end), (begin, _) in zip(ranges, ranges[1:]):
+            if begin < end:
+                raise CorruptCheckpointError(f"manifest: two chunks share bytes of {file} (at byte {begin})")
+
+
+def check_file_name(name: Any) -> str:
+    """A data file name must be a plain name inside the checkpoint: no separators, no '..', no hidden files."""
+    if not isinstance(name, str) or not _FILE_NAME.match(name) or name == MANIFEST_NAME:
+        raise CorruptCheckpointError(f"manifest names an illegal data file {name!r:.80}")
+    return name
+
+
+def _file_entry(f: Any) -> FileEntry:
+    f = _typed(f, dict, "files[]")
+    return FileEntry(
+        path=check_file_name(f["path"]),
+        size=_ints([f["size"]], "size")[0],
+        header_checksum=_typed(f["header_checksum"], str, "header_checksum"),
+    )
+
+
+def _tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
+    t = _typed(t, dict, f"tensors[{name}]")
+    dtype = dtypes.from_code(t["dtype"])
+    shape = _shape(t["shape"], f"{name}.shape")
+    kind = t["kind"]
+    if kind not in ("torch", "numpy", "numpy-scalar"):
+        raise CorruptCheckpointError(f"tensor {name}: unknown kind {kind!r:.40}")
+    chunks = tuple(_chunk(name, c, dtype, shape, sizes) for c in _typed(t["chunks"], list, f"{name}.chunks"))
+    covered = 0
+    for c in chunks:
+        covered += int(math.prod(c.shape))
+    if covered != int(math.prod(shape)):
+        raise CorruptCheckpointError(f"tensor {name}: its chunks do not cover shape {list(shape)}")
+    _check_disjoint(name, chunks)
+    return TensorEntry(dtype=dtype.code, shape=shape, kind=kind, chunks=chunks)
+
+
+def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes: dict[str, int]) -> Chunk:
+    c = _typed(c, dict, f"{name}.chunks[]")
+    file = check_file_name(c["file"])
+    if file not in sizes:
+        raise CorruptCheckpointError(f"tensor {name}: chunk in {file!r}, which the manifest does not list")
+    byte_range = _ints(c["byte_range"], f"{name}.byte_range")
+    if len(byte_range) != 2 or not byte_range[0] <= byte_range[1] <= sizes[file]:
+        raise CorruptCheckpointError(
+            f"tensor {name}: byte range {list(byte_range)} lies outside {file} ({sizes[file]} bytes)"
+        )
+    begin, end = byte_range
+    offset = _ints(c["offset"], f"{name}.offset")
+    cshape = _shape(c["shape"], f"{name}.chunk.shape")
+    if len(offset) != len(shape) or len(cshape) != len(shape):
+        raise CorruptCheckpointError(f"tensor {name}: chunk rank does not match the tensor's rank {len(shape)}")
+    if any(o + s > n for o, s, n in zip(offset, cshape, shape)):
+        raise CorruptCheckpointError(f"tensor {name}: chunk at {list(offset)} of {list(cshape)} exceeds {list(shape)}")
+    transforms = tuple(
+        _typed(x, dict, f"{name}.transforms[]") for x in _typed(c.get("transforms", []), list, f"{name}.transforms")
+    )
+    for x in transforms:
+        if not isinstance(x.get("name"), str) or x["name"] not in KNOWN_TRANSFORMS:
+            raise FormatVersionError(
+                f"tensor {name} uses byte transform {x.get('name')!r:.40}, which this trainstate does not know"
+            )
+    if not transforms and end - begin != math.prod(cshape) * dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"tensor {name}: {end - begin} stored bytes do not hold {list(cshape)} × {dtype.code} "
+            f"({math.prod(cshape) * dtype.itemsize} bytes)"
+        )
+    return Chunk(file, (begin, end), offset, cshape, _typed(c["checksum"], str, "checksum"), transforms)
+
+
+def _check_disjoint(name: str, chunks: tuple[Chunk, ...]) -> None:
+    """Boxes must not overlap (their volumes already add up to the tensor's, so disjoint boxes tile it).
+
+    Sweep along the axis with the most distinct offsets: for sharded tensors only neighbours are compared.
+    """
+    boxes = [c for c in chunks if math.prod(c.shape)]
+    if len(boxes) < 2:
+        return
+    axis = max(range(len(boxes[0].offset)), key=lambda a: len({c.offset[a] for c in boxes}))
+    boxes.sort(key=lambda c: c.offset[axis])
+    active: list[Chunk] = []
+    for box in boxes:
+        start = box.offset[axis]
+        active = [a for a in active if a.offset[axis] + a.shape[axis] > start]
+        for a in active:
+            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offset, a.shape, box.offset, box.shape)):
+                raise CorruptCheckpointError(f"tensor {name}: chunks overlap")
+        active.append(box)

@@ -1,0 +1,71 @@
+"""NumPy arrays and scalars; bfloat16 and float8 come from ml_dtypes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trainstate._format import dtypes
+from trainstate.errors import UnsupportedValueError
+
+KIND = "numpy"
+
+
+def is_array(value: Any) -> bool:
+    # np.str_ / np.bytes_ are str / bytes subclasses: they go through the scalar path instead.
+    return isinstance(value, np.ndarray) or (isinstance(value, np.generic) and value.dtype.kind not in "US")
+
+
+def describe(value: Any) -> tuple[str, tuple[int, ...], str]:
+    """(dtype code, shape, kind) of an array or NumPy scalar."""
+    if value.dtype.hasobject or value.dtype.fields is not None:
+        raise UnsupportedValueError(f"NumPy dtype {value.dtype} (object or structured) cannot be stored")
+    kind = "numpy-scalar" if isinstance(value, np.generic) else KIND
+    dtype = value.dtype.newbyteorder("=") if value.dtype.byteorder == ">" else value.dtype
+    return dtypes.from_numpy(dtype).code, tuple(int(n) for n in np.shape(value)), kind
+
+
+def identity(value: Any) -> tuple[object, ...] | None:
+    """A key equal for two arrays that are the same view of the same memory."""
+    if isinstance(value, np.generic) or value.size == 0:
+        return None
+    return ("np", value.__array_interface__["data"][0], value.shape, value.strides, value.dtype.str)
+
+
+def byte_view(value: Any) -> memoryview:
+    """The value's bytes in C order, little-endian; copies only when the layout requires it."""
+    arr = np.asarray(value)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = np.ascontiguousarray(arr)
+    return arr.reshape(-1).view(np.uint8).data
+
+
+def empty(code: str, shape: tuple[int, ...]) -> np.ndarray:
+    return np.empty(shape, dtype=dtypes.from_code(code).numpy)
+
+
+def writable_view(target: Any) -> memoryview | None:
+    """Memory to read straight into ``target``, or None when its layout does not allow it."""
+    if (
+        isinstance(target, np.ndarray)
+        and target.flags.c_contiguous
+        and target.flags.writeable
+        and target.dtype.byteorder != ">"
+    ):
+        return target.reshape(-1).view(np.uint8).data
+    return None
+
+
+def finish(array: np.ndarray, kind: str) -> Any:
+    """Turn a freshly read array into what the saver held (a scalar stays a scalar)."""
+    return array[()] if kind == "numpy-scalar" else array
+
+
+def assign(target: Any, source: np.ndarray) -> Any:
+    """Copy ``source`` into ``target`` when it is a writable array, else return ``source``."""
+    if isinstance(target, np.ndarray) and target.flags.writeable:
+        target[...] = source
+        return target
+    return source

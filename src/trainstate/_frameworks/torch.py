@@ -1,0 +1,110 @@
+"""torch tensors: with data.py, the only module that imports torch (rng.py uses it only if imported).
+
+Tensors on an accelerator are staged through host memory; reads into them go through a host buffer
+and ``copy_``, so a restored tensor keeps its device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trainstate._format import dtypes
+from trainstate._optional import optional
+from trainstate.errors import UnsupportedValueError
+
+with optional("torch", extra="torch", needed_for="torch tensors (framework='torch')"):
+    import torch
+
+KIND = "torch"
+
+
+def is_array(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _check_plain(t: torch.Tensor) -> None:
+    # Quantized and nested tensors report the ordinary strided layout: ask about them first.
+    if t.is_quantized:
+        raise UnsupportedValueError(
+            f"a quantized tensor ({t.dtype}, {t.qscheme()}) cannot be stored: store t.dequantize(), or "
+            "t.int_repr() together with its scale and zero point (t.q_scale(), t.q_zero_point(); per channel: "
+            "t.q_per_channel_scales(), t.q_per_channel_zero_points(), t.q_per_channel_axis())"
+        )
+    if t.is_nested:
+        raise UnsupportedValueError(
+            "a nested tensor cannot be stored: store t.unbind() (a list of tensors), or t.to_padded_tensor(0)"
+        )
+    if t.layout != torch.strided:
+        raise UnsupportedValueError(f"a torch tensor with layout {t.layout} cannot be stored: store t.to_dense()")
+    if t.device.type == "meta":
+        raise UnsupportedValueError("a meta tensor has no data to store")
+    if str(t.dtype).removeprefix("torch.") not in dtypes.BY_TORCH_NAME:
+        raise UnsupportedValueError(f"torch dtype {t.dtype} cannot be stored")
+
+
+def describe(value: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
+    _check_plain(value)
+    return dtypes.BY_TORCH_NAME[str(value.dtype).removeprefix("torch.")].code, tuple(value.shape), KIND
+
+
+def identity(value: torch.Tensor) -> tuple[object, ...] | None:
+    if value.numel() == 0:
+        return None
+    storage = value.untyped_storage()
+    return (
+        "torch",
+        str(value.device),
+        storage.data_ptr(),
+        value.storage_offset(),
+        tuple(value.shape),
+        value.stride(),
+        str(value.dtype),
+    )
+
+
+def byte_view(value: torch.Tensor) -> memoryview:
+    t = value.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def empty(code: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.empty(shape, dtype=getattr(torch, dtypes.from_code(code).torch_name))
+
+
+def writable_view(target: Any) -> memoryview | None:
+    if (
+        isinstance(target, torch.Tensor)
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and target.layout == torch.strided
+        and not target.is_conj()
+        and not target.is_neg()
+    ):
+        return target.detach().reshape(-1).view(torch.uint8).numpy().data
+    return None
+
+
+def finish(array: torch.Tensor, kind: str) -> Any:
+    return array
+
+
+def assign(target: Any, source: torch.Tensor) -> Any:
+    """Copy ``source`` (host) into a live tensor, keeping its device; else return ``source``."""
+    if isinstance(target, torch.Tensor):
+        with torch.no_grad():
+            target.copy_(source)
+        return target
+    return source
+
+
+def from_numpy(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor sharing ``array``'s memory (bfloat16 / float8 go through a byte view)."""
+    code = dtypes.from_numpy(array.dtype).code
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    dtype = getattr(torch, dtypes.from_code(code).torch_name)
+    return torch.from_numpy(flat).view(dtype).reshape(array.shape)

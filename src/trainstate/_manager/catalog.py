@@ -1,0 +1,243 @@
+"""The catalog of a manager's directory: which committed checkpoints exist, their manifest facts, pins.
+
+Everything here reads manifests only, never tensors. Names outside the manager's scheme are never listed
+or touched. A directory lock keeps a second manager out.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import json
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from trainstate import _tree as tree
+from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._manager import naming
+from trainstate._manager.policies import CheckpointInfo
+from trainstate._restore.checkpoint import _read_manifest
+from trainstate._storage import LocalStorage, Storage, is_staging_name
+from trainstate.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompleteCheckpointError,
+    StorageError,
+)
+
+log = logging.getLogger("trainstate")
+PIN_FILE = "pinned.json"
+META_KEY = "trainstate"  # the manager's facts inside the manifest metadata
+REMOTE_SWEEP_AGE = 3600.0
+PIN_SETTLE_SECONDS = 2.0  # how long a pin waits for a retention pass that is looking at it
+
+
+class Catalog:
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.storage = storage
+        self.root = root
+        self._cache: dict[str, tuple[float, int, CheckpointInfo]] = {}
+        self.newer: dict[str, str] = {}  # checkpoints written by a newer trainstate: name -> why
+        self.damaged: dict[str, str] = {}  # committed, but the manifest is unreadable: name -> why
+        self._damage_seen: dict[str, tuple[float, int]] = {}
+
+    def path(self, name: str) -> str:
+        return self.storage.join(self.root, name)
+
+    def list(self) -> builtins.list[CheckpointInfo]:
+        """Committed checkpoints, oldest first."""
+        out = []
+        self.newer.clear()
+        self.damaged.clear()
+        for name in self.storage.list(self.root):
+            step = naming.step_of(name)
+            if step is None:
+                continue
+            info = self._info(name, step)
+            if info is not None:
+                out.append(info)
+        return sorted(out, key=lambda c: c.step)
+
+    def _info(self, name: str, step: int) -> CheckpointInfo | None:
+        stamp = self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME))
+        if stamp is None:
+            return None  # not committed
+        pin = self.pin_reason(name)
+        cached = self._cache.get(name)
+        if cached is not None and cached[:2] == (stamp.mtime, stamp.size):
+            return _with_pin(cached[2], pin)
+        try:
+            m = _read_manifest(self.storage, self.path(name))
+        except (CheckpointNotFoundError, IncompleteCheckpointError):
+            return None  # deleted (or being deleted) since we listed the directory
+        except FormatVersionError as e:
+            self.newer[name] = str(e)  # not damage: the manager refuses to work beside it
+            return None
+        except CorruptCheckpointError as e:
+            why = " ".join(str(e).split())
+            if self._damage_seen.get(name) != (stamp.mtime, stamp.size):
+                log.warning("skipping %s: %s", self.path(name), why)
+                self._damage_seen[name] = (stamp.mtime, stamp.size)
+            self.damaged[name] = why
+            return None
+        meta = tree.decode(m.metadata, lambda n: None)
+        facts = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
+        facts = facts if isinstance(facts, dict) else {}
+        seq = facts.get("seq")
+        metrics = facts.get("metrics")
+        epoch = facts.get("epoch")
+        info = CheckpointInfo(
+            name=name,
+            step=step,
+            created=m.created,
+            metrics={k: v for k, v in metrics.items() if isinstance(k, str)} if isinstance(metrics, dict) else {},
+            epoch=epoch if type(epoch) is int else None,
+            pinned=pin is not None,
+            pin_reason=pin or "",
+            nbytes=sum(f.size for f in m.files),
+            seq=seq if type(seq) is int and seq >= 0 else None,
+        )
+        self._cache[name] = (stamp.mtime, stamp.size, info)
+        return info
+
+    def next_seq(self) -> int:
+        """The sequence number of the next commit: the highest in the directory + 1."""
+        return 1 + max((c.seq for c in self.list() if c.seq is not None), default=0)
+
+    def pin(self, name: str, reason: str = "") -> bool:
+        """Pin a committed checkpoint; False if it was pinned already (its reason is left as it was).
+
+        Safe beside a process that prunes: a pin is reported only once the pin file exists *and* the
+        checkpoint is still committed, and :meth:`delete` checks for a pin after un-committing, so a
+        reported pin is never deleted (see :meth:`delete`).
+        """
+        self._committed(name, "pin")
+        if self.is_pinned(name):
+            return False  # never remove a pin to rewrite it (a crash in between would unpin)
+        pin = self.storage.join(self.path(name), PIN_FILE)
+        try:
+            self.storage.write(pin, [memoryview(json.dumps({"reason": reason}).encode())], fsync=True)
+        except StorageError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise CheckpointNotFoundError(f"cannot pin {self.path(name)}: it was deleted meanwhile") from e
+            if e.errno == errno.EEXIST:
+                return False  # pinned by someone else just now
+            raise
+        manifest = self.storage.join(self.path(name), MANIFEST_NAME)
+        deadline = time.monotonic() + PIN_SETTLE_SECONDS
+        while self.storage.stat(manifest) is None:  # a retention pass may be checking for pins right now
+            if time.monotonic() > deadline:
+                raise CheckpointNotFoundError(f"cannot pin {self.path(name)}: retention deleted it meanwhile")
+            time.sleep(0.01)
+        return True
+
+    def is_pinned(self, name: str) -> bool:
+        return self.storage.stat(self.storage.join(self.path(name), PIN_FILE)) is not None
+
+    def pin_reason(self, name: str) -> str | None:
+        """The pin's reason ("" if none was given), or None when the checkpoint is not pinned."""
+        path = self.storage.join(self.path(name), PIN_FILE)
+        info = self.storage.stat(path)
+        if info is None:
+            return None
+        raw = bytearray(min(info.size, 64 << 10))
+        try:
+            got = self.storage.read_into(path, 0, memoryview(raw))
+            reason = json.loads(bytes(raw[:got])).get("reason", "")
+        except (StorageError, ValueError, AttributeError):
+            reason = ""  # unpinned meanwhile, or a pin file written by hand: still a pin
+        return reason if isinstance(reason, str) else ""
+
+    def unpin(self, name: str) -> None:
+        self._committed(name, "unpin")
+        self.storage.delete(self.storage.join(self.path(name), PIN_FILE))
+
+    def _committed(self, name: str, what: str) -> None:
+        if self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME)) is None:
+            raise CheckpointNotFoundError(f"cannot {what} {self.path(name)}: no committed checkpoint there")
+
+    def delete(self, name: str) -> bool:
+        """Delete a checkpoint for retention unless it is pinned; True if it was deleted.
+
+        First take it out of sight — one rename where the storage has one, else remove the manifest
+        (keeping its bytes) — then look for a pin: a pin written before that look is seen and the
+        checkpoint is put back; a pin written after it finds no committed checkpoint and is not
+        reported as a success (see :meth:`pin`). Either way a reported pin survives, and readers see the
+        checkpoint whole or not at all.
+        """
+        if naming.step_of(name) is None:
+            raise CheckpointError(f"refusing to delete {name!r}: not a name this manager makes")
+        self._cache.pop(name, None)
+        path = self.path(name)
+        if self.is_pinned(name):
+            return False
+        hidden = self.storage.hide(path)
+        if hidden is not None:
+            if self.storage.stat(self.storage.join(hidden, PIN_FILE)) is not None:
+                self.storage.unhide(hidden, path)
+                return False
+            self.storage.delete(hidden)
+            return True
+        manifest = self.storage.join(path, MANIFEST_NAME)
+        info = self.storage.stat(manifest)
+        if info is not None:
+            raw = bytearray(info.size)
+            got = self.storage.read_into(manifest, 0, memoryview(raw))
+            self.storage.delete(manifest)
+            if self.is_pinned(name):
+                self.storage.write(manifest, [memoryview(raw)[:got]], fsync=True)
+                return False
+        self.storage.delete(path)
+        return True
+
+    def sweep(self) -> builtins.list[str]:
+        """Remove leftovers of crashed saves and deletes; returns what was removed.
+
+        On local disks the directory lock guarantees no save is in flight. Object stores have no lock, so
+        there only leftovers untouched for ``REMOTE_SWEEP_AGE`` seconds are removed: a save another
+        process is writing right now is never taken for a crash.
+        """
+        removed = []
+        local = isinstance(self.storage, LocalStorage)
+        for name in self.storage.list(self.root):
+            if is_staging_name(name):
+                if ".old-" in name and self.storage.recover(self.path(name[1:].split(".old-")[0])):
+                    continue
+            elif (
+                naming.step_of(name) is None
+                or self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME)) is not None
+            ):
+                continue
+            if not local and self.storage.age(self.path(name)) < REMOTE_SWEEP_AGE:
+                continue
+            self.storage.abort(self.path(name))
+            removed.append(name)
+        if removed:
+            log.info("swept %d incomplete checkpoint(s) in %s: %s", len(removed), self.root, removed)
+        return removed
+
+
+def _with_pin(info: CheckpointInfo, reason: str | None) -> CheckpointInfo:
+    if info.pinned == (reason is not None) and info.pin_reason == (reason or ""):
+        return info
+    return replace(info, pinned=reason is not None, pin_reason=reason or "")
+
+
+def facts(
+    step: int, epoch: int | None, metrics: dict[str, Any] | None, reason: str, now: float, seq: int
+) -> dict[str, Any]:
+    """What the manager records in each checkpoint's metadata (``seq`` orders commits; ``time`` is display)."""
+    return {"step": step, "epoch": epoch, "metrics": dict(metrics or {}), "reason": reason, "time": now, "seq": seq}
+
+
+def ensure_directory(storage: Storage, root: str) -> None:
+    if isinstance(storage, LocalStorage):
+        try:
+            Path(root).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot create checkpoint directory {root}: {e.strerror}") from e

@@ -1,0 +1,125 @@
+"""The part of a manager's save that may run in the background: write, commit, apply retention.
+
+It holds the catalog and the manager's settings, never the manager itself, so a manager dropped while a
+save is in flight can be collected at once (its finalizer then waits for the save, see background.py).
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from trainstate._manager import naming
+from trainstate._manager.catalog import Catalog
+from trainstate._manager.policies import CheckpointInfo, RetentionPlan, RetentionPolicy, SavePolicy, plan_retention
+from trainstate._save import Snapshot, write_checkpoint
+from trainstate._storage import Storage
+from trainstate.errors import CheckpointError, FormatVersionError
+
+log = logging.getLogger("trainstate")
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """One save as the manager saw it. Times in seconds."""
+
+    step: int
+    reason: str
+    path: str
+    background: bool
+    blocking_seconds: float  # how long save() held up the training loop
+    write_seconds: float = 0.0  # writing data files and manifest (in the background when async)
+    commit_seconds: float = 0.0  # rename + fsync of the directory
+    nbytes: int = 0
+    deleted: tuple[str, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A manager's configuration, fixed at construction."""
+
+    directory: str
+    storage: Storage
+    save_policies: tuple[SavePolicy, ...]
+    retention: tuple[RetentionPolicy, ...]
+    async_save: bool
+    max_in_flight: int
+    staging_budget_bytes: int | None
+    capture_rng: bool
+    fsync: bool
+    threads: int
+    metadata: dict[str, Any]
+    read_only: bool
+
+
+class Committer:
+    """Writes a snapshot, commits it and applies retention: the part of a save that may run in the
+    background. It holds the catalog and the settings, never the manager."""
+
+    def __init__(self, catalog: Catalog, config: Settings) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.last_retention: RetentionPlan | None = None
+
+    def list(self) -> builtins.list[CheckpointInfo]:
+        items = self.catalog.list()
+        if self.catalog.newer and not self.config.read_only:
+            name, why = next(iter(self.catalog.newer.items()))
+            raise FormatVersionError(
+                f"{self.catalog.path(name)} was written by a newer trainstate ({why}). Resuming from an older "
+                "checkpoint would save over it: upgrade trainstate to continue this run."
+            )
+        return items
+
+    def write(
+        self,
+        step: int,
+        reason: str,
+        snapshot: Snapshot,
+        background: bool,
+        blocking_start: float | None,
+        blocking: float = 0.0,
+    ) -> SaveRecord:
+        c = self.config
+        path = self.catalog.path(naming.name_for(step))
+        result = write_checkpoint(path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads)
+        deleted = self.apply_retention()
+        if blocking_start is not None:
+            blocking = time.perf_counter() - blocking_start
+        log.info(
+            "saved step %d (%s): %.1f MB, blocked %.3fs, wrote %.3fs, committed %.3fs%s",
+            step,
+            reason,
+            result.nbytes / 1e6,
+            blocking,
+            result.write_seconds,
+            result.commit_seconds,
+            f", deleted {list(deleted)}" if deleted else "",
+        )
+        return SaveRecord(
+            step,
+            reason,
+            result.path,
+            background,
+            blocking,
+            result.write_seconds,
+            result.commit_seconds,
+            result.nbytes,
+            deleted,
+        )
+
+    def apply_retention(self) -> tuple[str, ...]:
+        plan = plan_retention(self.list(), self.config.retention)
+        deleted = tuple(name for name in plan.delete if self.catalog.delete(name))  # a pin found late wins
+        self.last_retention = RetentionPlan(plan.keep, list(deleted)) if deleted != tuple(plan.delete) else plan
+        return deleted
+
+
+def raise_background(error: BaseException) -> None:
+    if isinstance(error, CheckpointError):
+        raise error
+    raise CheckpointError(f"a background save failed: {error!r}") from error

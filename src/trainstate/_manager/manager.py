@@ -1,0 +1,581 @@
+"""CheckpointManager: when to save, what to keep, and resuming from the newest good checkpoint.
+
+The manager is thin: policies decide (policies.py), the catalog lists and deletes (catalog.py), the
+synchronous core writes (save.write_checkpoint), and async save is that same core run on one background
+thread after the state was copied into a reused host buffer (staging.py). Retention runs only after a
+new checkpoint has committed, so nothing is deleted before its replacement exists.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from trainstate._manager import arguments, naming
+from trainstate._manager.background import InFlight, InFlightJobs, release, track
+from trainstate._manager.catalog import META_KEY, Catalog, ensure_directory, facts
+from trainstate._manager.committer import Committer, SaveRecord, Settings, raise_background
+from trainstate._manager.lock import DirectoryLock
+from trainstate._manager.policies import (
+    AtSteps,
+    CheckpointInfo,
+    EverySeconds,
+    EverySteps,
+    KeepBest,
+    KeepEveryMinutes,
+    KeepEverySteps,
+    KeepLast,
+    RetentionPlan,
+    RetentionPolicy,
+    SavePolicy,
+    finite,
+    plan_retention,
+    reason_to_save,
+    saved_order,
+)
+from trainstate._manager.preemption import DEFAULT_SIGNALS, PreemptionWatcher
+from trainstate._manager.staging import StagingBuffer
+from trainstate._restore import RESERVED_RNG_KEY, load_from
+from trainstate._rng import RNGState
+from trainstate._save import DEFAULT_THREADS, encode_state
+from trainstate._storage import LocalStorage, Storage, resolve
+from trainstate.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    InvalidArgumentError,
+    StateMismatchError,
+)
+
+log = logging.getLogger("trainstate")
+RNG_KEY = RESERVED_RNG_KEY
+
+
+class CheckpointManager:
+    """Saves a training run's state on a schedule, keeps what the retention policies say, and resumes.
+
+    Args:
+        directory: where the checkpoints go, one ``step_00001200`` directory each.
+        every_steps: save when ``step % every_steps == 0``.
+        every_seconds: save when this much wall time passed since the last save.
+        at_steps: save at these steps.
+        keep_last: keep the newest N.
+        keep_every_steps: keep every checkpoint whose step is a multiple of N.
+        keep_every_minutes: keep one checkpoint per N minutes of wall time.
+        keep_best: ``(metric, "min" | "max", k)``: keep the k best by a metric passed to ``save``.
+        async_save: copy the state to host memory and write it on a background thread.
+        max_in_flight: async saves allowed at once; each holds one staging buffer the size of the state's
+            arrays, so async saving needs ``max_in_flight`` × that much extra host memory.
+        staging_budget_bytes: a cap on one staging buffer; a state larger than this is saved synchronously.
+        capture_rng: when ``state`` is a dict without an :class:`RNGState`, save and restore one anyway
+            (under the key ``"_rng"``), so resumed runs draw the same random numbers.
+        save_on_preemption: on SIGTERM / SIGINT / SIGUSR1, save at the next ``save()`` call.
+        fsync: flush to stable storage before each commit.
+        threads: writer threads per save.
+        metadata: plain values recorded in every checkpoint's manifest.
+        storage: where the checkpoints live (default: chosen from ``directory``).
+        read_only: list, restore and pin only: no lock, no sweep, no saves or deletions (for tools
+            beside a running job).
+
+    Example:
+        >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
+        >>> start = mgr.restore_latest(state) or 0
+        >>> for step in range(start, total_steps):
+        ...     train_step()
+        ...     mgr.save(step, state, metrics={"val_loss": v})
+        ...     if mgr.preempted:
+        ...         break
+        >>> mgr.close()
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        at_steps: list[int] | tuple[int, ...] | None = None,
+        keep_last: int | None = None,
+        keep_every_steps: int | None = None,
+        keep_every_minutes: float | None = None,
+        keep_best: tuple[str, str, int] | None = None,
+        async_save: bool = False,
+        max_in_flight: int = 1,
+        staging_budget_bytes: int | None = None,
+        capture_rng: bool = True,
+        save_on_preemption: bool = True,
+        preemption_signals: tuple[str, ...] = DEFAULT_SIGNALS,
+        fsync: bool = True,
+        threads: int = DEFAULT_THREADS,
+        metadata: dict[str, Any] | None = None,
+        save_policies: list[SavePolicy] | None = None,
+        retention_policies: list[RetentionPolicy] | None = None,
+        storage: Storage | None = None,
+        read_only: bool = False,
+    ) -> None:
+        # Every argument is checked before anything is acquired (lock, signal handlers, threads).
+        save_list: list[SavePolicy] = list(save_policies or [])
+        if every_steps is not None:
+            save_list.append(EverySteps(arguments.positive_int(every_steps, "every_steps")))
+        if every_seconds is not None:
+            save_list.append(EverySeconds(arguments.positive_number(every_seconds, "every_seconds")))
+        if at_steps:
+            save_list.append(AtSteps(frozenset(arguments.step(s, "at_steps[]") for s in at_steps)))
+        keep: list[RetentionPolicy] = list(retention_policies or [])
+        if keep_last is not None:
+            keep.append(KeepLast(arguments.positive_int(keep_last, "keep_last")))
+        if keep_every_steps is not None:
+            keep.append(KeepEverySteps(arguments.positive_int(keep_every_steps, "keep_every_steps")))
+        if keep_every_minutes is not None:
+            keep.append(KeepEveryMinutes(arguments.positive_number(keep_every_minutes, "keep_every_minutes")))
+        if keep_best is not None:
+            keep.append(KeepBest(*arguments.keep_best(keep_best)))
+        max_in_flight = arguments.positive_int(max_in_flight, "max_in_flight")
+        threads = arguments.positive_int(threads, "threads")
+        if staging_budget_bytes is not None and (
+            isinstance(staging_budget_bytes, bool)
+            or not isinstance(staging_budget_bytes, int)
+            or staging_budget_bytes < 0
+        ):
+            raise InvalidArgumentError(f"staging_budget_bytes must be a non-negative int, got {staging_budget_bytes!r}")
+        for name in preemption_signals:
+            if not isinstance(name, str) or not name.startswith("SIG"):
+                raise InvalidArgumentError(f"preemption_signals takes names like 'SIGTERM', got {name!r}")
+        for name, value in (
+            ("async_save", async_save),
+            ("capture_rng", capture_rng),
+            ("fsync", fsync),
+            ("read_only", read_only),
+            ("save_on_preemption", save_on_preemption),
+        ):
+            arguments.flag(value, name)
+        storage_, root = resolve(arguments.location(directory), storage)
+        self._config = Settings(
+            directory=root,
+            storage=storage_,
+            save_policies=tuple(save_list),
+            retention=tuple(keep),
+            async_save=bool(async_save),
+            max_in_flight=max_in_flight,
+            staging_budget_bytes=staging_budget_bytes,
+            capture_rng=bool(capture_rng),
+            fsync=bool(fsync),
+            threads=threads,
+            metadata=dict(metadata or {}),
+            read_only=bool(read_only),
+        )
+        self.catalog = Catalog(storage_, root)
+        self._rng = RNGState()
+        self._history: builtins.list[SaveRecord] = []
+        self._in_flight = track(InFlightJobs())
+        self._error: BaseException | None = None
+        self._closed = False
+        self._preemption_saved = False
+        self._last_save_time = time.monotonic()  # a clock that never steps back
+        self._last_step: int | None = None
+        self._seq = 0  # the highest commit sequence number this manager has handed out
+        self._committer = Committer(self.catalog, self._config)
+        self.swept: builtins.list[str] = []
+        self._lock: DirectoryLock | None = None
+        self._preemption: PreemptionWatcher | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._buffers: builtins.list[StagingBuffer] = []
+        try:
+            if not read_only:
+                ensure_directory(storage_, root)
+                if isinstance(storage_, LocalStorage):
+                    self._lock = DirectoryLock(Path(root))
+                self.swept = self.catalog.sweep()
+                self.list()  # refuses to start beside a checkpoint written by a newer trainstate
+                if save_on_preemption:
+                    self._preemption = PreemptionWatcher(preemption_signals)
+            if async_save:
+                self._buffers = [StagingBuffer() for _ in range(max_in_flight)]
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-async")
+        except BaseException:
+            release(self._lock, self._preemption, self._pool, [])
+            raise
+        # Dropped without close() (a notebook cell run again): let go of the lock and the signal handlers.
+        self._finalizer = weakref.finalize(self, release, self._lock, self._preemption, self._pool, self._in_flight)
+
+    # -- configuration (fixed at construction) ----------------------------------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_finalizer" in self.__dict__ and not name.startswith("_") and name not in self.__dict__:
+            if name in Settings.__dataclass_fields__:
+                raise InvalidArgumentError(
+                    f"CheckpointManager.{name} is fixed when the manager is built; create a new manager "
+                    f"with {name}={value!r:.40} (close() this one first)"
+                )
+            raise InvalidArgumentError(
+                f"CheckpointManager has no setting {name!r} to change: settings are arguments of the "
+                "constructor and fixed once it is built"
+            )
+        super().__setattr__(name, value)
+
+    directory = property(lambda self: self._config.directory, doc="Where the checkpoints go.")
+    storage = property(lambda self: self._config.storage, doc="The storage backend.")
+    async_save = property(lambda self: self._config.async_save, doc="Whether saves run in the background.")
+    max_in_flight = property(lambda self: self._config.max_in_flight)
+    staging_budget_bytes = property(lambda self: self._config.staging_budget_bytes)
+    capture_rng = property(lambda self: self._config.capture_rng)
+    fsync = property(lambda self: self._config.fsync)
+    threads = property(lambda self: self._config.threads)
+    metadata = property(lambda self: dict(self._config.metadata), doc="A copy of the metadata every save records.")
+    save_policies = property(lambda self: self._config.save_policies)
+    retention = property(lambda self: self._config.retention)
+    read_only = property(lambda self: self._config.read_only)
+
+    # -- queries (manifests only) -----------------------------------------------------------------
+
+    def list(self) -> builtins.list[CheckpointInfo]:
+        """Committed checkpoints, by step.
+
+        Raises:
+            FormatVersionError: a checkpoint here was written by a newer trainstate (a read-only manager
+                lists the others instead).
+        """
+        return self._committer.list()
+
+    @property
+    def last_retention(self) -> RetentionPlan | None:
+        """What the latest retention pass kept and deleted, and why."""
+        return self._committer.last_retention
+
+    def latest(self) -> CheckpointInfo | None:
+        """The most recently committed checkpoint (after a rollback: the new timeline's, not a higher step)."""
+        items = self.list()
+        return max(items, key=saved_order) if items else None
+
+    def best(self, metric: str | None = None, mode: str | None = None) -> CheckpointInfo | None:
+        """The best checkpoint by ``metric`` (default: the keep_best metric)."""
+        policy = next((p for p in self.retention if isinstance(p, KeepBest)), None)
+        metric = metric or (policy.metric if policy else None)
+        mode = mode or (policy.mode if policy else "min")
+        if metric is None:
+            raise InvalidArgumentError("best() needs a metric (or keep_best set on the manager)")
+        if mode not in ("min", "max"):
+            raise InvalidArgumentError(f"best() mode must be 'min' or 'max', got {mode!r:.40}")
+        scored = [c for c in self.list() if finite(c.metrics.get(metric))]
+        if not scored:
+            return None
+        pick = min if mode == "min" else max
+        return pick(scored, key=lambda c: c.metrics[metric])
+
+    def path_for(self, step: int) -> str:
+        return self.catalog.path(naming.name_for(arguments.step(step)))
+
+    def history(self) -> builtins.list[SaveRecord]:
+        """Every save this manager made, with its timings (background ones once they finished)."""
+        self._collect(block=False)
+        return list(self._history)
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal arrived and its checkpoint was saved: time to exit."""
+        return self._preemption_saved
+
+    # -- restore ------------------------------------------------------------------------------------
+
+    def restore_latest(self, state: Any, **load_kwargs: Any) -> int | None:
+        """Restore the newest loadable checkpoint into ``state``; returns the step to continue from.
+
+        That is the saved step + 1 (``save(step)`` records that ``step`` is done), or None when the
+        directory has no checkpoint at all. "Newest" is the most recently committed. A checkpoint that
+        cannot be restored (damaged, deleted meanwhile, a lying manifest) is skipped with a warning for
+        the one before it, which is then restored completely, so nothing half-restored from the bad one
+        remains.
+
+        Raises:
+            CorruptCheckpointError: there are checkpoints, but none could be restored (the message lists
+                each one and why); ``state`` may be partly overwritten: do not train from it.
+            StateMismatchError: ``state`` does not fit the newest checkpoint (a user error, not damage).
+            FormatVersionError: a checkpoint here was written by a newer trainstate.
+        """
+        candidates = sorted(self.list(), key=saved_order, reverse=True)
+        failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]
+        for info in candidates:
+            try:
+                self._restore_into(self.catalog.path(info.name), state, **load_kwargs)
+            except (StateMismatchError, FormatVersionError, InvalidArgumentError):
+                raise
+            except CheckpointError as e:
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__  # the first line says what failed
+                log.warning("checkpoint %s cannot be restored (%s); trying the one before it", info.name, why)
+                failures.append((info.name, why))
+                continue
+            log.info("resumed from %s", info.name)
+            self._last_step = info.step
+            self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
+            return info.step + 1
+        if failures:
+            lines = "\n".join(f"  {name}: {why}" for name, why in failures)
+            raise CorruptCheckpointError(
+                f"none of the {len(failures)} checkpoint(s) in {self.directory} could be restored:\n{lines}\n"
+                "The state may be partly overwritten by the attempts; do not train from it. Restore a copy, "
+                "or move the damaged checkpoints away to start over."
+            )
+        self.prepare(state)
+        return None
+
+    def prepare(self, state: Any) -> None:
+        """Get async saving ready for ``state``: allocate and touch its staging buffer on a helper thread.
+
+        Called by :meth:`restore_latest`; call it yourself if you do not restore. Without it the first
+        async save pays for fresh memory while the loop waits.
+        """
+        if not self.async_save or self.read_only or self._buffers[0].capacity:
+            return
+        snapshot = encode_state(self._with_rng(state))  # cheap: no array is copied
+        threading.Thread(
+            target=self._buffers[0].reserve, args=(snapshot,), name="trainstate-reserve", daemon=True
+        ).start()
+
+    def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
+        """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`)."""
+        return self._restore_into(self.path_for(step), state, **load_kwargs)
+
+    def _restore_into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
+        """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state."""
+        target = self._with_rng(state)
+        load_from(path, target, storage=self.storage, optional=(RNG_KEY,) if target is not state else (), **load_kwargs)
+        if target is not state:
+            state.update((k, v) for k, v in target.items() if k != RNG_KEY)
+        return state
+
+    def _with_rng(self, state: Any) -> Any:
+        """The state plus the manager's own RNGState, unless the user's state already has one."""
+        if not self.capture_rng or not isinstance(state, dict) or any(isinstance(v, RNGState) for v in state.values()):
+            return state
+        if RNG_KEY in state:
+            raise InvalidArgumentError(
+                f"the state has a key {RNG_KEY!r}, where CheckpointManager(capture_rng=True) keeps the RNG it "
+                f"captures; rename your key, put a trainstate.RNGState() in the state, or pass capture_rng=False"
+            )
+        return {**state, RNG_KEY: self._rng}
+
+    # -- save ---------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, float] | None = None,
+        epoch: int | None = None,
+        force: bool = False,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
+        """Save ``state`` as step ``step`` if a policy says so (or ``force``); returns whether it did.
+
+        ``step``, ``epoch`` and metric values may be NumPy scalars or one-element tensors.
+        Raises the error of a failed background save, if one failed since the last call; a preemption
+        checkpoint is written first, and such an older error reported after it.
+        """
+        self._check_open()
+        step = arguments.step(step)
+        force = arguments.flag(force, "force")
+        epoch = None if epoch is None else arguments.step(epoch, "epoch")
+        values = arguments.metrics(metrics)
+        preempting = self._preemption is not None and self._preemption.requested and not self._preemption_saved
+        stale = self._take_error() if preempting else None
+        if not preempting:
+            self._raise_pending()
+        if preempting:
+            reason: str | None = f"preemption ({self._preemption.signal_name})"  # type: ignore[union-attr]
+        elif force:
+            reason = "forced"
+        else:
+            reason = reason_to_save(self.save_policies, step, time.monotonic(), self._last_save_time)
+        if reason is None or (step == self._last_step and not preempting and not force):
+            return False
+        if self.catalog.is_pinned(naming.name_for(step)):
+            raise CheckpointExistsError(
+                f"step {step} is pinned in {self.directory}; unpin it (mgr.unpin({step})) to save over it"
+            )
+        self._save(step, state, reason, values, epoch, metadata, background=self.async_save and not preempting)
+        if preempting:
+            self._preemption_saved = True
+            if stale is not None:
+                raise_background(stale)
+        return True
+
+    def _save(
+        self,
+        step: int,
+        state: Any,
+        reason: str,
+        metrics: dict[str, float],
+        epoch: int | None,
+        metadata: dict[str, Any] | None,
+        background: bool,
+    ) -> None:
+        start = time.perf_counter()
+        if background:
+            buffer = self._free_buffer()  # waits for an in-flight save if all buffers are busy
+            self._raise_pending()  # the save we just waited for may have failed
+        else:
+            self._collect(block=True)  # one writer at a time: retention never races itself
+        self._seq = max(self._seq, self.catalog.next_seq() - 1) + 1
+        meta = {
+            **self._config.metadata,
+            **(metadata or {}),
+            META_KEY: facts(step, epoch, metrics, reason, time.time(), self._seq),
+        }
+        snapshot = encode_state(self._with_rng(state), meta)
+        if background and self.staging_budget_bytes is not None and snapshot.nbytes > self.staging_budget_bytes:
+            log.warning(
+                "step %d: state is %d bytes, over the staging budget of %d; saving synchronously",
+                step,
+                snapshot.nbytes,
+                self.staging_budget_bytes,
+            )
+            background = False
+            self._collect(block=True)
+            self._raise_pending()
+        previous = (self._last_step, self._last_save_time)
+        if not background:
+            record = self._committer.write(step, reason, snapshot, background=False, blocking_start=start)
+            self._history.append(record)  # only now is the step saved: a failed save leaves it unsaved
+            self._last_step, self._last_save_time = step, time.monotonic()
+            return
+        staged = buffer.stage(snapshot, threads=self.threads)
+        blocking = time.perf_counter() - start
+        assert self._pool is not None
+        buffer.in_use.set()
+        # the background job holds the committer, never the manager: a manager dropped with a save in
+        # flight is collected at once, and its finalizer waits for the save before letting go of the lock
+        future = self._pool.submit(self._committer.write, step, reason, staged, True, None, blocking)
+        self._in_flight.append(InFlight(future, buffer, step, reason, blocking, previous))
+        self._last_step, self._last_save_time = step, time.monotonic()  # taken back if the write fails
+        log.debug("step %d: async save started, blocked %.3fs", step, blocking)
+
+    def prune(self, *, dry_run: bool = False) -> RetentionPlan:
+        """Apply the retention policies now (without saving); returns what was kept and deleted, and why.
+
+        A dry run only plans, and works on a read-only manager too.
+        """
+        if dry_run:
+            return plan_retention(self.list(), self.retention)
+        self._check_open()
+        self._collect(block=True)
+        self._committer.apply_retention()
+        assert self.last_retention is not None
+        return self.last_retention
+
+    def _free_buffer(self) -> StagingBuffer:
+        while len(self._in_flight) >= self.max_in_flight:
+            self._collect(block=True, first_only=True)
+        busy = {id(f.buffer) for f in self._in_flight}
+        return next(b for b in self._buffers if id(b) not in busy)
+
+    def _collect(self, block: bool, first_only: bool = False) -> None:
+        """Move finished background saves into the history; remember the first error.
+
+        Waiting is interruptible: a second Ctrl-C (KeyboardInterrupt) goes through to the caller.
+        """
+        still = []
+        for i, job in enumerate(self._in_flight):
+            if block and (not first_only or i == 0):
+                try:
+                    job.future.result()
+                except Exception:  # noqa: BLE001 - recorded just below
+                    pass
+            if job.future.done():
+                job.buffer.in_use.clear()
+                error = job.future.exception()
+                if error is not None:
+                    self._error = self._error or error
+                    if self._last_step == job.step:  # the step is not saved: a later save(step) must write it
+                        self._last_step, self._last_save_time = job.previous
+                    self._history.append(
+                        SaveRecord(
+                            job.step, job.reason, str(self.path_for(job.step)), True, job.blocking, error=repr(error)
+                        )
+                    )
+                else:
+                    self._history.append(job.future.result())
+            else:
+                still.append(job)
+        self._in_flight[:] = still  # in place: the finalizer holds this list
+
+    def _take_error(self) -> BaseException | None:
+        self._collect(block=False)
+        error, self._error = self._error, None
+        return error
+
+    def _raise_pending(self) -> None:
+        error = self._take_error()
+        if error is not None:
+            raise_background(error)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every in-flight save has committed; raise if one failed."""
+        self._collect(block=True)
+        self._raise_pending()
+
+    def pin(self, step: int, reason: str = "") -> bool:
+        """Keep this checkpoint whatever the retention policies say; False if it was already pinned.
+
+        An existing pin keeps its reason (unpin, then pin, to change it). Allowed on a read-only manager:
+        a pin is one small file beside the checkpoint, safe to add while another process trains and
+        prunes in the same directory — a pin this returns from is never deleted.
+        """
+        return self.catalog.pin(naming.name_for(arguments.step(step)), str(reason))
+
+    def unpin(self, step: int) -> None:
+        self.catalog.unpin(naming.name_for(arguments.step(step)))
+
+    def close(self, step: int | None = None, state: Any = None, *, metrics: dict[str, float] | None = None) -> None:
+        """Wait for in-flight saves; with ``step`` and ``state``, save a final checkpoint first.
+
+        The final checkpoint is written even if an earlier background save failed; that error is raised
+        afterwards. A failed final save raises its own error.
+        """
+        if (step is None) != (state is None):
+            raise InvalidArgumentError(
+                "close(step, state) saves a final checkpoint and needs both; close() alone waits"
+            )
+        if self._closed:
+            if state is not None:
+                raise CheckpointError("this CheckpointManager is closed: the final checkpoint was not saved")
+            return
+        try:
+            if state is not None and step is not None:
+                step = arguments.step(step)
+                values = arguments.metrics(metrics)
+                self._collect(block=True)
+                stale = self._take_error()
+                if step != self._last_step:
+                    self._save(step, state, "at close", values, None, None, background=False)
+                if stale is not None:
+                    raise_background(stale)
+            self.wait()
+        finally:
+            self._closed = True
+            self._finalizer()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed")
+        if self.read_only:
+            raise CheckpointError("this CheckpointManager is read-only")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,179 @@
+"""Save and retention policies: small dataclasses with pure decision methods, composed as a union.
+
+Save policies answer "save at this step, now?" with a reason or None. Retention policies look at the
+committed checkpoints and vote per checkpoint: a reason to keep it, ``None`` to let it go, or no entry to
+abstain. A checkpoint is deleted only if some policy lets it go and none keeps it. The newest checkpoint
+and pinned ones are always kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from trainstate.errors import InvalidArgumentError
+
+
+def saved_order(c: CheckpointInfo) -> tuple[int, int]:
+    """The order checkpoints were committed in: by the manager's commit sequence number, never a clock.
+
+    Each save takes the highest sequence number in the directory + 1, so after a rollback (resuming from
+    an older step) the fresh checkpoints are the newest whatever their step numbers say, and a host whose
+    clock is behind the last one's cannot make its new saves look old. Checkpoints without a number
+    (written by hand, or by trainstate before 0.2) come first, by step.
+    """
+    return (c.seq if c.seq is not None else -1, c.step)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a manager knows about one committed checkpoint, from its manifest alone."""
+
+    name: str
+    step: int
+    created: float  # wall-clock time of the save: for display (and one-per-N-minutes), never for order
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    epoch: int | None = None
+    pinned: bool = False
+    nbytes: int = 0
+    seq: int | None = None  # commit sequence number: what "newest" means
+    pin_reason: str = ""
+
+
+# -- when to save -----------------------------------------------------------------------------------
+
+
+class SavePolicy(Protocol):
+    def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class EverySteps:
+    n: int
+
+    def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
+        return f"every {self.n} steps" if step % self.n == 0 else None
+
+
+@dataclass(frozen=True)
+class EverySeconds:
+    seconds: float
+
+    def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
+        return f"every {self.seconds:g} s" if now - last_save_time >= self.seconds else None
+
+
+@dataclass(frozen=True)
+class AtSteps:
+    steps: frozenset[int]
+
+    def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
+        return "at step" if step in self.steps else None
+
+
+def reason_to_save(policies: Sequence[SavePolicy], step: int, now: float, last_save_time: float) -> str | None:
+    """The first reason any policy gives, or None."""
+    for p in policies:
+        reason = p.reason_to_save(step, now, last_save_time)
+        if reason:
+            return reason
+    return None
+
+
+# -- what to keep -----------------------------------------------------------------------------------
+
+Votes = dict[str, "str | None"]
+
+
+class RetentionPolicy(Protocol):
+    def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes: ...
+
+
+@dataclass(frozen=True)
+class KeepLast:
+    n: int
+
+    def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
+        ordered = sorted(checkpoints, key=saved_order, reverse=True)
+        return {c.name: (f"last {self.n}" if i < self.n else None) for i, c in enumerate(ordered)}
+
+
+@dataclass(frozen=True)
+class KeepEverySteps:
+    n: int
+
+    def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
+        return {c.name: (f"every {self.n} steps" if c.step % self.n == 0 else None) for c in checkpoints}
+
+
+@dataclass(frozen=True)
+class KeepEveryMinutes:
+    """One checkpoint per ``minutes`` of wall time: the oldest, then the first at least that much newer."""
+
+    minutes: float
+
+    def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
+        out: Votes = {}
+        last_kept = -math.inf
+        for c in sorted(checkpoints, key=lambda c: c.step):
+            if c.created - last_kept >= self.minutes * 60:
+                out[c.name] = f"one per {self.minutes:g} min"
+                last_kept = c.created
+            else:
+                out[c.name] = None
+        return out
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """The best ``k`` by a metric; checkpoints without the metric get no vote from this policy."""
+
+    metric: str
+    mode: str = "min"
+    k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise InvalidArgumentError(f"keep_best mode must be 'min' or 'max', got {self.mode!r}")
+
+    def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
+        scored = [c for c in checkpoints if finite(c.metrics.get(self.metric))]
+        scored.sort(key=lambda c: (c.metrics[self.metric] if self.mode == "min" else -c.metrics[self.metric], -c.step))
+        return {
+            c.name: (f"best {self.k} {self.metric} ({self.mode})" if i < self.k else None) for i, c in enumerate(scored)
+        }
+
+
+def finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    keep: dict[str, list[str]]  # name -> reasons
+    delete: list[str]
+
+
+def plan_retention(checkpoints: Sequence[CheckpointInfo], policies: Sequence[RetentionPolicy]) -> RetentionPlan:
+    """Decide what to keep and delete. Pure: no I/O."""
+    keep: dict[str, list[str]] = {c.name: [] for c in checkpoints}
+    released: set[str] = set()
+    if checkpoints:
+        newest = max(checkpoints, key=saved_order)  # the one just committed, even after a rollback
+        keep[newest.name].append("newest")
+    for c in checkpoints:
+        if c.pinned:
+            keep[c.name].append("pinned")
+    for policy in policies:
+        for name, reason in policy.votes(checkpoints).items():
+            if reason:
+                keep[name].append(reason)
+            else:
+                released.add(name)
+    for c in checkpoints:
+        if not keep[c.name] and c.name not in released:
+            keep[c.name].append("no policy lets it go" if policies else "no retention policy")
+    delete = sorted((n for n in released if not keep[n]), key=lambda n: n)
+    return RetentionPlan({n: r for n, r in keep.items() if r}, delete)

@@ -1,0 +1,137 @@
+"""Restore: manifest -> plan -> read -> tree -> live state. ``load`` and ``load_from`` are the way in."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from trainstate._restore.checkpoint import Checkpoint
+from trainstate._restore.plan import _ABSENT, ABSENT, RESERVED_RNG_KEY, Restorer, selector
+from trainstate._storage import Storage
+from trainstate.errors import InvalidArgumentError
+
+__all__ = ["ABSENT", "RESERVED_RNG_KEY", "Restorer", "load", "load_from", "restore", "selector"]
+
+
+def restore(
+    ck: Checkpoint,
+    target: Any,
+    *,
+    strict: bool = True,
+    include: str | list[str] | None = None,
+    exclude: str | list[str] | None = None,
+    verify: bool = True,
+    threads: int = 2,
+    framework: str | None = None,
+    optional: tuple[str, ...] = (),
+) -> Any:
+    """Restore ``ck`` into ``target`` in place; returns the restored target.
+
+    With ``target=ABSENT`` it returns the checkpoint's own structure (arrays of ``framework``), honouring
+    ``include`` / ``exclude`` the same way.
+    """
+    r = Restorer(ck, strict=strict, selected=selector(include, exclude), framework=framework, optional=optional)
+    if include is not None and r.partial and not r._any_selected(ck.manifest.tree, ()):
+        keys = r._leaves(ck.manifest.tree, ())
+        raise InvalidArgumentError(
+            f"include={include!r:.60} matches no key of the checkpoint (keys look like {keys[:3]}); patterns "
+            "match whole dotted keys: 'model.*' selects everything under 'model'"
+        )
+    finish = r.plan(target, ck.manifest.tree, (), free=False)
+    r.check()
+    r.read(verify=verify, threads=threads)
+    result = finish()
+    if result is _ABSENT:  # every key excluded
+        return {}
+    if target is not _ABSENT and "torch.utils.data" in sys.modules:
+        from trainstate._data import arm_exact_resume
+
+        arm_exact_resume(result)
+    return result
+
+
+def load_from(
+    path: str | os.PathLike[str],
+    target: Any = _ABSENT,
+    *,
+    storage: Storage | None = None,
+    strict: bool = True,
+    include: str | list[str] | None = None,
+    exclude: str | list[str] | None = None,
+    framework: str | None = None,
+    verify: bool = True,
+    threads: int = 2,
+    optional: tuple[str, ...] = (),
+) -> Any:
+    """The one way a checkpoint is loaded: ``trainstate.load`` and ``CheckpointManager`` both come here.
+
+    Opens the checkpoint (manifest validated), checks every data-file header when ``verify``, then
+    plans and reads. Any damage surfaces as a CheckpointError subclass.
+    """
+    with Checkpoint(path, storage) as ck:
+        if verify:
+            ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
+        return restore(
+            ck,
+            target,
+            strict=strict,
+            include=include,
+            exclude=exclude,
+            verify=verify,
+            threads=threads,
+            framework=framework,
+            optional=optional,
+        )
+
+
+_NO_TARGET = object()
+
+
+def load(
+    path: str | os.PathLike[str],
+    target: Any = _NO_TARGET,
+    *,
+    strict: bool = True,
+    include: str | list[str] | None = None,
+    exclude: str | list[str] | None = None,
+    framework: str = "numpy",
+    verify: bool = True,
+    threads: int = 2,
+    storage: Storage | None = None,
+) -> Any:
+    """Load a checkpoint: into ``target`` in place, or as a fresh nested structure.
+
+    Args:
+        path: the checkpoint directory.
+        target: live state to fill (the same shape of dict you saved). Tensors are overwritten in place
+            and keep their device; stateful objects get ``load_state_dict``; plain values are replaced
+            in their containers. Omit it to get plain values and arrays back.
+        strict: report missing and unexpected keys (always: shape mismatches; with strict: dtype
+            mismatches) in one :class:`StateMismatchError` before anything is changed.
+        include: glob patterns over dotted keys (``"model.*"``) to restore only those (with or without a
+            target: without one, only the selected parts come back).
+        exclude: glob patterns of keys to leave alone.
+        framework: with no target, the array type returned: ``"numpy"`` or ``"torch"``.
+        verify: check every tensor's checksum.
+        threads: reader threads.
+        storage: where to read from (default: chosen from ``path``).
+
+    Returns:
+        The restored target, or the nested state when no target was given.
+
+    Example:
+        >>> trainstate.load("ckpt/step_1200", state)              # in place
+        >>> tree = trainstate.load("ckpt/step_1200")              # NumPy arrays and plain values
+    """
+    return load_from(
+        path,
+        ABSENT if target is _NO_TARGET else target,
+        storage=storage,
+        strict=strict,
+        include=include,
+        exclude=exclude,
+        framework=framework if target is _NO_TARGET else None,
+        verify=verify,
+        threads=threads,
+    )

@@ -1,0 +1,326 @@
+"""load(path, target): restore a checkpoint into live state, in place.
+
+Two passes. The plan pass walks the checkpoint's tree beside the target, checks every key, shape and
+dtype, and collects all problems into one :class:`StateMismatchError` before a single byte is read. The
+read pass then fills the target's own tensor memory straight from the files (no intermediate copy) and
+runs the finishers: containers get their new values, stateful objects get ``load_state_dict``.
+
+Matching rules:
+
+* Plain containers (the user's dicts, lists, tuples) and ``nn.Module`` state dicts keep the target's
+  structure; a key on one side only is *missing* or *unexpected*.
+* Under any other stateful object (optimizer, scheduler, data loader, RNG) the checkpoint's structure is
+  the truth, as it is for ``load_state_dict``: a fresh optimizer has no moments yet and gets them. Target
+  tensors at matching paths are still filled in place.
+* Shapes must always match. Dtypes must match when ``strict``; otherwise values are cast.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from trainstate import _tree as tree
+from trainstate._frameworks import adapter_for, adapter_named
+from trainstate._restore.checkpoint import Checkpoint
+from trainstate.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
+
+Finisher = Callable[[], Any]
+_ABSENT = object()
+RESERVED_RNG_KEY = "_rng"  # where CheckpointManager(capture_rng=True) puts the RNG it captures
+
+
+def selector(include: str | list[str] | None, exclude: str | list[str] | None) -> Callable[[str], bool] | None:
+    """A predicate over dotted keys from glob patterns (``"model.*"``), or None when everything is selected."""
+    inc, exc = _patterns(include, "include"), _patterns(exclude, "exclude")
+    if not inc and not exc:
+        return None
+
+    def selected(key: str) -> bool:
+        if inc and not any(fnmatch.fnmatchcase(key, p) for p in inc):
+            return False
+        return not any(fnmatch.fnmatchcase(key, p) for p in exc)
+
+    return selected
+
+
+def _patterns(value: Any, what: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
+        return list(value)
+    raise InvalidArgumentError(f'{what} takes a glob pattern or a list of them ("model.*"), got {value!r:.60}')
+
+
+def _is_module(obj: Any) -> bool:
+    return any(c.__module__ == "torch.nn.modules.module" and c.__name__ == "Module" for c in type(obj).__mro__)
+
+
+def _is_data_loader(obj: Any) -> bool:
+    return any(c.__module__ == "torch.utils.data.dataloader" and c.__name__ == "DataLoader" for c in type(obj).__mro__)
+
+
+def _is_structure(value: Any) -> bool:
+    return tree.is_stateful(value) or isinstance(value, (Mapping, list, tuple))
+
+
+def _describe(value: Any) -> str:
+    adapter = adapter_for(value)
+    if adapter is not None:
+        code, shape, _ = adapter.describe(value)
+        return f"tensor {code}{list(shape)}"
+    return type(value).__name__
+
+
+class Restorer:
+    def __init__(
+        self,
+        ck: Checkpoint,
+        *,
+        strict: bool,
+        selected: Callable[[str], bool] | None,
+        framework: str | None = None,
+        optional: tuple[str, ...] = (),
+    ) -> None:
+        self.ck = ck
+        self.strict = strict
+        self.framework = framework  # array type for tensors the target lacks; None: what the saver held
+        self.optional = optional  # top-level target keys the checkpoint may lack without a complaint
+        self.partial = selected is not None
+        self.selected: Callable[[str], bool] = selected or (lambda key: True)
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.mismatched: list[tuple[str, str, str]] = []
+        self.jobs: dict[str, _Job] = {}
+        self.extra_jobs: list[tuple[str, _Job]] = []
+
+    # -- plan -----------------------------------------------------------------------------------
+
+    def plan(self, target: Any, node: Any, path: tuple[str, ...], free: bool) -> Finisher:
+        """A finisher that yields the restored value for ``target`` once the reads are done."""
+        key = tree.join(path)
+        if not isinstance(node, dict) or node.get("t") not in ("dict", "list", "tuple", "stateful", "tensor"):
+            if not self.selected(key):
+                return lambda: target
+            value = tree.decode(node, _corrupt_ref)
+            if target is not _ABSENT and (adapter_for(target) is not None or (not free and _is_structure(target))):
+                # never replace a live tensor, object or container with a saved plain value
+                self.mismatched.append((key or "<root>", _describe(target), f"a plain value ({value!r:.40})"))
+                return lambda: target
+            return lambda: value
+        if self.partial and not self._any_selected(node, path):
+            return lambda: target  # _ABSENT for a part the target lacks: its container drops it
+        tag = node["t"]
+        if tag == "tensor":
+            return self._plan_tensor(target, node["name"], key)
+        if tag == "stateful":
+            return self._plan_stateful(target, node, path)
+        if target is not _ABSENT and not free and not isinstance(target, Mapping if tag == "dict" else (list, tuple)):
+            self.mismatched.append((key or "<root>", _describe(target), tag))
+            return lambda: target
+        if tag == "dict":
+            return self._plan_dict(target, node, path, free)
+        return self._plan_sequence(target, node, path, free)
+
+    def _plan_tensor(self, target: Any, name: str, key: str) -> Finisher:
+        entry = self.ck.manifest.tensors.get(name)
+        if entry is None:
+            raise CorruptCheckpointError(f"tree refers to tensor {name!r}, which the manifest does not list")
+        tied = self.jobs.get(name)
+        if tied is not None and (target is _ABSENT or target is tied.target):
+            return lambda: tied.value  # a tied tensor met again: one read, shared as in the checkpoint
+        adapter = adapter_for(target) if target is not _ABSENT else None
+        if target is not _ABSENT and adapter is None:
+            self.mismatched.append((key, _describe(target), f"tensor {entry.dtype}{list(entry.shape)}"))
+            return lambda: target
+        if adapter is not None:
+            code, shape, _ = adapter.describe(target)
+            if shape != entry.shape or (code != entry.dtype and self.strict):
+                self.mismatched.append((key, f"tensor {code}{list(shape)}", f"tensor {entry.dtype}{list(entry.shape)}"))
+                return lambda: target
+        job = _Job(target)
+        if tied is None:
+            self.jobs[name] = job
+        else:  # tied in the checkpoint, two separate arrays in the target: fill both
+            self.extra_jobs.append((name, job))
+        return lambda: job.value
+
+    def _plan_stateful(self, target: Any, node: dict[str, Any], path: tuple[str, ...]) -> Finisher:
+        key = tree.join(path) or "<root>"
+        if target is _ABSENT:
+            return self.plan(_ABSENT, node.get("v"), path, free=True)
+        if not tree.is_stateful(target):
+            self.mismatched.append((key, _describe(target), f"state of {node['type']}"))
+            return lambda: target
+        module = _is_module(target)
+        # A data loader's state_dict() starts an iterator (worker processes, a draw from the global RNG):
+        # its state is rebuilt from the checkpoint alone.
+        current = _ABSENT if _is_data_loader(target) else target.state_dict()
+        inner = self.plan(current, node.get("v"), path, free=not module)
+
+        def finish() -> Any:
+            state = inner()
+            try:
+                if module:
+                    target.load_state_dict(state, strict=self.strict)
+                else:
+                    target.load_state_dict(state)
+            except Exception as e:
+                raise CheckpointError(f"{key}: {type(target).__name__}.load_state_dict failed: {e}") from e
+            return target
+
+        return finish
+
+    def _plan_dict(self, target: Any, node: dict[str, Any], path: tuple[str, ...], free: bool) -> Finisher:
+        items = tree.dict_items(node)
+        present = target if target is not _ABSENT and isinstance(target, Mapping) else {}
+        finishers = []
+        for k, child in items:
+            sub = path + (str(k),)
+            if k in present:
+                finishers.append((k, self.plan(present[k], child, sub, free)))
+            elif free or target is _ABSENT:
+                finishers.append((k, self.plan(_ABSENT, child, sub, free)))
+            elif not path and k == RESERVED_RNG_KEY:
+                continue  # the RNG a CheckpointManager saved on its own: restored only if asked for
+            else:
+                self.unexpected.extend(p for p in self._leaves(child, sub) if self.selected(p))
+        if not free and target is not _ABSENT:
+            saved = {k for k, _ in items}
+            for k in present:
+                if k not in saved and not (not path and k in self.optional):
+                    key = tree.join(path + (str(k),))
+                    if self.selected(key) or any(self.selected(p) for p in _target_leaves(present[k], key)):
+                        self.missing.append(key)
+
+        def finish() -> Any:
+            if free or target is _ABSENT or not isinstance(target, dict):
+                base = dict(target) if (not free and isinstance(target, Mapping)) else {}
+                for k, f in finishers:
+                    value = f()
+                    if value is not _ABSENT:
+                        base[k] = value
+                return base
+            for k, f in finishers:
+                value = f()
+                if value is not _ABSENT:
+                    target[k] = value
+            return target
+
+        return finish
+
+    def _plan_sequence(self, target: Any, node: dict[str, Any], path: tuple[str, ...], free: bool) -> Finisher:
+        children = node["v"]
+        if not isinstance(children, list):
+            raise CorruptCheckpointError(f"malformed {node['t']} node at {tree.join(path)}")
+        have = target if target is not _ABSENT and isinstance(target, (list, tuple)) else None
+        if have is not None and len(have) != len(children) and not free:
+            self.mismatched.append(
+                (
+                    tree.join(path) or "<root>",
+                    f"{type(have).__name__} of {len(have)}",
+                    f"{node['t']} of {len(children)}",
+                )
+            )
+            return lambda: target
+        finishers = [
+            self.plan(have[i] if have is not None and i < len(have) else _ABSENT, c, path + (str(i),), free)
+            for i, c in enumerate(children)
+        ]
+
+        def finish() -> Any:
+            values = [v for v in (f() for f in finishers) if v is not _ABSENT]
+            if node["t"] == "tuple":
+                if isinstance(have, tuple) and hasattr(have, "_fields"):
+                    return type(have)(*values)
+                return tuple(values)
+            if isinstance(have, list) and not free:
+                have[:] = values
+                return have
+            return values
+
+        return finish
+
+    def _any_selected(self, node: Any, path: tuple[str, ...]) -> bool:
+        return any(self.selected(p) for p in self._leaves(node, path))
+
+    def _leaves(self, node: Any, path: tuple[str, ...]) -> list[str]:
+        """Dotted keys of every leaf under a checkpoint node; an empty container is a leaf itself."""
+        found: list[str] = []
+        if isinstance(node, dict) and node.get("t") == "dict":
+            found = [p for k, c in tree.dict_items(node) for p in self._leaves(c, path + (str(k),))]
+        elif isinstance(node, dict) and node.get("t") in ("list", "tuple") and isinstance(node.get("v"), list):
+            found = [p for i, c in enumerate(node["v"]) for p in self._leaves(c, path + (str(i),))]
+        elif isinstance(node, dict) and node.get("t") == "stateful":
+            found = self._leaves(node.get("v"), path)
+        return found or [tree.join(path)]
+
+    # -- read -----------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        if self.mismatched or (self.strict and (self.missing or self.unexpected)):
+            raise StateMismatchError(self.missing, self.unexpected, self.mismatched)
+
+    def read(self, *, verify: bool, threads: int) -> None:
+        """Read every planned tensor: straight into the target's memory where its layout allows."""
+        reads: list[tuple[str, Any]] = []
+        all_jobs = [*self.jobs.items(), *self.extra_jobs]
+        for name, job in all_jobs:
+            entry = self.ck.manifest.tensors[name]
+            live = adapter_for(job.target) if job.target is not _ABSENT else None
+            if (
+                live is not None
+                and live.describe(job.target)[0] == entry.dtype
+                and live.writable_view(job.target) is not None
+            ):
+                job.value = job.target
+                reads.append((name, job.target))
+            else:  # absent, on an accelerator, non-contiguous, or a cast: read to host first
+                job.host = (live or adapter_named(self.framework or entry.kind)).empty(entry.dtype, entry.shape)
+                reads.append((name, job.host))
+        try:
+            self.ck.read_many(reads, verify=verify, threads=threads)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(
+                f"{e}\nThe target is partly restored: tensors read before the damaged one hold the "
+                "checkpoint's values; the damaged one and the rest are unchanged. Load another checkpoint."
+            ) from None
+        for name, job in all_jobs:
+            if job.host is not None:
+                host = _adapter(job.host).finish(job.host, self.ck.manifest.tensors[name].kind)
+                job.value = host if job.target is _ABSENT else _adapter(job.target).assign(job.target, host)
+
+
+@dataclass
+class _Job:
+    target: Any  # the live array to fill, or _ABSENT
+    host: Any = None  # a host buffer, when the target cannot be read into directly
+    value: Any = None  # the restored value
+
+
+def _adapter(value: Any) -> ModuleType:
+    adapter = adapter_for(value)
+    assert adapter is not None
+    return adapter
+
+
+def _target_leaves(value: Any, path: str) -> list[str]:
+    if tree.is_stateful(value):
+        value = value.state_dict()
+    if isinstance(value, Mapping):
+        return [p for k, v in value.items() for p in _target_leaves(v, f"{path}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _target_leaves(v, f"{path}.{i}")]
+    return [path]
+
+
+def _corrupt_ref(name: str) -> Any:
+    raise CorruptCheckpointError(f"unexpected tensor reference {name!r}")
+
+
+ABSENT = _ABSENT  # restore() with this target returns the checkpoint's own structure

@@ -1,0 +1,60 @@
+"""save(): state -> tree -> plan -> write -> commit (encode.py, plan.py, write.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from trainstate._save.encode import Snapshot, TensorTable, encode_state
+from trainstate._save.plan import FILE_TEMPLATE, plan_files
+from trainstate._save.write import DEFAULT_THREADS, SaveResult, write_checkpoint
+from trainstate._storage import Storage, resolve
+
+__all__ = [
+    "DEFAULT_THREADS",
+    "FILE_TEMPLATE",
+    "SaveResult",
+    "Snapshot",
+    "TensorTable",
+    "encode_state",
+    "plan_files",
+    "save",
+    "write_checkpoint",
+]
+
+
+def save(
+    path: str | os.PathLike[str],
+    state: Any,
+    *,
+    metadata: Any = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+    threads: int = DEFAULT_THREADS,
+    storage: Storage | None = None,
+) -> SaveResult:
+    """Save ``state`` as a checkpoint directory at ``path``, atomically.
+
+    Args:
+        path: the checkpoint directory to create.
+        state: nested dicts / lists / tuples of tensors, arrays, plain values and objects with
+            ``state_dict()`` / ``load_state_dict()``.
+        metadata: plain values (no arrays) stored in the manifest, readable without touching tensors.
+        overwrite: replace an existing checkpoint at ``path`` (atomically).
+        fsync: flush files and directories to stable storage before the commit.
+        threads: writer threads; tensors are spread over this many data files.
+        storage: where to write (default: chosen from ``path``; the local filesystem for plain paths).
+
+    Returns:
+        A :class:`SaveResult` with the path, bytes written and seconds taken.
+
+    Example:
+        >>> trainstate.save("ckpt/step_1200", {"model": model, "step": 1200}, metadata={"run": "exp1"})
+    """
+    start = time.perf_counter()
+    backend, root = resolve(path, storage)
+    snapshot = encode_state(state, metadata)
+    return write_checkpoint(
+        root, snapshot, storage=backend, overwrite=overwrite, fsync=fsync, threads=threads, start=start
+    )

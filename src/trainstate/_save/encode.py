@@ -1,0 +1,71 @@
+"""state -> tree + tensor table: flatten the state without copying an array; tied arrays are stored once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from trainstate import _tree as tree
+from trainstate._format import dtypes
+from trainstate._frameworks import adapter_for
+
+
+@dataclass
+class Entry:
+    name: str
+    value: Any
+    adapter: ModuleType
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str
+    nbytes: int
+
+
+class TensorTable:
+    """Collects the arrays met while encoding; an array met twice (tied weights) is stored once."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self._by_identity: dict[tuple[object, ...], str] = {}
+        self._names: set[str] = set()
+
+    def add(self, path: tuple[str, ...], value: Any) -> str:
+        adapter = adapter_for(value)
+        assert adapter is not None
+        dtype, shape, kind = adapter.describe(value)  # also refuses what cannot be stored
+        ident = adapter.identity(value)
+        if ident is not None and ident in self._by_identity:
+            return self._by_identity[ident]
+        name = tree.join(path) or "_"
+        base, n = name, 1
+        while name in self._names:  # e.g. {"a.b": x, "a": {"b": y}}
+            n += 1
+            name = f"{base}~{n}"
+        self._names.add(name)
+        nbytes = dtypes.from_code(dtype).itemsize * math.prod(shape)
+        self.entries.append(Entry(name, value, adapter, dtype, shape, kind, nbytes))
+        if ident is not None:
+            self._by_identity[ident] = name
+        return name
+
+
+@dataclass
+class Snapshot:
+    """A state flattened for writing: the encoded tree, its metadata, and the arrays to store."""
+
+    tree: Any
+    metadata: Any
+    entries: list[Entry]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def encode_state(state: Any, metadata: Any = None) -> Snapshot:
+    """Flatten ``state`` (calling ``state_dict()`` on statefuls) without copying any array."""
+    table = TensorTable()
+    tree_node = tree.encode(state, table.add)
+    return Snapshot(tree_node, tree.encode_plain(metadata), table.entries)

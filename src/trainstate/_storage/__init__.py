@@ -1,0 +1,70 @@
+"""Where checkpoints live: the storage interface and its backends.
+
+``resolve`` picks the backend for a path: plain paths and ``file://`` URLs are the local filesystem.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+
+from trainstate._storage.base import FileInfo, Storage, is_staging_name
+from trainstate._storage.local import LocalStorage
+
+__all__ = ["FileInfo", "LocalStorage", "Storage", "check", "is_staging_name", "resolve"]  # FsspecStorage: .fsspec
+
+_LOCAL = LocalStorage()
+_REMOTE: dict[str, Storage] = {}
+
+
+def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> tuple[Storage, str]:
+    """The backend for ``path`` and the path in that backend's terms.
+
+    Plain paths and ``file://`` URLs are the local filesystem; any other ``scheme://`` goes through fsspec
+    (``pip install trainstate[s3]`` for s3://), with credentials from the environment. Pass ``storage=``
+    (e.g. ``FsspecStorage.from_url(url, **options)``) for explicit options.
+    """
+    text = os.fspath(path)
+    if storage is not None:
+        return storage, storage.strip(text)
+    if text.startswith("file://"):
+        return _LOCAL, text[len("file://") :]
+    if "://" in text:
+        protocol = text.split("://", 1)[0]
+        if protocol not in _REMOTE:
+            from trainstate._storage.fsspec import FsspecStorage
+
+            _REMOTE[protocol] = FsspecStorage.from_url(text)
+        backend = _REMOTE[protocol]
+        return backend, backend.strip(text)
+    return _LOCAL, text
+
+
+def check(location: str | os.PathLike[str], storage: Storage | None = None) -> None:
+    """Make sure ``location`` is reachable and writable: write, read back and delete a small probe.
+
+    Raises:
+        StorageError: with the backend's reason (no such bucket, permission denied, unreachable, ...).
+
+    Example:
+        >>> trainstate.check_storage("s3://bucket/run1")   # before a long job, not after it
+    """
+    from trainstate.errors import StorageError
+
+    backend, root = resolve(location, storage)
+    backend = backend.without_retries()  # a pre-flight check should fail fast, not back off for a minute
+    probe = backend.join(root, f".trainstate-probe-{uuid.uuid4().hex[:12]}")
+    payload = os.urandom(64)
+    try:
+        if isinstance(backend, LocalStorage):
+            os.makedirs(root, exist_ok=True)
+        backend.write(probe, [memoryview(payload)], fsync=True)
+        back = bytearray(len(payload))
+        if backend.read_into(probe, 0, memoryview(back)) != len(payload) or bytes(back) != payload:
+            raise StorageError(errno.EIO, "the bytes read back differ from the bytes written")
+        backend.delete(probe)
+    except StorageError as e:
+        raise StorageError(e.errno, f"{os.fspath(location)} is not usable for checkpoints: {e}") from e
+    except OSError as e:
+        raise StorageError(e.errno, f"{os.fspath(location)} is not usable for checkpoints: {e}") from e

@@ -1,0 +1,267 @@
+"""The local filesystem, with its commit protocol: stage in a hidden sibling, fsync, rename into place.
+
+A save writes every data file and then the manifest into ``.<name>.tmp-<random>`` beside the target,
+fsyncs each file and the directory, and renames the directory to ``<name>``; then it fsyncs the parent
+so the rename itself is durable. Readers only ever see ``<name>`` with its manifest, or nothing.
+
+Overwriting swaps the two directories in one ``renameat2(RENAME_EXCHANGE)`` call, so there is no moment
+when ``<name>`` is missing; the old checkpoint then sits in the staging directory and is deleted. Where
+that call is unavailable (non-Linux), the old one is first renamed to ``.<name>.old-<random>``: a crash
+between the two renames leaves the old checkpoint there, complete, for :meth:`recover` to put back.
+
+Every primitive (create, write, fsync, rename) is a method of its own, so a fault-injecting subclass
+can fail any one of them (storage/faulty.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TypeVar
+
+from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._storage.base import FileInfo, Storage
+from trainstate.errors import CheckpointExistsError, StorageError
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_MAX_IO = 1 << 30
+T = TypeVar("T")
+
+
+class LocalStorage(Storage):
+    """Checkpoints on a local or shared POSIX filesystem."""
+
+    # -- the abstract operations -----------------------------------------------------------------
+
+    def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
+        fd = self._guard(path, "create", lambda: self._create(path))
+        written = 0
+        try:
+            for view in views:
+                view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+                pos = 0
+                while pos < len(view):
+                    pos += self._guard(path, "write", lambda: self._write(fd, view[pos : pos + _MAX_IO]))  # noqa: B023 - called at once
+                written += pos
+            if fsync:
+                self._guard(path, "fsync", lambda: self._fsync(fd))
+        finally:
+            os.close(fd)
+        return written
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> int:
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot open {path}: {e.strerror}") from e
+        pos = 0
+        try:
+            while pos < len(out):
+                n = os.preadv(fd, [out[pos : pos + _MAX_IO]], offset + pos)
+                if n == 0:
+                    break
+                pos += n
+        except OSError as e:
+            raise StorageError(e.errno, f"reading {path} failed: {e.strerror}") from e
+        finally:
+            os.close(fd)
+        return pos
+
+    def stat(self, path: str) -> FileInfo | None:
+        return self._stat(path, follow=False)
+
+    def stat_followed(self, path: str) -> FileInfo | None:
+        return self._stat(path, follow=True)
+
+    def list(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot list {path}: {e.strerror}") from e
+
+    def delete(self, path: str) -> None:
+        p = Path(path)
+        if not p.is_dir() or p.is_symlink():
+            p.unlink(missing_ok=True)
+            return
+        trash = p.parent / f".{p.name}.del-{uuid.uuid4().hex[:12]}"
+        self._guard(path, "rename", lambda: self._rename(p, trash))  # out of sight first, then delete
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def begin(self, final: str, *, overwrite: bool) -> str:
+        target = Path(final)
+        self._check_target(target, overwrite)
+        tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot create a staging directory beside {final}: {e.strerror}") from e
+        return str(tmp)
+
+    def commit(self, staging: str, final: str, *, overwrite: bool, fsync: bool) -> None:
+        tmp, target = Path(staging), Path(final)
+        if fsync:
+            self._guard(staging, "fsync", lambda: self._fsync_dir(tmp))
+        self._check_target(target, overwrite)
+        replaced = None
+        if target.exists() and any(target.iterdir()):
+            replaced = self._replace(tmp, target)
+        else:  # onto nothing, or onto an empty directory
+            self._guard(final, "rename", lambda: self._rename(tmp, target))
+        try:
+            if fsync:  # the rename is durable before the checkpoint it replaced is deleted
+                self._guard(final, "fsync", lambda: self._fsync_dir(target.parent))
+        finally:
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+
+    # -- optional operations ---------------------------------------------------------------------
+
+    def abort(self, staging: str) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def map(self, path: str) -> mmap.mmap | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot open {path}: {e.strerror}") from e
+        try:
+            if os.fstat(fd).st_size == 0:
+                return None
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        if hasattr(mmap, "MADV_SEQUENTIAL"):
+            mm.madvise(mmap.MADV_SEQUENTIAL)  # tensors are mostly read front to back
+        return mm
+
+    def hide(self, path: str) -> str | None:
+        p = Path(path)
+        hidden = p.parent / f".{p.name}.del-{uuid.uuid4().hex[:12]}"
+        try:
+            self._rename(p, hidden)
+        except FileNotFoundError:
+            return None if not p.exists() else str(hidden)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot move {path} aside: {e.strerror}") from e
+        return str(hidden)
+
+    def unhide(self, hidden: str, path: str) -> None:
+        self._guard(path, "rename", lambda: self._rename(Path(hidden), Path(path)))
+
+    def recover(self, final: str) -> bool:
+        target = Path(final)
+        if target.exists():
+            return False
+        for old in sorted(target.parent.glob(f".{target.name}.old-*")):
+            if (old / MANIFEST_NAME).exists():
+                os.rename(old, target)
+                return True
+        return False
+
+    def strip(self, url: str) -> str:
+        return url[len("file://") :] if url.startswith("file://") else url
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def name(self, path: str) -> str:
+        return os.path.basename(os.path.normpath(path))
+
+    # -- primitives (a fault-injecting subclass overrides these) ---------------------------------
+
+    def _create(self, path: str) -> int:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+
+    def _write(self, fd: int, view: memoryview) -> int:
+        return os.write(fd, view)
+
+    def _fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def _fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self._fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _rename(self, src: Path, dst: Path) -> None:
+        os.rename(src, dst)
+
+    def _exchange(self, a: Path, b: Path) -> bool:
+        libc_name = ctypes.util.find_library("c")
+        renameat2 = getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None) if libc_name else None
+        if renameat2 is None:
+            return False
+        if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            return False  # filesystem or kernel without RENAME_EXCHANGE
+        raise OSError(err, os.strerror(err), str(b))
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _stat(path: str, *, follow: bool) -> FileInfo | None:
+        try:
+            st = os.stat(path, follow_symlinks=follow)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot stat {path}: {e.strerror}") from e
+        regular = stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)
+        return FileInfo(st.st_size, stat.S_ISDIR(st.st_mode), regular, st.st_mtime)
+
+    @staticmethod
+    def _guard(path: str, what: str, op: Callable[[], T]) -> T:
+        try:
+            return op()
+        except StorageError:
+            raise
+        except OSError as e:
+            raise StorageError(e.errno, f"{what} failed for {path}: {e.strerror or e}") from e
+
+    def _replace(self, tmp: Path, target: Path) -> Path:
+        """Put ``tmp`` in ``target``'s place; returns where the old checkpoint now is (to delete)."""
+        if self._guard(str(target), "rename", lambda: self._exchange(tmp, target)):
+            return tmp  # now holds the old checkpoint
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+        self._guard(str(target), "rename", lambda: self._rename(target, old))
+        try:
+            self._guard(str(target), "rename", lambda: self._rename(tmp, target))
+        except BaseException:
+            os.rename(old, target)  # put the old one back; if even that fails, recover() will
+            raise
+        return old
+
+    @staticmethod
+    def _check_target(final: Path, overwrite: bool) -> None:
+        """Refuse to replace anything unless asked; never replace a non-empty directory that is not ours."""
+        if not final.exists() and not final.is_symlink():
+            return
+        if not final.is_dir() or final.is_symlink():
+            raise CheckpointExistsError(f"{final} exists and is not a checkpoint directory; refusing to replace it")
+        if (final / MANIFEST_NAME).exists():
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"a checkpoint already exists at {final}; pass overwrite=True to replace it"
+                )
+        elif any(final.iterdir()):
+            raise CheckpointExistsError(
+                f"{final} is a non-empty directory without a trainstate manifest; refusing to replace it"
+            )
