@@ -10,6 +10,8 @@ import errno
 import pytest
 from tools.reliability import concurrency, crash, faults
 
+pytestmark = pytest.mark.campaign  # run at test size; `-m "not campaign"` for a quick loop
+
 
 def _clean(row) -> None:
     assert row.trials > 0, row.campaign

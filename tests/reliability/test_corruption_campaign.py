@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).parents[2]))  # the repository root, for t
 
 from tools.reliability import corruption
 
+pytestmark = pytest.mark.campaign  # run at test size; `-m "not campaign"` for a quick loop
+
 
 def test_random_flips_are_all_detected_cleanly():
     rows = corruption.run(trials=600, seed=1)

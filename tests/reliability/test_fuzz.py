@@ -28,6 +28,8 @@ import trainstate
 
 MANIFEST = fuzz.MANIFEST
 
+pytestmark = pytest.mark.campaign  # run at test size; `-m "not campaign"` for a quick loop
+
 
 @pytest.fixture(scope="module")
 def harness():
