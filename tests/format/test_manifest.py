@@ -85,3 +85,26 @@ def test_parse_cost_bounds_what_json_loads_allocates(shape):
         tracemalloc.stop()
     del parsed
     assert manifest.parse_cost(raw) >= peak
+
+
+def test_the_checksum_is_the_first_member_whatever_fields_a_newer_minor_version_adds():
+    """docs/format.md §5.1: the file begins with {"checksum":"...", and the checksum covers the bytes after it.
+
+    A field that sorts before "checksum" (kept from a newer minor version's manifest) must not move it.
+    """
+    import json
+
+    from trainstate._format import checksum
+
+    raw = manifest.Manifest(tree=None, tensors={}, files=(), extra={"aardvark": 1}).to_json_bytes()
+    expected = json.loads(raw)["checksum"]
+    prefix = b'{"checksum":"' + expected.encode() + b'",'
+    assert raw.startswith(prefix)
+    assert checksum.digest(b"{" + raw[len(prefix) :].rstrip(b"\n")) == expected
+    assert manifest.parse(raw).extra == {"aardvark": 1}
+
+
+@pytest.mark.parametrize("name", ["data-00000.safetensors\n", "a\nb", "", ".hidden", "a/b", "manifest.json"])
+def test_data_file_names_must_match_the_pattern_in_full(name):
+    with pytest.raises(trainstate.CorruptCheckpointError, match="illegal data file"):
+        manifest.check_file_name(name)

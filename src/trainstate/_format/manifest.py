@@ -1,9 +1,9 @@
 """The manifest: a checkpoint's table of contents and its commit marker.
 
 It is written last; a checkpoint without one never committed. It is plain JSON with an explicit
-``format_version`` (the format's, not the package's) and a checksum over its own canonical bytes, so
-a flipped byte in it is caught like one in a data file. Parsing validates everything a hostile file could
-lie about — file names, byte ranges, shapes, dtypes — before a single data byte is read, so a reader
+``format_version`` (the format's, not the package's) and a checksum over its own bytes (the file begins
+with it), so a flipped byte in it is caught like one in a data file. Parsing validates everything a hostile
+file could lie about — file names, byte ranges, shapes, dtypes — before a single data byte is read, so a reader
 never allocates more than the files hold. Before the JSON is parsed at all, its size and a cheap bound on
 what parsing it costs (:func:`parse_cost`) are checked, so a small file cannot make the reader build gigabytes
 of Python objects; the writer checks the same bound, so every manifest it writes can be read back.
@@ -26,7 +26,7 @@ from trainstate.errors import CorruptCheckpointError, FormatVersionError, Unsupp
 FORMAT_NAME = "trainstate"
 FORMAT_VERSION = "1.0"
 MANIFEST_NAME = "manifest.json"
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")  # in full: "$" would let a trailing newline in
 KNOWN_TRANSFORMS: frozenset[str] = frozenset()  # per-chunk byte transforms (compression, encryption) go here
 
 # Limits on one manifest (docs/format.md, "Limits"). A merged manifest of 1,024 ranks x 1,000 tensors is about
@@ -84,9 +84,10 @@ class Manifest:
         Raises:
             UnsupportedValueError: a reader would refuse them as too large or too costly to parse.
         """
-        body = self._body()
-        body["checksum"] = checksum.digest(_canonical(body))
-        raw = _canonical(body) + b"\n"
+        text = _canonical(self._body())
+        # The checksum goes first, whatever other fields sort before it: a reader hashes the bytes after it
+        # and never re-serializes (docs/format.md §5.1).
+        raw = b'{"checksum":' + json.dumps(checksum.digest(text)).encode() + b"," + text[1:] + b"\n"
         problem = over_limits(raw)
         if problem:
             raise UnsupportedValueError(
@@ -196,9 +197,9 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME) -> Manifest:
     if not isinstance(expected, str):
         raise CorruptCheckpointError(f"{what} has no checksum")
     prefix = b'{"checksum":' + json.dumps(expected).encode() + b","
-    if raw.startswith(prefix):  # canonical file: the body is the same bytes without the checksum field
+    if raw.startswith(prefix):  # as every writer lays it out: the checksum covers the bytes after it
         checksum.check(b"{" + raw[len(prefix) :].rstrip(b"\n"), expected, what)
-    else:
+    else:  # re-indented or re-ordered by hand or by a tool: Python's canonical form (docs/format.md §5.1, MAY)
         try:
             checksum.check(_canonical(body), expected, what)
         except ValueError as e:  # non-finite floats smuggled in
@@ -338,7 +339,7 @@ def _check_byte_ranges(raw_tensors: dict[str, Any]) -> None:
 
 def check_file_name(name: Any) -> str:
     """A data file name must be a plain name inside the checkpoint: no separators, no '..', no hidden files."""
-    if not isinstance(name, str) or not _FILE_NAME.match(name) or name == MANIFEST_NAME:
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name == MANIFEST_NAME:
         raise CorruptCheckpointError(f"manifest names an illegal data file {name!r:.80}")
     return name
 
