@@ -410,7 +410,7 @@ def test_a_checkpoint_committed_by_another_process_is_seen(backend: Backend, req
 # -- the contract: named capabilities, and wrappers that forward them (or forget to) ----------------
 
 
-def racing(storage: Storage, **hooks: Any) -> Storage:
+def with_hooks(storage: Storage, **hooks: Any) -> Storage:
     """The same storage (same class, same state) with ``hooks`` run before the method of the same name."""
     base = type(storage)
 
@@ -493,7 +493,7 @@ def test_retention_puts_back_a_checkpoint_pinned_while_it_is_taken_away(backend:
         if not pinned:
             pinned.append(trainstate.CheckpointManager(run, read_only=True, storage=backend.storage).pin(1, "keep"))
 
-    storage = racing(
+    storage = with_hooks(
         backend.storage,
         hide=lambda path: pin_now("hide"),
         unhide=lambda hidden, path: calls.append("unhide"),
@@ -536,7 +536,7 @@ def test_a_restore_keeps_as_many_reads_in_flight_as_the_store_asks_for(backend: 
         if first:
             together.wait()  # BrokenBarrierError if fewer lanes than asked for ever read at once
 
-    gated = Unmapped(racing(backend.storage, read_into=first_read_waits))  # every byte through read_into
+    gated = Unmapped(with_hooks(backend.storage, read_into=first_read_waits))  # every byte through read_into
     assert_same(state, trainstate.load(url, storage=gated))
     assert len(readers) == lanes
 
