@@ -28,7 +28,7 @@ from trainstate._restore.checkpoint import Checkpoint, TensorInfo
 from trainstate._restore.checkpoint import open_checkpoint as open
 from trainstate._rng import RNGState
 from trainstate._save import SaveResult, save
-from trainstate._storage import FileInfo, LocalStorage, Storage
+from trainstate._storage import Capabilities, FileInfo, LocalStorage, Storage
 from trainstate._storage import check as check_storage
 from trainstate._tree import Stateful
 from trainstate.errors import (
@@ -69,6 +69,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AtSteps",
+    "Capabilities",
     "Checkpoint",
     "CheckpointError",
     "CheckpointExistsError",

@@ -1,14 +1,17 @@
-"""Backends for the storage conformance suite: the local disk, fsspec's memory://, and S3 over HTTP.
+"""Backends for the storage conformance suite: the local disk, fsspec's memory://, S3 over HTTP, and
+user wrappers around them.
 
 S3 is a real moto server process on 127.0.0.1 (started once per session, only when an s3 test runs),
-reached through s3fs exactly as a user would reach AWS: no client is patched.
+reached through s3fs exactly as a user would reach AWS: no client is patched. ``wrapped-*`` backends are
+a Storage subclass that forwards every call and the capabilities to the backend it wraps (wrapping.py);
+``forgetful-*`` ones forward every call but not the capabilities, so they get the conservative defaults.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,10 @@ from tools.s3_server import AWS_ISOLATION, S3_KEY, S3_REGION, S3_SECRET, MotoSer
 
 from trainstate._storage import LocalStorage, Storage
 
-BACKENDS = ("local", "memory", "s3")
+from .wrapping import Forwarding, Wrapping
+
+BACKENDS = ("local", "memory", "s3", "wrapped-local", "wrapped-s3", "forgetful-local", "forgetful-memory")
+_WRAPPERS: dict[str, Callable[[Storage], Storage]] = {"wrapped": Wrapping, "forgetful": Forwarding}
 BUCKET = "trainstate-conformance"
 
 
@@ -41,10 +47,12 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer
 class Backend:
     """One place to put checkpoints: ``root`` is a path or URL, ``storage`` the backend to pass."""
 
-    kind: str
+    kind: str  # what is underneath: "local", "memory" or "s3"
     root: str
     storage: Storage
     fs: Any = None  # the fsspec filesystem under a remote storage
+    wrap: Callable[[Storage], Storage] = lambda storage: storage  # wraps another storage as this one is
+    wrapper: str = ""  # "", "wrapped" (forwards the capabilities) or "forgetful" (does not)
 
     def url(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
@@ -88,17 +96,19 @@ class Backend:
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     from trainstate._storage.fsspec import FsspecStorage
 
+    wrapper, _, kind = request.param.rpartition("-")
+    wrap = _WRAPPERS.get(wrapper, lambda storage: storage)
     unique = uuid.uuid4().hex[:12]
-    if request.param == "local":
-        yield Backend("local", str(tmp_path / "ckpts"), LocalStorage())
-    elif request.param == "memory":
+    if kind == "local":
+        yield Backend(kind, str(tmp_path / "ckpts"), wrap(LocalStorage()), None, wrap, wrapper)
+    elif kind == "memory":
         pytest.importorskip("fsspec")
         root = f"memory://trainstate-{unique}"
         storage = FsspecStorage.from_url(root)
-        yield Backend("memory", root, storage, storage.fs)
+        yield Backend(kind, root, wrap(storage), storage.fs, wrap, wrapper)
         if storage.fs.exists(storage.strip(root)):  # the memory store is process-wide
             storage.fs.rm(storage.strip(root), recursive=True)
     else:
         server: MotoServer = request.getfixturevalue("moto_server")
         fs = server.filesystem()
-        yield Backend("s3", f"s3://{BUCKET}/{unique}", FsspecStorage(fs), fs)
+        yield Backend(kind, f"s3://{BUCKET}/{unique}", wrap(FsspecStorage(fs)), fs, wrap, wrapper)

@@ -1,9 +1,12 @@
-"""One conformance suite for every storage backend: local disk, memory:// and S3 (a moto server over HTTP).
+"""One conformance suite for every storage backend: local disk, memory:// and S3 (a moto server over HTTP),
+bare and behind a user's wrapper.
 
 Each test runs once per backend through the ``backend`` fixture (conftest.py). What is checked is what a
 user relies on whatever the backend: round trips, overwrite rules, crash leftovers being invisible and
 swept, retention really deleting, corruption being caught, lazy byte-range reads, check_storage, and a
-failed save leaving the previous checkpoint whole with nothing stray beside it.
+failed save leaving the previous checkpoint whole with nothing stray beside it. Then the contract itself:
+a wrapper that forwards the capabilities keeps the locking, sweeping, renames and read parallelism of what
+it wraps, and one that forgets them is slower or untidier, never wrong.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import ml_dtypes
@@ -23,10 +27,11 @@ import trainstate
 from helpers import assert_same
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager import catalog
-from trainstate._storage import FileInfo, Storage
+from trainstate._storage import Capabilities, FileInfo, Storage
 from trainstate.errors import StorageError
 
 from .conftest import Backend
+from .wrapping import Minimal, Wrapping
 
 
 def numpy_state(seed: int = 0) -> dict[str, Any]:
@@ -108,7 +113,7 @@ def test_overwrite_is_refused_then_allowed_and_drops_old_files(backend: Backend)
     trainstate.save(url, second, overwrite=True, storage=backend.storage)
     assert_same(second, trainstate.load(url, storage=backend.storage))
     assert_no_strays(backend, url)
-    if backend.storage.in_place:  # new unique names; the old ones are gone from the store
+    if backend.storage.capabilities.in_place:  # new unique names; the old ones are gone from the store
         assert not (old_files & data_files(backend, url))
 
 
@@ -136,7 +141,7 @@ def test_incomplete_checkpoint_is_refused_invisible_and_swept(backend: Backend, 
     assert reader.latest().step == 1
     assert "step_00000002" in backend.listdir(run)  # a read-only manager sweeps nothing
 
-    if backend.kind != "local":  # no lock on object stores: only leftovers left alone for a while go
+    if not backend.storage.capabilities.locking:  # no lock: only leftovers left alone for a while go
         with trainstate.CheckpointManager(
             run, storage=backend.storage, capture_rng=False, save_on_preemption=False
         ) as mgr:
@@ -208,14 +213,20 @@ def test_a_flipped_tensor_byte_is_caught(backend: Backend) -> None:
 # -- lazy reads ------------------------------------------------------------------------------------
 
 
-class CountingStorage(Storage):
-    """Delegates to another storage and records every ``read_into``; never maps files, so every byte read
-    goes through ``read_into`` on every backend (local reads would otherwise page in through mmap)."""
+class Unmapped(Wrapping):
+    """Forwards everything but memory maps: every byte read goes through ``read_into`` on every backend
+    (local reads would otherwise page in through mmap)."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return replace(self.inner.capabilities, memory_map=False)
+
+
+class CountingStorage(Unmapped):
+    """Forwards to another storage, never maps, and records every ``read_into``."""
 
     def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.in_place = inner.in_place
-        self.target_file_bytes = inner.target_file_bytes
+        super().__init__(inner)
         self.reads: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()
 
@@ -228,42 +239,6 @@ class CountingStorage(Storage):
         with self._lock:
             self.reads.append((path, offset, n))
         return n
-
-    def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
-        return self.inner.write(path, views, fsync=fsync)
-
-    def stat(self, path: str) -> FileInfo | None:
-        return self.inner.stat(path)
-
-    def list(self, path: str) -> list[str]:
-        return self.inner.list(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def begin(self, final: str, *, overwrite: bool) -> str:
-        return self.inner.begin(final, overwrite=overwrite)
-
-    def commit(self, staging: str, final: str, *, overwrite: bool, fsync: bool) -> None:
-        self.inner.commit(staging, final, overwrite=overwrite, fsync=fsync)
-
-    def abort(self, staging: str) -> None:
-        self.inner.abort(staging)
-
-    def recover(self, final: str) -> bool:
-        return self.inner.recover(final)
-
-    def new_file_prefix(self) -> str:
-        return self.inner.new_file_prefix()
-
-    def strip(self, url: str) -> str:
-        return self.inner.strip(url)
-
-    def join(self, *parts: str) -> str:
-        return self.inner.join(*parts)
-
-    def name(self, path: str) -> str:
-        return self.inner.name(path)
 
 
 def test_lazy_reads_fetch_only_the_byte_ranges_they_need(backend: Backend) -> None:
@@ -306,9 +281,11 @@ def test_check_storage_raises_a_clear_error_on_a_bad_location(backend: Backend, 
         bad = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
         storage, reason = backend.storage, "bucket does not exist"
     else:  # memory:// cannot fail by itself: a store that refuses writes
+        from trainstate._storage.fsspec import FsspecStorage
+
         from .test_remote import FlakyFS
 
-        storage = type(backend.storage)(FlakyFS(backend.fs, failures=1, error=PermissionError), backoff=0.001)
+        storage = backend.wrap(FsspecStorage(FlakyFS(backend.fs, failures=1, error=PermissionError), backoff=0.001))
         bad, reason = backend.url("run"), "PermissionError"
     start = time.monotonic()
     with pytest.raises(StorageError) as info:
@@ -412,13 +389,15 @@ def test_a_second_manager_does_not_destroy_an_in_flight_save(backend: Backend, r
 def test_a_checkpoint_committed_by_another_process_is_seen(backend: Backend, request: Any) -> None:
     """Two clients of one store (a trainer and an evaluator): the reader must see what the writer committed
     after the reader last listed the directory (s3fs caches listings; stat must not answer from them)."""
+    from trainstate._storage.fsspec import FsspecStorage
+
     if backend.kind == "local":
         reader_storage = backend.storage
     elif backend.kind == "memory":
-        reader_storage = type(backend.storage)(backend.fs)  # one process-wide store: nothing to go stale
+        reader_storage = backend.wrap(FsspecStorage(backend.fs))  # one process-wide store: nothing to go stale
     else:
         server = request.getfixturevalue("moto_server")
-        reader_storage = type(backend.storage)(server.filesystem(skip_instance_cache=True))
+        reader_storage = backend.wrap(FsspecStorage(server.filesystem(skip_instance_cache=True)))
     run = backend.url("run")
     state = {"w": np.arange(10, dtype=np.float32)}
     trainstate.save(backend.url("run", "step_00000001"), state, storage=backend.storage)
@@ -426,3 +405,182 @@ def test_a_checkpoint_committed_by_another_process_is_seen(backend: Backend, req
     assert [c.step for c in reader.list()] == [1]
     trainstate.save(backend.url("run", "step_00000002"), state, storage=backend.storage)  # the other process
     assert_same(state, trainstate.load(backend.url("run", "step_00000002"), storage=reader_storage))
+
+
+# -- the contract: named capabilities, and wrappers that forward them (or forget to) ----------------
+
+
+def with_hooks(storage: Storage, **hooks: Any) -> Storage:
+    """The same storage (same class, same state) with ``hooks`` run before the method of the same name."""
+    base = type(storage)
+
+    class Hooked(base):  # type: ignore[misc, valid-type]
+        pass
+
+    for method, hook in hooks.items():
+
+        def hooked(self: Any, *args: Any, _method: str = method, _hook: Any = hook, **kwargs: Any) -> Any:
+            _hook(*args)
+            return getattr(base, _method)(self, *args, **kwargs)
+
+        setattr(Hooked, method, hooked)
+    hooked_storage = Hooked.__new__(Hooked)
+    hooked_storage.__dict__.update(storage.__dict__)
+    return hooked_storage
+
+
+def test_an_incomplete_backend_fails_when_it_is_built() -> None:
+    class NoCommit(Storage):
+        def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
+            return 0
+
+        def read_into(self, path: str, offset: int, out: memoryview) -> int:
+            return 0
+
+        def stat(self, path: str) -> FileInfo | None:
+            return None
+
+        def list(self, path: str) -> list[str]:
+            return []
+
+        def delete(self, path: str) -> None:
+            pass
+
+        def begin(self, final: str, *, overwrite: bool) -> str:
+            return final
+
+    with pytest.raises(TypeError, match="commit"):
+        NoCommit()  # type: ignore[abstract]
+
+
+def test_capabilities_are_the_wrapped_backends_or_the_conservative_defaults(backend: Backend) -> None:
+    caps = backend.storage.capabilities
+    with pytest.raises(AttributeError):
+        caps.locking = not caps.locking  # type: ignore[misc]
+    if backend.wrapper == "forgetful":
+        assert caps == Capabilities()
+        assert (caps.locking, caps.atomic_rename, caps.memory_map, caps.in_place) == (False, False, False, True)
+    elif backend.wrapper == "wrapped":
+        assert caps == backend.storage.inner.capabilities  # type: ignore[attr-defined]
+    if backend.kind == "local" and backend.wrapper != "forgetful":
+        assert caps.locking and caps.atomic_rename and caps.memory_map and not caps.in_place
+    if backend.kind != "local" and backend.wrapper != "forgetful":
+        assert caps.in_place and not caps.atomic_rename and not caps.locking and caps.read_parallelism > 1
+
+
+def test_one_writing_manager_per_directory_where_the_store_can_lock(backend: Backend) -> None:
+    """A wrapper around the local disk keeps its lock: before capabilities, only a LocalStorage took one."""
+    run = backend.url("run")
+    options: dict[str, Any] = {"storage": backend.storage, "capture_rng": False, "save_on_preemption": False}
+    with trainstate.CheckpointManager(run, **options):
+        if backend.storage.capabilities.locking:
+            with pytest.raises(trainstate.CheckpointError, match="another CheckpointManager"):
+                trainstate.CheckpointManager(run, **options)
+        else:  # no lock to take: a second writer is allowed, and the sweep keeps off recent leftovers
+            trainstate.CheckpointManager(run, **options).close()
+    assert (".trainstate.lock" in backend.listdir(run)) == backend.storage.capabilities.locking
+
+
+def test_retention_puts_back_a_checkpoint_pinned_while_it_is_taken_away(backend: Backend) -> None:
+    """Where the store renames, retention hides the checkpoint in one step and unhides it for a late pin;
+    elsewhere it un-commits by removing the manifest and writes it back. Either way the pin wins."""
+    run = backend.url("run")
+    calls: list[str] = []
+    pinned: list[bool] = []
+
+    def pin_now(what: str) -> None:  # another process pins step 1 just as retention takes it away
+        calls.append(what)
+        if not pinned:
+            pinned.append(trainstate.CheckpointManager(run, read_only=True, storage=backend.storage).pin(1, "keep"))
+
+    storage = with_hooks(
+        backend.storage,
+        hide=lambda path: pin_now("hide"),
+        unhide=lambda hidden, path: calls.append("unhide"),
+        delete=lambda path: path.endswith(MANIFEST_NAME) and pin_now("uncommit"),
+    )
+    state = {"w": np.arange(100, dtype=np.float32), "step": 1}
+    with trainstate.CheckpointManager(
+        run, every_steps=1, keep_last=1, storage=storage, capture_rng=False, save_on_preemption=False
+    ) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, {"w": np.zeros(100, dtype=np.float32), "step": 2})
+    assert pinned == [True]
+    reader = trainstate.CheckpointManager(run, read_only=True, storage=backend.storage)
+    assert [(c.step, c.pinned) for c in reader.list()] == [(1, True), (2, False)]
+    assert_same(state, trainstate.load(backend.url("run", "step_00000001"), storage=backend.storage))
+    if backend.storage.capabilities.atomic_rename:
+        assert calls == ["hide", "unhide"]
+    else:
+        assert calls == ["uncommit"]
+
+
+def test_a_restore_keeps_as_many_reads_in_flight_as_the_store_asks_for(backend: Backend) -> None:
+    """Each reader lane's first read waits until all the lanes the store asks for are reading at once."""
+    caps = backend.storage.capabilities
+    lanes = max(2, caps.read_parallelism)  # 2: load()'s own default
+    url = backend.url("ck")
+    state = {f"t{i:02d}": np.full(512, i, dtype=np.float32) for i in range(2 * lanes)}
+    trainstate.save(url, state, storage=backend.storage)
+    together = threading.Barrier(lanes, timeout=30)
+    readers: set[str] = set()
+    guard = threading.Lock()
+
+    def first_read_waits(path: str, offset: int, out: memoryview) -> None:
+        me = threading.current_thread().name
+        if not me.startswith("trainstate-read"):
+            return
+        with guard:
+            first = me not in readers
+            readers.add(me)
+        if first:
+            together.wait()  # BrokenBarrierError if fewer lanes than asked for ever read at once
+
+    gated = Unmapped(with_hooks(backend.storage, read_into=first_read_waits))  # every byte through read_into
+    assert_same(state, trainstate.load(url, storage=gated))
+    assert len(readers) == lanes
+
+
+class Scrambling(Unmapped):  # a map would show the scrambled bytes
+    """Stores every byte XOR 0x5A: a stand-in for an encrypting wrapper. The store it wraps cannot read
+    the manifest it holds, so it must never need to."""
+
+    KEY = 0x5A
+
+    def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
+        scrambled = [memoryview((np.frombuffer(bytes(v), np.uint8) ^ self.KEY).tobytes()) for v in views]
+        return self.inner.write(path, scrambled, fsync=fsync)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> int:
+        n = self.inner.read_into(path, offset, out)
+        view = np.frombuffer(out, np.uint8, count=n)
+        view ^= self.KEY
+        return n
+
+
+def test_an_overwrite_through_a_byte_transforming_wrapper_drops_the_replaced_files(backend: Backend) -> None:
+    """The backend learns which files to keep from the saver, not by parsing a manifest it may not read."""
+    storage = Scrambling(backend.storage)
+    url = backend.url("ck")
+    first, second = numpy_state(0), numpy_state(1)
+    trainstate.save(url, first, storage=storage)
+    trainstate.save(url, second, overwrite=True, storage=storage)
+    assert_same(second, trainstate.load(url, storage=storage))
+    assert not backend.read_bytes(url + "/" + MANIFEST_NAME).startswith(b"{")  # really scrambled
+    with trainstate.open(url, storage=storage) as ck:
+        named = {f.path for f in ck.manifest.files}
+    assert set(backend.listdir(url)) == {MANIFEST_NAME} | named
+
+
+def test_a_wrapper_of_only_the_abstract_methods_never_writes_over_a_committed_file(backend: Backend) -> None:
+    """A backend that declares nothing may write in place: the saver then names files uniquely, so a failed
+    overwrite cannot have touched the checkpoint it was replacing (a staging leftover is fine)."""
+    url = backend.url("ck")
+    before = two_file_state(1)
+    trainstate.save(url, before, storage=backend.storage)
+    failing = failing_on_write(Minimal(backend.storage), 2)
+    with pytest.raises(StorageError, match="injected"):
+        trainstate.save(url, two_file_state(2), overwrite=True, storage=failing)
+    assert_same(before, trainstate.load(url, storage=backend.storage))
+    with trainstate.open(url, storage=backend.storage) as ck:
+        ck.verify()

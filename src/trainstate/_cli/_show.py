@@ -15,7 +15,7 @@ from trainstate._cli._output import Printer, Table, clip, local_time, metrics_te
 from trainstate._manager import CheckpointInfo, CheckpointManager
 from trainstate._manager.naming import step_of
 from trainstate._restore.checkpoint import Checkpoint
-from trainstate._storage import LocalStorage, Storage, is_staging_name, resolve
+from trainstate._storage import Storage, is_staging_name, resolve
 from trainstate.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -43,7 +43,7 @@ def _is_dir(backend: Storage, path: str) -> bool:
 
 
 def _parent_and_name(backend: Storage, root: str) -> tuple[str, str]:
-    if isinstance(backend, LocalStorage):  # a link (``latest``) stands for the checkpoint it points to
+    if backend.capabilities.symlinks:  # a link (``latest``) stands for the checkpoint it points to
         return os.path.split(os.path.realpath(root))
     return posixpath.dirname(root.rstrip("/")), posixpath.basename(root.rstrip("/"))
 

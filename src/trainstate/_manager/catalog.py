@@ -20,7 +20,7 @@ from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager import naming
 from trainstate._manager.policies import CheckpointInfo
 from trainstate._restore.checkpoint import _read_manifest
-from trainstate._storage import LocalStorage, Storage, is_staging_name
+from trainstate._storage import Storage, is_staging_name
 from trainstate.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -176,7 +176,7 @@ class Catalog:
         path = self.path(name)
         if self.is_pinned(name):
             return False
-        hidden = self.storage.hide(path)
+        hidden = self.storage.hide(path) if self.storage.capabilities.atomic_rename else None
         if hidden is not None:
             if self.storage.stat(self.storage.join(hidden, PIN_FILE)) is not None:
                 self.storage.unhide(hidden, path)
@@ -195,15 +195,14 @@ class Catalog:
         self.storage.delete(path)
         return True
 
-    def sweep(self) -> builtins.list[str]:
+    def sweep(self, *, locked: bool = False) -> builtins.list[str]:
         """Remove leftovers of crashed saves and deletes; returns what was removed.
 
-        On local disks the directory lock guarantees no save is in flight. Object stores have no lock, so
-        there only leftovers untouched for ``REMOTE_SWEEP_AGE`` seconds are removed: a save another
-        process is writing right now is never taken for a crash.
+        ``locked``: the caller holds the directory lock, so no save is in flight and every leftover goes.
+        Without a lock (object stores) only leftovers untouched for ``REMOTE_SWEEP_AGE`` seconds are
+        removed: a save another process is writing right now is never taken for a crash.
         """
         removed = []
-        local = isinstance(self.storage, LocalStorage)
         for name in self.storage.list(self.root):
             if is_staging_name(name):
                 if ".old-" in name and self.storage.recover(self.path(name[1:].split(".old-")[0])):
@@ -213,9 +212,9 @@ class Catalog:
                 or self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME)) is not None
             ):
                 continue
-            if not local and self.storage.age(self.path(name)) < REMOTE_SWEEP_AGE:
+            if not locked and self.storage.age(self.path(name)) < REMOTE_SWEEP_AGE:
                 continue
-            self.storage.abort(self.path(name))
+            self.storage.delete(self.path(name))
             removed.append(name)
         if removed:
             log.info("swept %d incomplete checkpoint(s) in %s: %s", len(removed), self.root, removed)
@@ -236,7 +235,7 @@ def facts(
 
 
 def ensure_directory(storage: Storage, root: str) -> None:
-    if isinstance(storage, LocalStorage):
+    if storage.capabilities.makedirs:
         try:
             Path(root).mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -46,7 +46,7 @@ from trainstate._manager.staging import StagingBuffer
 from trainstate._restore import RESERVED_RNG_KEY, load_from
 from trainstate._rng import RNGState
 from trainstate._save import DEFAULT_THREADS, encode_state
-from trainstate._storage import LocalStorage, Storage, resolve
+from trainstate._storage import Storage, resolve
 from trainstate.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -192,9 +192,9 @@ class CheckpointManager:
         try:
             if not read_only:
                 ensure_directory(storage_, root)
-                if isinstance(storage_, LocalStorage):
+                if storage_.capabilities.locking:
                     self._lock = DirectoryLock(Path(root))
-                self.swept = self.catalog.sweep()
+                self.swept = self.catalog.sweep(locked=self._lock is not None)
                 self.list()  # refuses to start beside a checkpoint written by a newer trainstate
                 if save_on_preemption:
                     self._preemption = PreemptionWatcher(preemption_signals)

@@ -187,8 +187,7 @@ class Checkpoint:
             return (c[0].file, c[0].byte_range[0]) if c else ("", 0)
 
         jobs = sorted(jobs, key=position)
-        if self.storage.target_file_bytes:  # remote: latency-bound ranged GETs, so more of them at once
-            threads = max(threads, 8)
+        threads = max(threads, self.storage.capabilities.read_parallelism)  # remote: latency-bound GETs
         lanes = _split_by_bytes(jobs, [self._entry(n).nbytes for n, _ in jobs], max(1, threads))
         failed = threading.Event()  # one damaged tensor stops every lane: nothing more is written
 
@@ -287,7 +286,8 @@ class Checkpoint:
     def _map(self, file: str) -> mmap.mmap | None:
         with self._lock:
             if file not in self._maps:
-                self._maps[file] = self.storage.map(self._file(file))
+                mappable = self.storage.capabilities.memory_map
+                self._maps[file] = self.storage.map(self._file(file)) if mappable else None
             return self._maps[file]
 
     def _mapped(self, mm: mmap.mmap, file: str, begin: int, end: int) -> memoryview:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,8 +52,10 @@ def write_checkpoint(
     """
     start = time.perf_counter() if start is None else start
     tmp = storage.begin(final, overwrite=overwrite)
+    groups, names = _plan(storage, snapshot.entries, threads)
+    unnamed = names  # data files no manifest names yet: what a failure deletes
     try:
-        files, tensors = _write_files(storage, tmp, snapshot.entries, fsync=fsync, threads=threads)
+        files, tensors = _write_files(storage, tmp, snapshot.entries, groups, names, fsync=fsync, threads=threads)
         body = manifest.Manifest(
             tree=snapshot.tree,
             tensors=tensors,
@@ -62,11 +65,12 @@ def write_checkpoint(
             writer=f"trainstate {_version()}",
         )
         raw = body.to_json_bytes()
+        unnamed = []  # a manifest write that failed may still have landed, naming them
         storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
         written = time.perf_counter()
-        storage.commit(tmp, final, overwrite=overwrite, fsync=fsync)
+        storage.commit(tmp, final, [*names, manifest.MANIFEST_NAME], overwrite=overwrite, fsync=fsync)
     except BaseException:
-        storage.abort(tmp)
+        storage.abort(tmp, unnamed)
         raise
     total = sum(f.size for f in files) + len(raw)
     end = time.perf_counter()
@@ -80,20 +84,32 @@ def _version() -> str:
     return __version__
 
 
-def _write_files(
-    storage: Storage, tmp: str, entries: list[Entry], *, fsync: bool, threads: int
-) -> tuple[tuple[manifest.FileEntry, ...], dict[str, manifest.TensorEntry]]:
+def _plan(storage: Storage, entries: list[Entry], threads: int) -> tuple[list[list[Entry]], list[str]]:
+    """The data files of this save: which entries go in each, and its name."""
+    caps = storage.capabilities
     n_files = threads
-    if storage.target_file_bytes:  # remote: many moderate files, uploaded several at a time
-        n_files = max(threads, -(-sum(e.nbytes for e in entries) // storage.target_file_bytes))
+    if caps.target_file_bytes:  # remote: many moderate files, uploaded several at a time
+        n_files = max(threads, -(-sum(e.nbytes for e in entries) // caps.target_file_bytes))
     groups = plan_files(entries, n_files)
-    prefix = storage.new_file_prefix()
-    names = [FILE_TEMPLATE.format(prefix, i) for i in range(len(groups))]
+    # Written in place beside a committed checkpoint: names of this save alone, never the old files'.
+    prefix = f"data-{uuid.uuid4().hex[:12]}" if caps.in_place else "data"
+    return groups, [FILE_TEMPLATE.format(prefix, i) for i in range(len(groups))]
 
+
+def _write_files(
+    storage: Storage,
+    tmp: str,
+    entries: list[Entry],
+    groups: list[list[Entry]],
+    names: list[str],
+    *,
+    fsync: bool,
+    threads: int,
+) -> tuple[tuple[manifest.FileEntry, ...], dict[str, manifest.TensorEntry]]:
     def write(name: str, group: list[Entry]) -> tuple[int, str, list[tuple[int, int]], list[str]]:
         return _write_group(storage, storage.join(tmp, name), group, fsync)
 
-    workers = min(len(groups), max(threads, 8 if storage.in_place else threads))
+    workers = min(len(groups), max(threads, storage.capabilities.write_parallelism))
     if workers <= 1:
         results = [write(name, group) for name, group in zip(names, groups)]
     else:

@@ -1,6 +1,7 @@
 """Where checkpoints live: the storage interface and its backends.
 
 ``resolve`` picks the backend for a path: plain paths and ``file://`` URLs are the local filesystem.
+The contract a backend meets (abstract methods, named capabilities, the commit protocol) is in base.py.
 """
 
 from __future__ import annotations
@@ -9,12 +10,21 @@ import errno
 import os
 import uuid
 
-from trainstate._storage.base import FileInfo, Storage, is_staging_name
+from trainstate._storage.base import Capabilities, FileInfo, Storage, is_staging_name
 from trainstate._storage.local import LocalStorage
 
-__all__ = ["FileInfo", "LocalStorage", "Storage", "check", "is_staging_name", "resolve"]  # FsspecStorage: .fsspec
+__all__ = [
+    "Capabilities",
+    "FileInfo",
+    "LocalStorage",
+    "Storage",
+    "check",
+    "is_staging_name",
+    "resolve",
+]  # FsspecStorage: .fsspec
 
 _LOCAL = LocalStorage()
+_PROBE = "probe"
 _REMOTE: dict[str, Storage] = {}
 
 
@@ -54,16 +64,21 @@ def check(location: str | os.PathLike[str], storage: Storage | None = None) -> N
 
     backend, root = resolve(location, storage)
     backend = backend.without_retries()  # a pre-flight check should fail fast, not back off for a minute
-    probe = backend.join(root, f".trainstate-probe-{uuid.uuid4().hex[:12]}")
     payload = os.urandom(64)
     try:
-        if isinstance(backend, LocalStorage):
-            os.makedirs(root, exist_ok=True)
-        backend.write(probe, [memoryview(payload)], fsync=True)
-        back = bytearray(len(payload))
-        if backend.read_into(probe, 0, memoryview(back)) != len(payload) or bytes(back) != payload:
-            raise StorageError(errno.EIO, "the bytes read back differ from the bytes written")
-        backend.delete(probe)
+        # The probe is written the way a save writes (begin, write, read back), so whatever a save
+        # needs of the location (its directories, a staging area) is tried too.
+        staging = backend.begin(backend.join(root, f".trainstate-probe-{uuid.uuid4().hex[:12]}"), overwrite=False)
+        probe = backend.join(staging, _PROBE)
+        try:
+            backend.write(probe, [memoryview(payload)], fsync=True)
+            back = bytearray(len(payload))
+            if backend.read_into(probe, 0, memoryview(back)) != len(payload) or bytes(back) != payload:
+                raise StorageError(errno.EIO, "the bytes read back differ from the bytes written")
+        except BaseException:
+            backend.abort(staging, [_PROBE])
+            raise
+        backend.delete(staging)  # a fresh name, the probe's alone
     except StorageError as e:
         raise StorageError(e.errno, f"{os.fspath(location)} is not usable for checkpoints: {e}") from e
     except OSError as e:

@@ -1,11 +1,30 @@
 """The storage interface: the few operations a checkpoint needs from wherever its bytes live.
 
-Seven abstract methods, so an incomplete backend fails when it is constructed, not at its first use.
-Backends translate their native errors into :class:`StorageError` (``raise ... from e``).
+What a backend author implements
+--------------------------------
+Seven abstract methods, so an incomplete backend fails when it is constructed, not at its first use:
+``write``, ``read_into``, ``stat``, ``list``, ``delete``, ``begin`` and ``commit``. Backends translate
+their native errors into :class:`~trainstate.errors.StorageError` (``raise ... from e``).
 
-The commit protocol is each backend's: local disks stage in a hidden sibling and rename it into place;
-stores without rename write the manifest (the commit marker) last. Either way a reader sees a checkpoint
-with its manifest, or nothing.
+Everything else a caller may use has a default that is safe for any backend: ``abort``, ``map``,
+``hide`` / ``unhide``, ``recover``, ``age``, ``stat_followed``, ``without_retries`` and the path helpers
+``strip`` / ``join`` / ``name``. What a backend *can do* beyond the abstract methods is declared once,
+in :attr:`Storage.capabilities` (a frozen :class:`Capabilities`); callers ask it, never the class. A
+backend that declares nothing, or a wrapper that forgets to forward its inner backend's capabilities,
+gets :class:`Capabilities`' defaults, which are the conservative answers: no lock taken (so leftovers are
+swept only once they are old), un-commit by removing the manifest instead of a rename, data files named
+uniquely per save, no memory maps, no extra parallelism. Slower or untidier, never wrong.
+
+The commit protocol
+-------------------
+``begin(final)`` returns a staging location: a fresh hidden sibling that ``commit`` renames into place
+(``atomic_rename``), or ``final`` itself (``in_place``: data files go straight to where readers look,
+under names unique to this save, and the manifest, written last, is the commit). The saver then writes
+every data file and the manifest into it and calls ``commit(staging, final, files)`` with the names it
+wrote, relative to the checkpoint; an in-place backend deletes the data files of the checkpoint it
+replaced that are not among them. No backend ever parses a manifest. On failure the saver calls
+``abort(staging, files)`` with the data files no manifest can name yet. Either way a reader sees a
+checkpoint whole with its manifest, or nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +32,7 @@ from __future__ import annotations
 import mmap
 import posixpath
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 STAGING_TAGS = (".tmp-", ".old-", ".del-")
@@ -27,20 +46,76 @@ class FileInfo:
     mtime: float = 0.0
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond the abstract methods; callers ask this instead of checking the class.
+
+    The defaults are what is safe to assume of a backend that says nothing. A wrapping backend forwards
+    its inner backend's value (``return self.inner.capabilities``), replacing only the fields its
+    wrapping changes (``dataclasses.replace``: one that transforms bytes cannot offer maps of them).
+
+    Attributes:
+        atomic_rename: ``begin`` stages in a fresh sibling that ``commit`` renames into place, and
+            ``hide`` / ``unhide`` move a whole checkpoint out of sight and back in one step. Without it,
+            retention un-commits a checkpoint by removing its manifest (keeping the bytes to put back).
+        locking: paths are directories of this machine on which ``flock`` works: the manager holds a
+            lock file in its directory, so one writer at a time, and sweeps leftovers of crashed saves
+            at once. Without it, several writers may share a directory and leftovers are swept only once
+            ``age`` says nobody has touched them for an hour.
+        in_place: ``begin`` may return the final location itself, so data files land where readers look
+            while an older checkpoint is still committed there: the saver names them uniquely per save.
+            True by default: unique names are correct for every backend, fixed names only for staging.
+        memory_map: ``map`` returns read-only memory maps; readers then read tensors through them.
+        symlinks: a user's path may be a symlink (their ``latest -> step_00000100``): ``stat_followed``
+            follows it and the real path names the checkpoint and its siblings.
+        makedirs: directories are real and must exist before files go in them: the manager creates its
+            directory (the lock file lives there).
+        target_file_bytes: if set, the saver cuts the state into files of about this size, so a large
+            state is many moderate files written at once (latency-bound stores).
+        read_parallelism: reads a reader keeps in flight at once (at least the caller's ``threads``).
+        write_parallelism: files a saver writes at once (at least the caller's ``threads``).
+
+    Example:
+        >>> class Metered(trainstate.Storage):  # forwards every call to self.inner, counting bytes
+        ...     @property
+        ...     def capabilities(self) -> trainstate.Capabilities:
+        ...         return self.inner.capabilities  # the same locking, renames, maps and parallelism
+    """
+
+    atomic_rename: bool = False
+    locking: bool = False
+    in_place: bool = True
+    memory_map: bool = False
+    symlinks: bool = False
+    makedirs: bool = False
+    target_file_bytes: int | None = None
+    read_parallelism: int = 1
+    write_parallelism: int = 1
+
+
 def is_staging_name(name: str) -> bool:
     """Whether a directory entry is a leftover of an unfinished save or delete (safe to sweep)."""
     return name.startswith(".") and any(tag in name for tag in STAGING_TAGS)
 
 
 class Storage(ABC):
-    """Where checkpoints live. Paths are plain strings; :meth:`join` builds them."""
+    """Where checkpoints live. Paths are plain strings; :meth:`join` builds them.
 
-    in_place = False  # True: data files go straight to the final location under unique names (no rename)
-    target_file_bytes: int | None = None  # if set, the saver cuts the state into files of about this size
+    Subclass it and implement the seven abstract methods; override :attr:`capabilities` and the optional
+    methods that go with them (``hide`` for ``atomic_rename``, ``map`` for ``memory_map``, ...).
+    """
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this backend can do (see :class:`Capabilities`); the conservative defaults unless overridden."""
+        return Capabilities()
 
     @abstractmethod
     def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
-        """Create the file ``path`` (it must not exist) from ``views`` in order; returns bytes written."""
+        """Create the file ``path`` (it must not exist) from ``views`` in order; returns bytes written.
+
+        ``views`` may be iterated again from the start, so an upload can be retried.
+        """
 
     @abstractmethod
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
@@ -56,29 +131,47 @@ class Storage(ABC):
 
     @abstractmethod
     def delete(self, path: str) -> None:
-        """Remove a file or a whole checkpoint directory, never leaving it visible half-deleted."""
+        """Remove a file or a whole directory (a checkpoint, a leftover), never leaving it visible half-deleted."""
 
     @abstractmethod
     def begin(self, final: str, *, overwrite: bool) -> str:
-        """Check that ``final`` may be written and return a fresh staging location to write into."""
+        """Check that ``final`` may be written and return the staging location to write into.
+
+        A fresh location of its own, or ``final`` itself for stores that write in place (see the module
+        docstring). Refuse (``CheckpointExistsError``) a committed checkpoint unless ``overwrite``, and
+        anything that is not a checkpoint.
+        """
 
     @abstractmethod
-    def commit(self, staging: str, final: str, *, overwrite: bool, fsync: bool) -> None:
-        """Atomically make the finished ``staging`` visible as ``final`` (replacing it if ``overwrite``)."""
+    def commit(self, staging: str, final: str, files: Sequence[str], *, overwrite: bool, fsync: bool) -> None:
+        """Make the finished ``staging`` visible as ``final`` (replacing it if ``overwrite``), atomically.
 
-    # -- optional, with defaults -----------------------------------------------------------------
+        ``files`` are the names this save wrote, relative to the checkpoint, the manifest included: what
+        a backend that writes in place keeps, dropping the replaced checkpoint's other data files.
+        """
 
-    def abort(self, staging: str) -> None:
-        """Throw away an unfinished staging location."""
-        self.delete(staging)
+    # -- optional, with defaults that are safe for any backend ------------------------------------
+
+    def abort(self, staging: str, files: Sequence[str]) -> None:
+        """Throw away an unfinished save: ``files`` are the names in ``staging`` that no manifest can name.
+
+        The default deletes exactly those; a backend whose staging location is its own (a fresh
+        directory) removes all of it.
+        """
+        for name in files:
+            self.delete(self.join(staging, name))
 
     def map(self, path: str) -> mmap.mmap | None:
-        """A read-only memory map of the file, where the storage allows one."""
+        """A read-only memory map of the file (``memory_map`` backends); None where there is none."""
         return None
 
     def age(self, path: str) -> float:
-        """Seconds since anything under ``path`` last changed; infinity where the backend cannot tell."""
-        return float("inf")
+        """Seconds since anything under ``path`` last changed.
+
+        0 where the backend cannot tell: something of unknown age may be another writer's save in
+        flight, so it is never swept as abandoned.
+        """
+        return 0.0
 
     def without_retries(self) -> Storage:
         """This storage failing fast, for one-off checks; backends that retry override it."""
@@ -95,22 +188,17 @@ class Storage(ABC):
     def hide(self, path: str) -> str | None:
         """Move a checkpoint directory out of sight in one atomic step; returns where it went.
 
-        None where the backend cannot rename (object stores): callers then un-commit by removing the
-        manifest instead. Readers see the checkpoint whole, or not at all.
+        Called only where ``capabilities.atomic_rename``; None if nothing was there to move.
         """
         return None
 
     def unhide(self, hidden: str, path: str) -> None:
         """Put a checkpoint moved away by :meth:`hide` back where it was."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} declares atomic_rename but cannot unhide")
 
     def recover(self, final: str) -> bool:
         """Put back a checkpoint a crash left mid-commit; True if it did."""
         return False
-
-    def new_file_prefix(self) -> str:
-        """The name prefix of this save's data files (unique per save where writes happen in place)."""
-        return "data"
 
     def strip(self, url: str) -> str:
         """A user's path or URL in this backend's own terms."""

@@ -4,8 +4,9 @@ Stores without rename get a different commit protocol from local disks: data fil
 into the checkpoint's prefix under names unique to this save (``data-<save id>-00000.safetensors``), and
 the manifest — one atomic PUT — is written last and is the commit. Until it lands, readers see either
 nothing (a new checkpoint: no manifest) or the previous checkpoint whole (an overwrite: the old
-manifest still points at the old files, which were not touched). After the commit, data files the new
-manifest does not name are deleted; a failed save deletes what it wrote the same way.
+manifest still points at the old files, which were not touched). After the commit, data files the save
+did not write (the saver passes their names to ``commit``) are deleted; a failed save deletes what it
+wrote. The manifest itself is never read here.
 
 Reads are byte ranges (``cat_file(start, end)``), so opening a checkpoint fetches only its manifest and
 reading one tensor fetches only that tensor. A large range is fetched as parts of 8 MiB up to
@@ -20,19 +21,17 @@ are retried with exponential backoff. Credentials come from where fsspec and the
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import posixpath
 import random
 import time
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._optional import optional
-from trainstate._storage.base import FileInfo, Storage
+from trainstate._storage.base import Capabilities, FileInfo, Storage
 from trainstate.errors import CheckpointExistsError, MissingDependencyError, StorageError
 
 log = logging.getLogger("trainstate")
@@ -58,8 +57,8 @@ class FsspecStorage(Storage):
         >>> trainstate.save("s3://bucket/run1/step_5", state, storage=storage)
     """
 
-    in_place = True  # data files are written into the final location, under unique names
     target_file_bytes = 64 << 20  # the saver cuts state into files of about this size, uploaded in parallel
+    write_parallelism = 8  # files uploaded at once: each PUT is latency-bound
 
     def __init__(
         self, fs: Any, *, part_size: int = 16 << 20, read_parallelism: int = 8, retries: int = 4, backoff: float = 0.2
@@ -86,6 +85,16 @@ class FsspecStorage(Storage):
         except ValueError as e:
             raise StorageError(errno.EINVAL, f"unknown storage protocol {protocol!r}: {e}") from e
         return cls(fs)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """No rename, no lock, no maps: data files are written in place and the manifest PUT commits."""
+        return Capabilities(
+            in_place=True,
+            target_file_bytes=self.target_file_bytes,
+            read_parallelism=self.read_parallelism,
+            write_parallelism=self.write_parallelism,
+        )
 
     def strip(self, url: str) -> str:
         return str(self.fs._strip_protocol(url))
@@ -183,20 +192,21 @@ class FsspecStorage(Storage):
             raise CheckpointExistsError(f"{final} holds objects that are not a trainstate checkpoint; refusing")
         return final
 
-    def commit(self, staging: str, final: str, *, overwrite: bool, fsync: bool) -> None:
-        # The manifest is already in place: that PUT was the commit. Now drop what it does not name.
-        self._drop_unreferenced(final)
+    def commit(self, staging: str, final: str, files: Sequence[str], *, overwrite: bool, fsync: bool) -> None:
+        # The manifest is already in place: that PUT was the commit. Now drop the replaced data files.
+        keep = set(files)
+        for name in self.list(final):
+            if _is_data_file(name) and name not in keep:
+                self._rm(posixpath.join(final, name))
 
     # -- optional operations ---------------------------------------------------------------------
 
-    def abort(self, staging: str) -> None:
+    def abort(self, staging: str, files: Sequence[str]) -> None:
         try:
-            self._drop_unreferenced(staging)
+            for name in files:
+                self._rm(posixpath.join(staging, name))
         except StorageError as e:
             log.warning("could not clean up after a failed save in %s: %s", staging, e)
-
-    def new_file_prefix(self) -> str:
-        return f"data-{uuid.uuid4().hex[:12]}"
 
     def age(self, path: str) -> float:
         """Seconds since anything under ``path`` last changed (0 if unknown or empty)."""
@@ -208,7 +218,9 @@ class FsspecStorage(Storage):
 
     def without_retries(self) -> FsspecStorage:
         """The same filesystem, failing fast: for one-off checks such as check_storage()."""
-        return type(self)(self.fs, part_size=self.part_size, retries=0, backoff=self.backoff)
+        return type(self)(
+            self.fs, part_size=self.part_size, read_parallelism=self.read_parallelism, retries=0, backoff=self.backoff
+        )
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -223,19 +235,6 @@ class FsspecStorage(Storage):
         got = min(len(data), len(out))
         out[:got] = memoryview(data)[:got]
         return got
-
-    def _drop_unreferenced(self, root: str) -> None:
-        keep: set[str] = set()
-        mpath = posixpath.join(root, MANIFEST_NAME)
-        if self.stat(mpath) is not None:
-            raw = self._retry(f"read {mpath}", lambda: self.fs.cat_file(mpath))
-            try:
-                keep = {f["path"] for f in json.loads(raw)["files"]}
-            except (ValueError, KeyError, TypeError):
-                return  # not ours to judge: leave everything
-        for name in self.list(root):
-            if _is_data_file(name) and name not in keep:
-                self._rm(posixpath.join(root, name))
 
     def _rm(self, path: str) -> None:
         try:

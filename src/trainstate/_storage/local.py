@@ -22,13 +22,14 @@ import mmap
 import os
 import shutil
 import stat
+import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from trainstate._format.manifest import MANIFEST_NAME
-from trainstate._storage.base import FileInfo, Storage
+from trainstate._storage.base import Capabilities, FileInfo, Storage
 from trainstate.errors import CheckpointExistsError, StorageError
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -38,8 +39,17 @@ _MAX_IO = 1 << 30
 T = TypeVar("T")
 
 
+_CAPABILITIES = Capabilities(
+    atomic_rename=True, locking=True, in_place=False, memory_map=True, symlinks=True, makedirs=True
+)
+
+
 class LocalStorage(Storage):
     """Checkpoints on a local or shared POSIX filesystem."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return _CAPABILITIES
 
     # -- the abstract operations -----------------------------------------------------------------
 
@@ -111,7 +121,7 @@ class LocalStorage(Storage):
             raise StorageError(e.errno, f"cannot create a staging directory beside {final}: {e.strerror}") from e
         return str(tmp)
 
-    def commit(self, staging: str, final: str, *, overwrite: bool, fsync: bool) -> None:
+    def commit(self, staging: str, final: str, files: Sequence[str], *, overwrite: bool, fsync: bool) -> None:
         tmp, target = Path(staging), Path(final)
         if fsync:
             self._guard(staging, "fsync", lambda: self._fsync_dir(tmp))
@@ -130,8 +140,21 @@ class LocalStorage(Storage):
 
     # -- optional operations ---------------------------------------------------------------------
 
-    def abort(self, staging: str) -> None:
-        shutil.rmtree(staging, ignore_errors=True)
+    def abort(self, staging: str, files: Sequence[str]) -> None:
+        shutil.rmtree(staging, ignore_errors=True)  # the staging directory is this save's alone
+
+    def age(self, path: str) -> float:
+        """Seconds since ``path`` or an entry directly inside it last changed (0 if it is gone)."""
+        try:
+            newest = os.lstat(path).st_mtime
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+        except NotADirectoryError:
+            pass
+        except OSError:
+            return 0.0
+        return max(0.0, time.time() - newest)
 
     def map(self, path: str) -> mmap.mmap | None:
         try:
