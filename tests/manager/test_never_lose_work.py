@@ -347,3 +347,21 @@ def test_a_user_key_named_rng_is_never_overwritten(tmp_path):
     with trainstate.CheckpointManager(tmp_path, every_steps=1, capture_rng=False) as mgr:
         mgr.save(1, {**small_state(), "_rng": {"mine": 1}})
     assert trainstate.load(tmp_path / "step_00000001", include="_rng.*") == {"_rng": {"mine": 1}}
+
+
+def test_a_pinned_checkpoint_left_hidden_by_a_crash_mid_retention_is_put_back(tmp_path):
+    # Retention hides a checkpoint (one rename), then finds a pin and renames it back. A process killed
+    # between the two leaves the pinned checkpoint under its hidden name: the next manager must put it
+    # back, never sweep it away as a leftover.
+    with trainstate.CheckpointManager(tmp_path, every_steps=1, fsync=False) as mgr:
+        mgr.save(1, {"x": np.arange(4)})
+        mgr.save(2, {"x": np.arange(4) + 1})
+        assert mgr.pin(1, "best so far")
+    (tmp_path / "step_00000001").rename(tmp_path / ".step_00000001.del-0123456789ab")
+    (tmp_path / ".trainstate-probe-0123456789ab").write_bytes(b"left by a killed check_storage")
+    with trainstate.CheckpointManager(tmp_path, every_steps=1, fsync=False) as mgr:
+        assert [c.step for c in mgr.list()] == [1, 2]
+        assert mgr.list()[0].pin_reason == "best so far"
+        assert list(trainstate.load(tmp_path / "step_00000001")["x"]) == [0, 1, 2, 3]
+    assert not (tmp_path / ".trainstate-probe-0123456789ab").exists()
+    assert not list(tmp_path.glob(".step_*"))

@@ -21,6 +21,7 @@ from trainstate._manager import naming
 from trainstate._manager.policies import CheckpointInfo
 from trainstate._restore.checkpoint import _read_manifest
 from trainstate._storage import Storage, is_staging_name
+from trainstate._storage.base import PROBE_PREFIX
 from trainstate.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -195,6 +196,17 @@ class Catalog:
         self.storage.delete(path)
         return True
 
+    def _put_back_pinned(self, hidden: str, name: str) -> bool:
+        """A checkpoint that retention hid and then found pinned, left hidden by a crash: put it back."""
+        where = self.path(hidden)
+        if naming.step_of(name) is None or self.storage.stat(self.storage.join(where, PIN_FILE)) is None:
+            return False
+        if self.storage.stat(self.storage.join(where, MANIFEST_NAME)) is None or self.storage.stat(self.path(name)):
+            return False
+        self.storage.unhide(where, self.path(name))
+        log.warning("put back pinned checkpoint %s, which a crash left hidden mid-retention", self.path(name))
+        return True
+
     def sweep(self, *, locked: bool = False) -> builtins.list[str]:
         """Remove leftovers of crashed saves and deletes; returns what was removed.
 
@@ -207,6 +219,10 @@ class Catalog:
             if is_staging_name(name):
                 if ".old-" in name and self.storage.recover(self.path(name[1:].split(".old-")[0])):
                     continue
+                if ".del-" in name and self._put_back_pinned(name, name[1:].split(".del-")[0]):
+                    continue
+            elif name.startswith(PROBE_PREFIX):
+                pass  # a check_storage() probe whose process died before deleting it
             elif (
                 naming.step_of(name) is None
                 or self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME)) is not None

@@ -10,7 +10,7 @@ import errno
 import os
 import uuid
 
-from trainstate._storage.base import Capabilities, FileInfo, Storage, is_staging_name
+from trainstate._storage.base import PROBE_PREFIX, Capabilities, FileInfo, Storage, is_staging_name
 from trainstate._storage.local import LocalStorage
 
 __all__ = [
@@ -68,7 +68,7 @@ def check(location: str | os.PathLike[str], storage: Storage | None = None) -> N
     try:
         # The probe is written the way a save writes (begin, write, read back), so whatever a save
         # needs of the location (its directories, a staging area) is tried too.
-        staging = backend.begin(backend.join(root, f".trainstate-probe-{uuid.uuid4().hex[:12]}"), overwrite=False)
+        staging = backend.begin(backend.join(root, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"), overwrite=False)
         probe = backend.join(staging, _PROBE)
         try:
             backend.write(probe, [memoryview(payload)], fsync=True)

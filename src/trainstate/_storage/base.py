@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 STAGING_TAGS = (".tmp-", ".old-", ".del-")
+PROBE_PREFIX = ".trainstate-probe-"  # check_storage() writes and deletes one; a crash may leave it
 
 
 @dataclass(frozen=True)
