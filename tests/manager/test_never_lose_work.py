@@ -178,7 +178,7 @@ def test_a_stale_async_error_does_not_stop_the_preemption_save(tmp_path):
     full = FaultyStorage("write", at=1, error=errno.ENOSPC)
     mgr = trainstate.CheckpointManager(tmp_path, every_steps=10, async_save=True, storage=full)
     mgr.save(10, small_state(10))  # fails in the background
-    mgr._collect(block=True)
+    mgr._writer.collect(block=True)
     mgr._preemption.signal_name = "SIGTERM"  # as the signal handler does
     with pytest.raises(trainstate.StorageError):
         mgr.save(11, small_state(11))  # writes the preemption checkpoint first, then reports the old error

@@ -1,34 +1,109 @@
-"""Framework adapters: the only modules that import torch or jax.
+"""Framework adapters: the only modules that import torch or jax, and all that trainstate knows of them.
 
 An adapter knows, for its array type, how to describe a value (dtype code, shape), expose its bytes for
-writing, make an empty array to read into, and expose a live array's memory for in-place reads.
-Dispatch looks at ``sys.modules`` first, so a framework that was never imported is never imported here.
+writing, make an empty array to read into, and expose a live array's memory for in-place reads. It also
+answers the few questions restore asks about a framework's stateful objects (does ``load_state_dict`` take
+``strict=``; is an object's state rebuilt from the checkpoint alone), so the restore core names no
+framework class. Each adapter is a module that implements :class:`Adapter`; mypy checks that where the
+modules are handed out below.
+
+Dispatch looks at ``sys.modules`` first, so a framework that was never imported is never imported here: a
+value or object of a framework the process has not imported cannot exist.
 """
 
 from __future__ import annotations
 
 import sys
-from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from trainstate._frameworks import numpy as numpy_adapter
 
 
-def adapter_for(value: Any) -> ModuleType | None:
-    """The adapter module for an array value, or None if ``value`` is not an array we store."""
-    if numpy_adapter.is_array(value):
-        return numpy_adapter
-    if "torch" in sys.modules and type(value).__module__.startswith("torch"):
-        from trainstate._frameworks import torch as torch_adapter
+class Adapter(Protocol):
+    """What trainstate asks of one array framework. ``numpy.py`` and ``torch.py`` implement it as modules."""
 
+    def is_array(self, value: Any) -> bool:
+        """Whether ``value`` is an array (or array scalar) of this framework."""
+
+    def describe(self, value: Any) -> tuple[str, tuple[int, ...], str]:
+        """(dtype code, shape, kind) of an array; raises UnsupportedValueError for one that cannot be stored."""
+
+    def identity(self, value: Any) -> tuple[object, ...] | None:
+        """A key equal for two arrays that are the same view of the same memory (tied weights), or None."""
+
+    def byte_view(self, value: Any) -> memoryview:
+        """The array's bytes, C order, little-endian; copies only when the layout requires it."""
+
+    def empty(self, code: str, shape: tuple[int, ...]) -> Any:
+        """A new host array to read into."""
+
+    def writable_view(self, target: Any) -> memoryview | None:
+        """The memory of a live array to read straight into, or None when its layout does not allow it."""
+
+    def finish(self, array: Any, kind: str) -> Any:
+        """A freshly read host array turned into what the saver held (``kind`` from the manifest)."""
+
+    def assign(self, target: Any, source: Any) -> Any:
+        """Copy a host array into a live array (keeping its device); returns what the state now holds."""
+
+    def from_numpy(self, array: np.ndarray) -> Any:
+        """An array of this framework holding ``array``'s values (sharing its memory where it can)."""
+
+    def load_takes_strict(self, obj: Any) -> bool:
+        """Whether ``obj.load_state_dict`` takes ``strict=`` and its own state_dict's keys are the truth
+        (torch's ``nn.Module``), rather than the checkpoint's (an optimizer growing its moments)."""
+
+    def rebuilt_from_checkpoint(self, obj: Any) -> bool:
+        """Whether ``obj``'s state must come from the checkpoint alone: calling its ``state_dict()`` has
+        side effects (a DataLoader starts an iterator: worker processes, a draw from the global RNG)."""
+
+    def after_restore(self, restored: Any) -> None:
+        """Called with the whole restored state, once everything is in place."""
+
+
+NUMPY: Adapter = numpy_adapter
+
+
+def _torch() -> Adapter:
+    from trainstate._frameworks import torch as torch_adapter
+
+    return torch_adapter
+
+
+def _loaded() -> list[Adapter]:
+    """The adapters of the frameworks this process has imported."""
+    return [NUMPY, _torch()] if "torch" in sys.modules else [NUMPY]
+
+
+def adapter_for(value: Any) -> Adapter | None:
+    """The adapter for an array value, or None if ``value`` is not an array we store."""
+    if NUMPY.is_array(value):
+        return NUMPY
+    if "torch" in sys.modules and type(value).__module__.startswith("torch"):
+        torch_adapter = _torch()
         if torch_adapter.is_array(value):
             return torch_adapter
     return None
 
 
-def adapter_named(kind: str) -> ModuleType:
-    if kind == "torch":
-        from trainstate._frameworks import torch as torch_adapter
+def adapter_named(kind: str) -> Adapter:
+    """The adapter for a manifest ``kind`` or a ``framework=`` argument (``"torch"``, else NumPy)."""
+    return _torch() if kind == "torch" else NUMPY
 
-        return torch_adapter
-    return numpy_adapter
+
+def load_takes_strict(obj: Any) -> bool:
+    """See :meth:`Adapter.load_takes_strict`; False for objects of no framework."""
+    return any(a.load_takes_strict(obj) for a in _loaded())
+
+
+def rebuilt_from_checkpoint(obj: Any) -> bool:
+    """See :meth:`Adapter.rebuilt_from_checkpoint`; False for objects of no framework."""
+    return any(a.rebuilt_from_checkpoint(obj) for a in _loaded())
+
+
+def after_restore(restored: Any) -> None:
+    """Let every imported framework finish a restore (torch: arm the exact-resume hook of data loaders)."""
+    for a in _loaded():
+        a.after_restore(restored)

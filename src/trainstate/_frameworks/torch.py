@@ -1,7 +1,9 @@
-"""torch tensors: with data.py, the only module that imports torch (rng.py uses it only if imported).
+"""torch tensors and objects: with data.py, the only module that imports torch (rng.py uses it only if
+imported).
 
 Tensors on an accelerator are staged through host memory; reads into them go through a host buffer
-and ``copy_``, so a restored tensor keeps its device.
+and ``copy_``, so a restored tensor keeps its device. The object hooks tell restore how to treat an
+``nn.Module`` and a ``DataLoader`` (see :class:`trainstate._frameworks.Adapter`).
 """
 
 from __future__ import annotations
@@ -108,3 +110,17 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     dtype = getattr(torch, dtypes.from_code(code).torch_name)
     return torch.from_numpy(flat).view(dtype).reshape(array.shape)
+
+
+def load_takes_strict(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.Module)
+
+
+def rebuilt_from_checkpoint(obj: Any) -> bool:
+    return isinstance(obj, torch.utils.data.DataLoader)
+
+
+def after_restore(restored: Any) -> None:
+    from trainstate._data import arm_exact_resume  # imports torch.utils.data, as this module's callers have
+
+    arm_exact_resume(restored)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainstate import _tree as tree
+from trainstate._format.added_keys import FACTS_KEY, declaration
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager import naming
 from trainstate._manager.policies import CheckpointInfo
@@ -33,7 +34,7 @@ from trainstate.errors import (
 
 log = logging.getLogger("trainstate")
 PIN_FILE = "pinned.json"
-META_KEY = "trainstate"  # the manager's facts inside the manifest metadata
+META_KEY = FACTS_KEY  # the manager's facts inside the manifest metadata
 REMOTE_SWEEP_AGE = 3600.0
 PIN_SETTLE_SECONDS = 2.0  # how long a pin waits for a retention pass that is looking at it
 
@@ -244,10 +245,25 @@ def _with_pin(info: CheckpointInfo, reason: str | None) -> CheckpointInfo:
 
 
 def facts(
-    step: int, epoch: int | None, metrics: dict[str, Any] | None, reason: str, now: float, seq: int
+    step: int,
+    epoch: int | None,
+    metrics: dict[str, Any] | None,
+    reason: str,
+    now: float,
+    seq: int,
+    added_keys: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """What the manager records in each checkpoint's metadata (``seq`` orders commits; ``time`` is display)."""
-    return {"step": step, "epoch": epoch, "metrics": dict(metrics or {}), "reason": reason, "time": now, "seq": seq}
+    """What the manager records in each checkpoint's metadata (``seq`` orders commits; ``time`` is display;
+    ``added_keys``: the top-level keys it added to the user's state, see trainstate._format.added_keys)."""
+    return {
+        "step": step,
+        "epoch": epoch,
+        "metrics": dict(metrics or {}),
+        "reason": reason,
+        "time": now,
+        "seq": seq,
+        **declaration(added_keys),
+    }
 
 
 def ensure_directory(storage: Storage, root: str) -> None:

@@ -1,9 +1,10 @@
 """CheckpointManager: when to save, what to keep, and resuming from the newest good checkpoint.
 
 The manager is thin: policies decide (policies.py), the catalog lists and deletes (catalog.py), the
-synchronous core writes (save.write_checkpoint), and async save is that same core run on one background
-thread after the state was copied into a reused host buffer (staging.py). Retention runs only after a
-new checkpoint has committed, so nothing is deleted before its replacement exists.
+committer writes, commits and applies retention (committer.py), the writer runs those saves in order, in
+the background when asked, after the state was copied into a reused host buffer (async_writer.py,
+staging.py), and the RNG capture adds the process's RNG to what is saved (rng_capture.py). Retention runs
+only after a new checkpoint has committed, so nothing is deleted before its replacement exists.
 """
 
 from __future__ import annotations
@@ -11,16 +12,14 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from trainstate._manager import arguments, naming
-from trainstate._manager.background import InFlight, InFlightJobs, release, track
+from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, ensure_directory, facts
 from trainstate._manager.committer import Committer, SaveRecord, Settings, raise_background
 from trainstate._manager.lock import DirectoryLock
@@ -42,9 +41,8 @@ from trainstate._manager.policies import (
     saved_order,
 )
 from trainstate._manager.preemption import DEFAULT_SIGNALS, PreemptionWatcher
-from trainstate._manager.staging import StagingBuffer
-from trainstate._restore import RESERVED_RNG_KEY, load_from
-from trainstate._rng import RNGState
+from trainstate._manager.rng_capture import RNGCapture
+from trainstate._restore import load_from
 from trainstate._save import DEFAULT_THREADS, encode_state
 from trainstate._storage import Storage, resolve
 from trainstate.errors import (
@@ -57,7 +55,6 @@ from trainstate.errors import (
 )
 
 log = logging.getLogger("trainstate")
-RNG_KEY = RESERVED_RNG_KEY
 
 
 class CheckpointManager:
@@ -174,21 +171,15 @@ class CheckpointManager:
             read_only=bool(read_only),
         )
         self.catalog = Catalog(storage_, root)
-        self._rng = RNGState()
-        self._history: builtins.list[SaveRecord] = []
-        self._in_flight = track(InFlightJobs())
-        self._error: BaseException | None = None
+        self._committer = Committer(self.catalog, self._config)
+        self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
+        self._rng = RNGCapture(bool(capture_rng))
         self._closed = False
         self._preemption_saved = False
-        self._last_save_time = time.monotonic()  # a clock that never steps back
-        self._last_step: int | None = None
         self._seq = 0  # the highest commit sequence number this manager has handed out
-        self._committer = Committer(self.catalog, self._config)
         self.swept: builtins.list[str] = []
         self._lock: DirectoryLock | None = None
         self._preemption: PreemptionWatcher | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._buffers: builtins.list[StagingBuffer] = []
         try:
             if not read_only:
                 ensure_directory(storage_, root)
@@ -198,14 +189,11 @@ class CheckpointManager:
                 self.list()  # refuses to start beside a checkpoint written by a newer trainstate
                 if save_on_preemption:
                     self._preemption = PreemptionWatcher(preemption_signals)
-            if async_save:
-                self._buffers = [StagingBuffer() for _ in range(max_in_flight)]
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-async")
         except BaseException:
-            release(self._lock, self._preemption, self._pool, [])
+            _release(self._lock, self._preemption, self._writer)
             raise
         # Dropped without close() (a notebook cell run again): let go of the lock and the signal handlers.
-        self._finalizer = weakref.finalize(self, release, self._lock, self._preemption, self._pool, self._in_flight)
+        self._finalizer = weakref.finalize(self, _release, self._lock, self._preemption, self._writer)
 
     # -- configuration (fixed at construction) ----------------------------------------------------
 
@@ -276,8 +264,8 @@ class CheckpointManager:
 
     def history(self) -> builtins.list[SaveRecord]:
         """Every save this manager made, with its timings (background ones once they finished)."""
-        self._collect(block=False)
-        return list(self._history)
+        self._writer.collect(block=False)
+        return list(self._writer.history)
 
     @property
     def preempted(self) -> bool:
@@ -314,7 +302,7 @@ class CheckpointManager:
                 failures.append((info.name, why))
                 continue
             log.info("resumed from %s", info.name)
-            self._last_step = info.step
+            self._writer.last_step = info.step
             self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
             return info.step + 1
         if failures:
@@ -333,35 +321,20 @@ class CheckpointManager:
         Called by :meth:`restore_latest`; call it yourself if you do not restore. Without it the first
         async save pays for fresh memory while the loop waits.
         """
-        if not self.async_save or self.read_only or self._buffers[0].capacity:
-            return
-        snapshot = encode_state(self._with_rng(state))  # cheap: no array is copied
-        threading.Thread(
-            target=self._buffers[0].reserve, args=(snapshot,), name="trainstate-reserve", daemon=True
-        ).start()
+        if not self.read_only:
+            self._writer.reserve(lambda: encode_state(self._rng.wrap(state)[0]))  # cheap: no array is copied
 
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
         """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`)."""
         return self._restore_into(self.path_for(step), state, **load_kwargs)
 
     def _restore_into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
-        """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state."""
-        target = self._with_rng(state)
-        load_from(path, target, storage=self.storage, optional=(RNG_KEY,) if target is not state else (), **load_kwargs)
-        if target is not state:
-            state.update((k, v) for k, v in target.items() if k != RNG_KEY)
+        """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state
+        (optional: a checkpoint saved with ``capture_rng=False`` has none)."""
+        target, added = self._rng.wrap(state)
+        load_from(path, target, storage=self.storage, optional=added, **load_kwargs)
+        self._rng.unwrap(target, state)
         return state
-
-    def _with_rng(self, state: Any) -> Any:
-        """The state plus the manager's own RNGState, unless the user's state already has one."""
-        if not self.capture_rng or not isinstance(state, dict) or any(isinstance(v, RNGState) for v in state.values()):
-            return state
-        if RNG_KEY in state:
-            raise InvalidArgumentError(
-                f"the state has a key {RNG_KEY!r}, where CheckpointManager(capture_rng=True) keeps the RNG it "
-                f"captures; rename your key, put a trainstate.RNGState() in the state, or pass capture_rng=False"
-            )
-        return {**state, RNG_KEY: self._rng}
 
     # -- save ---------------------------------------------------------------------------------------
 
@@ -387,16 +360,16 @@ class CheckpointManager:
         epoch = None if epoch is None else arguments.step(epoch, "epoch")
         values = arguments.metrics(metrics)
         preempting = self._preemption is not None and self._preemption.requested and not self._preemption_saved
-        stale = self._take_error() if preempting else None
+        stale = self._writer.take_error() if preempting else None
         if not preempting:
-            self._raise_pending()
+            self._writer.raise_pending()
         if preempting:
             reason: str | None = f"preemption ({self._preemption.signal_name})"  # type: ignore[union-attr]
         elif force:
             reason = "forced"
         else:
-            reason = reason_to_save(self.save_policies, step, time.monotonic(), self._last_save_time)
-        if reason is None or (step == self._last_step and not preempting and not force):
+            reason = reason_to_save(self.save_policies, step, time.monotonic(), self._writer.last_save_time)
+        if reason is None or (step == self._writer.last_step and not preempting and not force):
             return False
         if self.catalog.is_pinned(naming.name_for(step)):
             raise CheckpointExistsError(
@@ -420,44 +393,15 @@ class CheckpointManager:
         background: bool,
     ) -> None:
         start = time.perf_counter()
-        if background:
-            buffer = self._free_buffer()  # waits for an in-flight save if all buffers are busy
-            self._raise_pending()  # the save we just waited for may have failed
-        else:
-            self._collect(block=True)  # one writer at a time: retention never races itself
+        self._writer.ready(background)  # a free staging buffer, or (synchronous) no save in flight
         self._seq = max(self._seq, self.catalog.next_seq() - 1) + 1
+        saved, added = self._rng.wrap(state)
         meta = {
             **self._config.metadata,
             **(metadata or {}),
-            META_KEY: facts(step, epoch, metrics, reason, time.time(), self._seq),
+            META_KEY: facts(step, epoch, metrics, reason, time.time(), self._seq, added),
         }
-        snapshot = encode_state(self._with_rng(state), meta)
-        if background and self.staging_budget_bytes is not None and snapshot.nbytes > self.staging_budget_bytes:
-            log.warning(
-                "step %d: state is %d bytes, over the staging budget of %d; saving synchronously",
-                step,
-                snapshot.nbytes,
-                self.staging_budget_bytes,
-            )
-            background = False
-            self._collect(block=True)
-            self._raise_pending()
-        previous = (self._last_step, self._last_save_time)
-        if not background:
-            record = self._committer.write(step, reason, snapshot, background=False, blocking_start=start)
-            self._history.append(record)  # only now is the step saved: a failed save leaves it unsaved
-            self._last_step, self._last_save_time = step, time.monotonic()
-            return
-        staged = buffer.stage(snapshot, threads=self.threads)
-        blocking = time.perf_counter() - start
-        assert self._pool is not None
-        buffer.in_use.set()
-        # the background job holds the committer, never the manager: a manager dropped with a save in
-        # flight is collected at once, and its finalizer waits for the save before letting go of the lock
-        future = self._pool.submit(self._committer.write, step, reason, staged, True, None, blocking)
-        self._in_flight.append(InFlight(future, buffer, step, reason, blocking, previous))
-        self._last_step, self._last_save_time = step, time.monotonic()  # taken back if the write fails
-        log.debug("step %d: async save started, blocked %.3fs", step, blocking)
+        self._writer.write(step, reason, encode_state(saved, meta), background, start)
 
     def prune(self, *, dry_run: bool = False) -> RetentionPlan:
         """Apply the retention policies now (without saving); returns what was kept and deleted, and why.
@@ -467,63 +411,16 @@ class CheckpointManager:
         if dry_run:
             return plan_retention(self.list(), self.retention)
         self._check_open()
-        self._collect(block=True)
+        self._writer.collect(block=True)
         self._committer.apply_retention()
         assert self.last_retention is not None
         return self.last_retention
-
-    def _free_buffer(self) -> StagingBuffer:
-        while len(self._in_flight) >= self.max_in_flight:
-            self._collect(block=True, first_only=True)
-        busy = {id(f.buffer) for f in self._in_flight}
-        return next(b for b in self._buffers if id(b) not in busy)
-
-    def _collect(self, block: bool, first_only: bool = False) -> None:
-        """Move finished background saves into the history; remember the first error.
-
-        Waiting is interruptible: a second Ctrl-C (KeyboardInterrupt) goes through to the caller.
-        """
-        still = []
-        for i, job in enumerate(self._in_flight):
-            if block and (not first_only or i == 0):
-                try:
-                    job.future.result()
-                except Exception:  # noqa: BLE001 - recorded just below
-                    pass
-            if job.future.done():
-                job.buffer.in_use.clear()
-                error = job.future.exception()
-                if error is not None:
-                    self._error = self._error or error
-                    if self._last_step == job.step:  # the step is not saved: a later save(step) must write it
-                        self._last_step, self._last_save_time = job.previous
-                    self._history.append(
-                        SaveRecord(
-                            job.step, job.reason, str(self.path_for(job.step)), True, job.blocking, error=repr(error)
-                        )
-                    )
-                else:
-                    self._history.append(job.future.result())
-            else:
-                still.append(job)
-        self._in_flight[:] = still  # in place: the finalizer holds this list
-
-    def _take_error(self) -> BaseException | None:
-        self._collect(block=False)
-        error, self._error = self._error, None
-        return error
-
-    def _raise_pending(self) -> None:
-        error = self._take_error()
-        if error is not None:
-            raise_background(error)
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
     def wait(self) -> None:
         """Block until every in-flight save has committed; raise if one failed."""
-        self._collect(block=True)
-        self._raise_pending()
+        self._writer.wait()
 
     def pin(self, step: int, reason: str = "") -> bool:
         """Keep this checkpoint whatever the retention policies say; False if it was already pinned.
@@ -555,9 +452,9 @@ class CheckpointManager:
             if state is not None and step is not None:
                 step = arguments.step(step)
                 values = arguments.metrics(metrics)
-                self._collect(block=True)
-                stale = self._take_error()
-                if step != self._last_step:
+                self._writer.collect(block=True)
+                stale = self._writer.take_error()
+                if step != self._writer.last_step:
                     self._save(step, state, "at close", values, None, None, background=False)
                 if stale is not None:
                     raise_background(stale)
@@ -579,3 +476,17 @@ class CheckpointManager:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _release(lock: DirectoryLock | None, preemption: PreemptionWatcher | None, writer: AsyncWriter) -> None:
+    """Give back what a manager holds; also its finalizer, so it must not refer to the manager.
+
+    Saves still in flight finish first (their commits and retention run under the lock).
+    """
+    try:
+        if preemption is not None:
+            preemption.close()
+        writer.close()
+    finally:
+        if lock is not None:
+            lock.release()

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
+from trainstate._frameworks import after_restore
 from trainstate._restore.checkpoint import Checkpoint
-from trainstate._restore.plan import _ABSENT, ABSENT, RESERVED_RNG_KEY, Restorer, selector
+from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector
 from trainstate._storage import Storage
 from trainstate.errors import InvalidArgumentError
 
-__all__ = ["ABSENT", "RESERVED_RNG_KEY", "Restorer", "load", "load_from", "restore", "selector"]
+__all__ = ["ABSENT", "Restorer", "load", "load_from", "restore", "selector"]
 
 
 def restore(
@@ -44,10 +44,8 @@ def restore(
     result = finish()
     if result is _ABSENT:  # every key excluded
         return {}
-    if target is not _ABSENT and "torch.utils.data" in sys.modules:
-        from trainstate._data import arm_exact_resume
-
-        arm_exact_resume(result)
+    if target is not _ABSENT:
+        after_restore(result)
     return result
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from trainstate import _tree as tree
 from trainstate._format import checksum, datafile, dtypes, manifest
-from trainstate._frameworks import adapter_named, numpy_adapter
+from trainstate._frameworks import NUMPY, adapter_for, adapter_named
 from trainstate._storage import Storage, resolve
 from trainstate.errors import (
     CheckpointNotFoundError,
@@ -130,7 +130,7 @@ class Checkpoint:
             )
             if framework == "torch":
                 return adapter_named("torch").from_numpy(array.copy())
-            return numpy_adapter.finish(array, t.kind)
+            return NUMPY.finish(array, t.kind)
         adapter = adapter_named(framework)
         out = adapter.empty(t.dtype, t.shape)
         self.read_into(name, out, verify=verify)
@@ -139,7 +139,7 @@ class Checkpoint:
     def read_into(self, name: str, out: Any, *, verify: bool = True) -> None:
         """Read tensor ``name`` into the contiguous host array ``out`` of the right size."""
         t = self._entry(name)
-        adapter = adapter_named("torch" if type(out).__module__.startswith("torch") else "numpy")
+        adapter = adapter_for(out) or NUMPY
         view = adapter.writable_view(out)
         if view is None or view.nbytes != t.nbytes:
             raise ValueError(f"read_into needs a contiguous host array of {t.nbytes} bytes for {name}")

@@ -20,17 +20,16 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 from trainstate import _tree as tree
-from trainstate._frameworks import adapter_for, adapter_named
+from trainstate._format.added_keys import declared_keys
+from trainstate._frameworks import Adapter, adapter_for, adapter_named, load_takes_strict, rebuilt_from_checkpoint
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 
 Finisher = Callable[[], Any]
 _ABSENT = object()
-RESERVED_RNG_KEY = "_rng"  # where CheckpointManager(capture_rng=True) puts the RNG it captures
 
 
 def selector(include: str | list[str] | None, exclude: str | list[str] | None) -> Callable[[str], bool] | None:
@@ -55,14 +54,6 @@ def _patterns(value: Any, what: str) -> list[str]:
     if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
         return list(value)
     raise InvalidArgumentError(f'{what} takes a glob pattern or a list of them ("model.*"), got {value!r:.60}')
-
-
-def _is_module(obj: Any) -> bool:
-    return any(c.__module__ == "torch.nn.modules.module" and c.__name__ == "Module" for c in type(obj).__mro__)
-
-
-def _is_data_loader(obj: Any) -> bool:
-    return any(c.__module__ == "torch.utils.data.dataloader" and c.__name__ == "DataLoader" for c in type(obj).__mro__)
 
 
 def _is_structure(value: Any) -> bool:
@@ -91,6 +82,7 @@ class Restorer:
         self.strict = strict
         self.framework = framework  # array type for tensors the target lacks; None: what the saver held
         self.optional = optional  # top-level target keys the checkpoint may lack without a complaint
+        self.declared = declared_keys(ck.metadata)  # top-level checkpoint keys the target may lack (§6a)
         self.partial = selected is not None
         self.selected: Callable[[str], bool] = selected or (lambda key: True)
         self.missing: list[str] = []
@@ -157,10 +149,10 @@ class Restorer:
         if not tree.is_stateful(target):
             self.mismatched.append((key, _describe(target), f"state of {node['type']}"))
             return lambda: target
-        module = _is_module(target)
+        module = load_takes_strict(target)  # an nn.Module: its own keys are the truth
         # A data loader's state_dict() starts an iterator (worker processes, a draw from the global RNG):
         # its state is rebuilt from the checkpoint alone.
-        current = _ABSENT if _is_data_loader(target) else target.state_dict()
+        current = _ABSENT if rebuilt_from_checkpoint(target) else target.state_dict()
         inner = self.plan(current, node.get("v"), path, free=not module)
 
         def finish() -> Any:
@@ -186,8 +178,8 @@ class Restorer:
                 finishers.append((k, self.plan(present[k], child, sub, free)))
             elif free or target is _ABSENT:
                 finishers.append((k, self.plan(_ABSENT, child, sub, free)))
-            elif not path and k == RESERVED_RNG_KEY:
-                continue  # the RNG a CheckpointManager saved on its own: restored only if asked for
+            elif not path and k in self.declared:
+                continue  # a key its writer added on its own (format.md §6a): restored only if asked for
             else:
                 self.unexpected.extend(p for p in self._leaves(child, sub) if self.selected(p))
         if not free and target is not _ABSENT:
@@ -303,7 +295,7 @@ class _Job:
     value: Any = None  # the restored value
 
 
-def _adapter(value: Any) -> ModuleType:
+def _adapter(value: Any) -> Adapter:
     adapter = adapter_for(value)
     assert adapter is not None
     return adapter

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 from trainstate import _tree as tree
 from trainstate._format import dtypes
-from trainstate._frameworks import adapter_for
+from trainstate._format.added_keys import check_declaration
+from trainstate._frameworks import Adapter, adapter_for
 
 
 @dataclass
 class Entry:
     name: str
     value: Any
-    adapter: ModuleType
+    adapter: Adapter
     dtype: str
     shape: tuple[int, ...]
     kind: str
@@ -66,6 +66,7 @@ class Snapshot:
 
 def encode_state(state: Any, metadata: Any = None) -> Snapshot:
     """Flatten ``state`` (calling ``state_dict()`` on statefuls) without copying any array."""
+    check_declaration(metadata)
     table = TensorTable()
     tree_node = tree.encode(state, table.add)
     return Snapshot(tree_node, tree.encode_plain(metadata), table.entries)

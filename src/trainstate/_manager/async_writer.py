@@ -1,0 +1,186 @@
+"""The manager's writer: runs its saves one after another, on the caller's thread or in the background.
+
+An async save is the synchronous core (:meth:`Committer.write`) run on one background thread after the
+state's arrays were copied into a reused staging buffer (staging.py), so training goes on while it writes.
+The writer owns what that takes: the buffers, the saves in flight, the error a background save met (raised
+at the next call), the record of finished saves and the step last saved. At most ``max_in_flight`` saves
+run at once, and a synchronous save first waits for all of them: retention never races itself.
+
+Nothing here refers to a manager: a finalizer and an exit hook must work after the manager is gone, and a
+manager dropped with a save in flight must be collectable at once (its finalizer waits for the save).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from trainstate._manager import naming
+from trainstate._manager.committer import Committer, SaveRecord, raise_background
+from trainstate._manager.staging import StagingBuffer
+from trainstate._save import Snapshot
+
+log = logging.getLogger("trainstate")
+
+
+@dataclass
+class InFlight:
+    future: Future[SaveRecord]
+    buffer: StagingBuffer
+    step: int
+    reason: str
+    blocking: float
+    previous: tuple[int | None, float]  # (last step, last save time) to go back to if this save fails
+
+
+class InFlightJobs(list[InFlight]):
+    """A writer's saves in flight, oldest first (a list an exit hook can track weakly, by identity)."""
+
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+_LIVE: weakref.WeakSet[InFlightJobs] = weakref.WeakSet()
+
+
+def _finish_saves_at_exit() -> None:
+    """At interpreter exit, let async saves in flight commit (a script that ends right after ``save()``
+    must not lose that save). Runs before concurrent.futures stops accepting work, which the writers need."""
+    for jobs in list(_LIVE):
+        for job in list(jobs):
+            try:
+                job.future.result()
+            except Exception as e:  # noqa: BLE001 - nobody is left to raise it to
+                log.error("the background save of step %d failed at exit: %r", job.step, e)
+
+
+if hasattr(threading, "_register_atexit"):  # runs before concurrent.futures' own exit hook (LIFO)
+    threading._register_atexit(_finish_saves_at_exit)
+
+
+class AsyncWriter:
+    """Writes a manager's snapshots through its committer, in the background when its settings say so."""
+
+    def __init__(self, committer: Committer) -> None:
+        config = committer.config
+        self.committer = committer
+        self.history: list[SaveRecord] = []  # finished saves, background ones once collected
+        self.last_step: int | None = None  # saved or being saved; taken back if a background save fails
+        self.last_save_time = time.monotonic()  # a clock that never steps back
+        self.jobs = InFlightJobs()
+        _LIVE.add(self.jobs)
+        self.buffers = [StagingBuffer() for _ in range(config.max_in_flight)] if config.async_save else []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-async") if config.async_save else None
+        self._error: BaseException | None = None
+
+    def reserve(self, snapshot: Callable[[], Snapshot]) -> None:
+        """Allocate and touch the first staging buffer on a helper thread, unless there is none to reserve
+        or it exists already (``snapshot`` is only called when there is work to do)."""
+        if not self.buffers or self.buffers[0].capacity:
+            return
+        threading.Thread(
+            target=self.buffers[0].reserve, args=(snapshot(),), name="trainstate-reserve", daemon=True
+        ).start()
+
+    def ready(self, background: bool) -> None:
+        """Make room before a save: a free buffer for a background one (raising the error of a save that
+        finished meanwhile), every save in flight committed for a synchronous one."""
+        if background:
+            while len(self.jobs) >= len(self.buffers):
+                self.collect(block=True, first_only=True)
+            self.raise_pending()  # the save we just waited for may have failed
+        else:
+            self.collect(block=True)
+
+    def write(self, step: int, reason: str, snapshot: Snapshot, background: bool, start: float) -> None:
+        """Write ``snapshot`` as ``step``, after :meth:`ready`; ``start`` is when the caller's save began."""
+        budget = self.committer.config.staging_budget_bytes
+        if background and budget is not None and snapshot.nbytes > budget:
+            log.warning(
+                "step %d: state is %d bytes, over the staging budget of %d; saving synchronously",
+                step,
+                snapshot.nbytes,
+                budget,
+            )
+            background = False
+            self.collect(block=True)
+            self.raise_pending()
+        previous = (self.last_step, self.last_save_time)
+        if not background:
+            record = self.committer.write(step, reason, snapshot, background=False, blocking_start=start)
+            self.history.append(record)  # only now is the step saved: a failed save leaves it unsaved
+            self.last_step, self.last_save_time = step, time.monotonic()
+            return
+        busy = {id(job.buffer) for job in self.jobs}
+        buffer = next(b for b in self.buffers if id(b) not in busy)
+        staged = buffer.stage(snapshot, threads=self.committer.config.threads)
+        blocking = time.perf_counter() - start
+        assert self._pool is not None
+        buffer.in_use.set()
+        # the background job holds the committer, never the manager: a manager dropped with a save in
+        # flight is collected at once, and its finalizer waits for the save before letting go of the lock
+        future = self._pool.submit(self.committer.write, step, reason, staged, True, None, blocking)
+        self.jobs.append(InFlight(future, buffer, step, reason, blocking, previous))
+        self.last_step, self.last_save_time = step, time.monotonic()  # taken back if the write fails
+        log.debug("step %d: async save started, blocked %.3fs", step, blocking)
+
+    def collect(self, block: bool, first_only: bool = False) -> None:
+        """Move finished background saves into the history; remember the first error.
+
+        Waiting is interruptible: a second Ctrl-C (KeyboardInterrupt) goes through to the caller.
+        """
+        still = []
+        for i, job in enumerate(self.jobs):
+            if block and (not first_only or i == 0):
+                try:
+                    job.future.result()
+                except Exception:  # noqa: BLE001 - recorded just below
+                    pass
+            if not job.future.done():
+                still.append(job)
+                continue
+            job.buffer.in_use.clear()
+            error = job.future.exception()
+            if error is None:
+                self.history.append(job.future.result())
+                continue
+            self._error = self._error or error
+            if self.last_step == job.step:  # the step is not saved: a later save(step) must write it
+                self.last_step, self.last_save_time = job.previous
+            path = self.committer.catalog.path(naming.name_for(job.step))
+            self.history.append(SaveRecord(job.step, job.reason, path, True, job.blocking, error=repr(error)))
+        self.jobs[:] = still  # in place: the exit hook tracks this list
+
+    def take_error(self) -> BaseException | None:
+        """The first error a finished background save met since the last call, now reported."""
+        self.collect(block=False)
+        error, self._error = self._error, None
+        return error
+
+    def raise_pending(self) -> None:
+        error = self.take_error()
+        if error is not None:
+            raise_background(error)
+
+    def wait(self) -> None:
+        """Block until every save in flight has committed; raise if one failed."""
+        self.collect(block=True)
+        self.raise_pending()
+
+    def close(self) -> None:
+        """Let the saves in flight finish and stop the thread; part of a manager's finalizer, so an error
+        nobody waited for is logged, since nobody is left to raise it to."""
+        if self._pool is not None:
+            on_pool = threading.current_thread().name.startswith("trainstate-async")
+            self._pool.shutdown(wait=not on_pool)  # a collection on the pool's own thread cannot wait for itself
+        for job in self.jobs:
+            error = job.future.exception() if job.future.done() else None
+            if error is not None:
+                log.error("the background save of step %d failed and nobody waited for it: %r", job.step, error)
