@@ -47,6 +47,9 @@ def test_every_flipped_data_byte_is_caught_on_load_or_verify(ckpt):
                 ck.verify()
         with pytest.raises(trainstate.CorruptCheckpointError):
             trainstate.load(ckpt)  # plain load catches it too, header bytes included
+        with pytest.raises(trainstate.CorruptCheckpointError):
+            with trainstate.open(ckpt) as ck:
+                ck.load()  # and so does open().load(): one load path, the same checks
     data.write_bytes(original)
     trainstate.load(ckpt)
 

@@ -31,6 +31,8 @@ def restore(
     With ``target=ABSENT`` it returns the checkpoint's own structure (arrays of ``framework``), honouring
     ``include`` / ``exclude`` the same way.
     """
+    if verify:
+        ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
     r = Restorer(ck, strict=strict, selected=selector(include, exclude), framework=framework, optional=optional)
     if include is not None and r.partial and not r._any_selected(ck.manifest.tree, ()):
         keys = r._leaves(ck.manifest.tree, ())
@@ -68,8 +70,6 @@ def load_from(
     plans and reads. Any damage surfaces as a CheckpointError subclass.
     """
     with Checkpoint(path, storage) as ck:
-        if verify:
-            ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
         return restore(
             ck,
             target,
