@@ -223,8 +223,9 @@ def inspect(out: Printer, path: str, pattern: str | None) -> int:
             return pattern is None or fnmatch.fnmatchcase(name, pattern)
 
         infos = [ck.info(n) for n in ck if wanted(n)]
-        values = [(p, v) for p, v in _values.leaves(_values.state_values(ck)) if wanted(p)]
+        values = [(p, v) for p, v in _values.leaves(ck.manifest.tree) if wanted(p)]
         metadata = ck.metadata
+        metadata_values = _values.leaves(ck.manifest.metadata)
         head = {
             "path": path,
             "format_version": ck.manifest.format_version,
@@ -270,7 +271,7 @@ def inspect(out: Printer, path: str, pattern: str | None) -> int:
     )
     if metadata is not None:
         meta = Table(["metadata", "value"])
-        for p, v in _values.leaves(metadata):
+        for p, v in metadata_values:
             meta.add(p, short(v, 80))
         out.line()
         out.table(meta)

@@ -1,13 +1,12 @@
-"""Plain values of a checkpoint's state (everything but tensors), flattened and compared.
+"""Plain values of a checkpoint's state (everything but tensors), listed and compared.
 
-The tree is decoded with :func:`trainstate._tree.decode`, tensors standing in as :class:`TensorRef`, so no
-tensor byte is read. Paths are dotted like tensor names (``optim.param_groups.0.lr``).
+Both come from the tree's own walker (:mod:`trainstate._tree`): tensors stand in as :class:`TensorRef`, so
+no tensor byte is read. Paths are dotted like tensor names (``optim.param_groups.0.lr``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,18 +26,9 @@ def dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path) if path else ROOT
 
 
-def leaves(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, Any]]:
-    """``(path, value)`` for every plain leaf; empty containers are leaves, tensors are skipped."""
-    if isinstance(value, TensorRef):
-        return
-    if isinstance(value, dict) and value:
-        for k, v in value.items():
-            yield from leaves(v, path + (k,))
-    elif isinstance(value, (list, tuple)) and value:
-        for i, v in enumerate(value):
-            yield from leaves(v, path + (i,))
-    else:
-        yield dotted(path), value
+def leaves(node: tree.Node) -> list[tuple[str, Any]]:
+    """``(path, value)`` for every plain leaf of a tree (or metadata): the tree's leaves but its tensors."""
+    return [(dotted(p), tree.decode(n)) for p, n in tree.leaves(node) if not isinstance(n, tree.TensorNode)]
 
 
 def same(a: Any, b: Any) -> bool:

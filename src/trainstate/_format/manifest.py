@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainstate import _tree as tree
+from trainstate import _tree
 from trainstate._format import checksum, dtypes
 from trainstate.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 
@@ -69,10 +69,10 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    tree: Any  # the encoded state (see tree.py)
+    tree: _tree.Node  # the state (see _tree.py)
     tensors: Mapping[str, TensorEntry]
     files: tuple[FileEntry, ...]
-    metadata: Any = None  # encoded like the tree
+    metadata: _tree.Node = _tree.NONE  # plain values, as nodes like the tree
     created: float = 0.0
     writer: str = ""
     format_version: str = FORMAT_VERSION
@@ -84,7 +84,8 @@ class Manifest:
         Raises:
             UnsupportedValueError: a reader would refuse them as too large or too costly to parse.
         """
-        text = _canonical(self._body())
+        trees = {"metadata": _tree.to_json(self.metadata), "tree": _tree.to_json(self.tree)}
+        text = _canonical(self._body(), trees)
         # The checksum goes first, whatever other fields sort before it: a reader hashes the bytes after it
         # and never re-serializes (docs/format.md §5.1).
         raw = b'{"checksum":' + json.dumps(checksum.digest(text)).encode() + b"," + text[1:] + b"\n"
@@ -103,10 +104,8 @@ class Manifest:
             "format_version": self.format_version,
             "created": self.created,
             "writer": self.writer,
-            "metadata": self.metadata,
             "files": [{"path": f.path, "size": f.size, "header_checksum": f.header_checksum} for f in self.files],
             "tensors": {name: _tensor_json(t) for name, t in self.tensors.items()},
-            "tree": self.tree,
         }
 
 
@@ -129,8 +128,17 @@ def _tensor_json(t: TensorEntry) -> dict[str, Any]:
     }
 
 
-def _canonical(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+def _canonical(body: dict[str, Any], texts: Mapping[str, str] | None = None) -> bytes:
+    """The canonical JSON of ``body``, plus the fields in ``texts`` given as canonical JSON text already."""
+    if not texts:
+        return _dumps(body).encode()
+    fields = {k: _dumps(v) for k, v in body.items() if k not in texts}
+    fields.update(texts)
+    return ("{" + ",".join(f"{_dumps(k)}:{fields[k]}" for k in sorted(fields)) + "}").encode()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def parse_cost(raw: bytes | bytearray) -> int:
@@ -249,13 +257,11 @@ def _build(body: dict[str, Any]) -> Manifest:
     created = body["created"]
     if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
         raise CorruptCheckpointError(f"manifest 'created' is not a finite number: {created!r:.40}")
-    tree.validate(body["tree"])
-    tree.validate(body["metadata"], tensors=False, what="metadata")
     return Manifest(
-        tree=body["tree"],
+        tree=_tree.parse(body["tree"], raw_tensors),
         tensors=tensors,
         files=files,
-        metadata=body["metadata"],
+        metadata=_tree.parse(body["metadata"], None, "metadata"),
         created=float(created),
         writer=_typed(body["writer"], str, "writer"),
         format_version=body["format_version"],

@@ -87,7 +87,7 @@ class Catalog:
                 self._damage_seen[name] = (stamp.mtime, stamp.size)
             self.damaged[name] = why
             return None
-        meta = tree.decode(m.metadata, lambda n: None)
+        meta = tree.decode(m.metadata)
         facts = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
         facts = facts if isinstance(facts, dict) else {}
         seq = facts.get("seq")

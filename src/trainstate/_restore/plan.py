@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from trainstate import _tree as tree
 from trainstate._format.added_keys import declared_keys
@@ -29,7 +29,11 @@ from trainstate._restore.checkpoint import Checkpoint
 from trainstate.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 
 Finisher = Callable[[], Any]
+# what the plan walk visits (a node, its part of the target, its path, free) and what a visit answers
+_Item: TypeAlias = "tuple[tree.Node, Any, tuple[str, ...], bool]"
+Planned: TypeAlias = "Finisher | tree.Branch[_Item, Finisher]"
 _ABSENT = object()
+_UNEXPECTED = object()  # the target part for a saved key the target has no place for
 
 
 def selector(include: str | list[str] | None, exclude: str | list[str] | None) -> Callable[[str], bool] | None:
@@ -93,13 +97,24 @@ class Restorer:
 
     # -- plan -----------------------------------------------------------------------------------
 
-    def plan(self, target: Any, node: Any, path: tuple[str, ...], free: bool) -> Finisher:
-        """A finisher that yields the restored value for ``target`` once the reads are done."""
+    def plan(self, target: Any, node: tree.Node, path: tuple[str, ...], free: bool) -> Finisher:
+        """A finisher that yields the restored value for ``target`` once the reads are done.
+
+        One :func:`tree.walk` over the checkpoint's nodes, each visited beside its part of the target: a
+        container's children are planned (in tree order) before its own finisher is made.
+        """
+        return tree.walk((node, target, path, free), self._plan_node, _too_deep)
+
+    def _plan_node(self, item: _Item) -> Planned:
+        node, target, path, free = item
         key = tree.join(path)
-        if not isinstance(node, dict) or node.get("t") not in ("dict", "list", "tuple", "stateful", "tensor"):
+        if target is _UNEXPECTED:  # a saved part the target has no place for
+            self.unexpected.extend(p for p in self._leaves(node, path) if self.selected(p))
+            return lambda: _ABSENT
+        if isinstance(node, tree.ValueNode):
             if not self.selected(key):
                 return lambda: target
-            value = tree.decode(node, _corrupt_ref)
+            value = node.value
             if target is not _ABSENT and (adapter_for(target) is not None or (not free and _is_structure(target))):
                 # never replace a live tensor, object or container with a saved plain value
                 self.mismatched.append((key or "<root>", _describe(target), f"a plain value ({value!r:.40})"))
@@ -107,15 +122,15 @@ class Restorer:
             return lambda: value
         if self.partial and not self._any_selected(node, path):
             return lambda: target  # _ABSENT for a part the target lacks: its container drops it
-        tag = node["t"]
-        if tag == "tensor":
-            return self._plan_tensor(target, node["name"], key)
-        if tag == "stateful":
+        if isinstance(node, tree.TensorNode):
+            return self._plan_tensor(target, node.name, key)
+        if isinstance(node, tree.StatefulNode):
             return self._plan_stateful(target, node, path)
+        tag = node.tag if isinstance(node, tree.SeqNode) else "dict"
         if target is not _ABSENT and not free and not isinstance(target, Mapping if tag == "dict" else (list, tuple)):
             self.mismatched.append((key or "<root>", _describe(target), tag))
             return lambda: target
-        if tag == "dict":
+        if isinstance(node, tree.DictNode):
             return self._plan_dict(target, node, path, free)
         return self._plan_sequence(target, node, path, free)
 
@@ -142,21 +157,20 @@ class Restorer:
             self.extra_jobs.append((name, job))
         return lambda: job.value
 
-    def _plan_stateful(self, target: Any, node: dict[str, Any], path: tuple[str, ...]) -> Finisher:
+    def _plan_stateful(self, target: Any, node: tree.StatefulNode, path: tuple[str, ...]) -> Planned:
         key = tree.join(path) or "<root>"
         if target is _ABSENT:
-            return self.plan(_ABSENT, node.get("v"), path, free=True)
+            return tree.Branch([(node.state, _ABSENT, path, True)], _first)
         if not tree.is_stateful(target):
-            self.mismatched.append((key, _describe(target), f"state of {node['type']}"))
+            self.mismatched.append((key, _describe(target), f"state of {node.type}"))
             return lambda: target
         module = load_takes_strict(target)  # an nn.Module: its own keys are the truth
         # A data loader's state_dict() starts an iterator (worker processes, a draw from the global RNG):
         # its state is rebuilt from the checkpoint alone.
         current = _ABSENT if rebuilt_from_checkpoint(target) else target.state_dict()
-        inner = self.plan(current, node.get("v"), path, free=not module)
 
-        def finish() -> Any:
-            state = inner()
+        def finish(inner: list[Finisher]) -> Any:
+            state = inner[0]()
             try:
                 if module:
                     target.load_state_dict(state, strict=self.strict)
@@ -166,68 +180,70 @@ class Restorer:
                 raise CheckpointError(f"{key}: {type(target).__name__}.load_state_dict failed: {e}") from e
             return target
 
-        return finish
+        return tree.Branch([(node.state, current, path, not module)], _then(finish))
 
-    def _plan_dict(self, target: Any, node: dict[str, Any], path: tuple[str, ...], free: bool) -> Finisher:
-        items = tree.dict_items(node)
+    def _plan_dict(self, target: Any, node: tree.DictNode, path: tuple[str, ...], free: bool) -> Planned:
         present = target if target is not _ABSENT and isinstance(target, Mapping) else {}
-        finishers = []
-        for k, child in items:
+        keys: list[Any] = []
+        children: list[_Item] = []
+        for k, child in node.items():
             sub = path + (str(k),)
             if k in present:
-                finishers.append((k, self.plan(present[k], child, sub, free)))
+                keys.append(k)
+                children.append((child, present[k], sub, free))
             elif free or target is _ABSENT:
-                finishers.append((k, self.plan(_ABSENT, child, sub, free)))
+                keys.append(k)
+                children.append((child, _ABSENT, sub, free))
             elif not path and k in self.declared:
                 continue  # a key its writer added on its own (format.md §6a): restored only if asked for
             else:
-                self.unexpected.extend(p for p in self._leaves(child, sub) if self.selected(p))
-        if not free and target is not _ABSENT:
-            saved = {k for k, _ in items}
-            for k in present:
-                if k not in saved and not (not path and k in self.optional):
-                    key = tree.join(path + (str(k),))
-                    if self.selected(key) or any(self.selected(p) for p in _target_leaves(present[k], key)):
-                        self.missing.append(key)
+                keys.append(_UNEXPECTED)
+                children.append((child, _UNEXPECTED, sub, free))
 
-        def finish() -> Any:
-            if free or target is _ABSENT or not isinstance(target, dict):
-                base = dict(target) if (not free and isinstance(target, Mapping)) else {}
-                for k, f in finishers:
+        def planned(finishers: list[Finisher]) -> Finisher:  # once every child is planned
+            if not free and target is not _ABSENT:
+                saved = set(node.keys)
+                for k in present:
+                    if k not in saved and not (not path and k in self.optional):
+                        key = tree.join(path + (str(k),))
+                        if self.selected(key) or any(self.selected(p) for p in _target_leaves(present[k], key)):
+                            self.missing.append(key)
+            done = [(k, f) for k, f in zip(keys, finishers) if k is not _UNEXPECTED]
+
+            def finish() -> Any:
+                if free or target is _ABSENT or not isinstance(target, dict):
+                    base = dict(target) if (not free and isinstance(target, Mapping)) else {}
+                    for k, f in done:
+                        value = f()
+                        if value is not _ABSENT:
+                            base[k] = value
+                    return base
+                for k, f in done:
                     value = f()
                     if value is not _ABSENT:
-                        base[k] = value
-                return base
-            for k, f in finishers:
-                value = f()
-                if value is not _ABSENT:
-                    target[k] = value
-            return target
+                        target[k] = value
+                return target
 
-        return finish
+            return finish
 
-    def _plan_sequence(self, target: Any, node: dict[str, Any], path: tuple[str, ...], free: bool) -> Finisher:
-        children = node["v"]
-        if not isinstance(children, list):
-            raise CorruptCheckpointError(f"malformed {node['t']} node at {tree.join(path)}")
+        return tree.Branch(children, planned)
+
+    def _plan_sequence(self, target: Any, node: tree.SeqNode, path: tuple[str, ...], free: bool) -> Planned:
+        children = node.items
         have = target if target is not _ABSENT and isinstance(target, (list, tuple)) else None
         if have is not None and len(have) != len(children) and not free:
             self.mismatched.append(
                 (
                     tree.join(path) or "<root>",
                     f"{type(have).__name__} of {len(have)}",
-                    f"{node['t']} of {len(children)}",
+                    f"{node.tag} of {len(children)}",
                 )
             )
             return lambda: target
-        finishers = [
-            self.plan(have[i] if have is not None and i < len(have) else _ABSENT, c, path + (str(i),), free)
-            for i, c in enumerate(children)
-        ]
 
-        def finish() -> Any:
+        def finish(finishers: list[Finisher]) -> Any:
             values = [v for v in (f() for f in finishers) if v is not _ABSENT]
-            if node["t"] == "tuple":
+            if node.is_tuple:
                 if isinstance(have, tuple) and hasattr(have, "_fields"):
                     return type(have)(*values)
                 return tuple(values)
@@ -236,21 +252,20 @@ class Restorer:
                 return have
             return values
 
-        return finish
+        return tree.Branch(
+            [
+                (c, have[i] if have is not None and i < len(have) else _ABSENT, path + (str(i),), free)
+                for i, c in enumerate(children)
+            ],
+            _then(finish),
+        )
 
-    def _any_selected(self, node: Any, path: tuple[str, ...]) -> bool:
+    def _any_selected(self, node: tree.Node, path: tuple[str, ...]) -> bool:
         return any(self.selected(p) for p in self._leaves(node, path))
 
-    def _leaves(self, node: Any, path: tuple[str, ...]) -> list[str]:
+    def _leaves(self, node: tree.Node, path: tuple[str, ...]) -> list[str]:
         """Dotted keys of every leaf under a checkpoint node; an empty container is a leaf itself."""
-        found: list[str] = []
-        if isinstance(node, dict) and node.get("t") == "dict":
-            found = [p for k, c in tree.dict_items(node) for p in self._leaves(c, path + (str(k),))]
-        elif isinstance(node, dict) and node.get("t") in ("list", "tuple") and isinstance(node.get("v"), list):
-            found = [p for i, c in enumerate(node["v"]) for p in self._leaves(c, path + (str(i),))]
-        elif isinstance(node, dict) and node.get("t") == "stateful":
-            found = self._leaves(node.get("v"), path)
-        return found or [tree.join(path)]
+        return [tree.join(p) for p, _ in tree.leaves(node, path)]
 
     # -- read -----------------------------------------------------------------------------------
 
@@ -311,8 +326,17 @@ def _target_leaves(value: Any, path: str) -> list[str]:
     return [path]
 
 
-def _corrupt_ref(name: str) -> Any:
-    raise CorruptCheckpointError(f"unexpected tensor reference {name!r}")
+def _first(finishers: list[Finisher]) -> Finisher:
+    return finishers[0]
+
+
+def _then(finish: Callable[[list[Finisher]], Any]) -> Callable[[list[Finisher]], Finisher]:
+    """A Branch's combine: once the children are planned, a finisher that runs ``finish`` on theirs."""
+    return lambda finishers: lambda: finish(finishers)
+
+
+def _too_deep(item: _Item) -> Exception:  # the nodes passed this rule when they were parsed
+    return CorruptCheckpointError(f"{tree.join(item[2][:5])}...: tree nests deeper than {tree.MAX_DEPTH} levels")
 
 
 ABSENT = _ABSENT  # restore() with this target returns the checkpoint's own structure

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from trainstate import _tree as tree
+from trainstate import _tree
 from trainstate._format import dtypes
 from trainstate._format.added_keys import check_declaration
 from trainstate._frameworks import Adapter, adapter_for
@@ -38,7 +38,7 @@ class TensorTable:
         ident = adapter.identity(value)
         if ident is not None and ident in self._by_identity:
             return self._by_identity[ident]
-        name = tree.join(path) or "_"
+        name = _tree.join(path) or "_"
         base, n = name, 1
         while name in self._names:  # e.g. {"a.b": x, "a": {"b": y}}
             n += 1
@@ -55,8 +55,8 @@ class TensorTable:
 class Snapshot:
     """A state flattened for writing: the encoded tree, its metadata, and the arrays to store."""
 
-    tree: Any
-    metadata: Any
+    tree: _tree.Node
+    metadata: _tree.Node
     entries: list[Entry]
 
     @property
@@ -68,5 +68,5 @@ def encode_state(state: Any, metadata: Any = None) -> Snapshot:
     """Flatten ``state`` (calling ``state_dict()`` on statefuls) without copying any array."""
     check_declaration(metadata)
     table = TensorTable()
-    tree_node = tree.encode(state, table.add)
-    return Snapshot(tree_node, tree.encode_plain(metadata), table.entries)
+    tree_node = _tree.encode(state, table.add)
+    return Snapshot(tree_node, _tree.encode_plain(metadata), table.entries)
