@@ -91,3 +91,29 @@ def test_newest_is_never_deleted_whatever_the_policies(n):
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError, match="min"):
         KeepBest("loss", "lowest", 1)
+
+
+def test_public_policy_objects_drive_a_manager_and_refuse_bad_settings(tmp_path):
+    import numpy as np
+
+    import trainstate
+
+    mgr = trainstate.CheckpointManager(
+        tmp_path,
+        save_policies=[trainstate.EverySteps(np.int64(2))],
+        retention_policies=[trainstate.KeepLast(1), trainstate.KeepBest("loss", "min", 1)],
+        fsync=False,
+    )
+    for step, loss in [(2, 0.5), (4, 0.9), (6, 0.7), (7, 0.1)]:
+        mgr.save(step, {"x": np.arange(3)}, metrics={"loss": loss})
+    mgr.close()
+    assert [c.step for c in trainstate.CheckpointManager(tmp_path, read_only=True).list()] == [2, 6]
+    for bad in (
+        lambda: trainstate.KeepLast(0),
+        lambda: trainstate.EverySteps("5"),
+        lambda: trainstate.KeepBest("loss", "avg"),
+        lambda: trainstate.KeepEveryMinutes(-1),
+        lambda: trainstate.AtSteps(frozenset({-3})),
+    ):
+        with pytest.raises(trainstate.InvalidArgumentError):
+            bad()

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from trainstate.errors import InvalidArgumentError
+from trainstate._manager import arguments
 
 
 def saved_order(c: CheckpointInfo) -> tuple[int, int]:
@@ -46,12 +46,26 @@ class CheckpointInfo:
 
 
 class SavePolicy(Protocol):
+    """When to save: a reason to save at ``step`` now (shown in the checkpoint's facts), or None.
+
+    Pass your own to ``CheckpointManager(save_policies=[...])``; the manager saves when any policy gives a reason.
+    """
+
     def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None: ...
 
 
 @dataclass(frozen=True)
 class EverySteps:
+    """Save when ``step % n == 0`` (what ``every_steps=n`` builds).
+
+    Example:
+        >>> trainstate.CheckpointManager("runs/exp1", save_policies=[trainstate.EverySteps(500)])
+    """
+
     n: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "n", arguments.positive_int(self.n, "EverySteps(n)"))
 
     def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
         return f"every {self.n} steps" if step % self.n == 0 else None
@@ -59,7 +73,12 @@ class EverySteps:
 
 @dataclass(frozen=True)
 class EverySeconds:
+    """Save when this many seconds (a monotonic clock) passed since the last save (``every_seconds=``)."""
+
     seconds: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seconds", arguments.positive_number(self.seconds, "EverySeconds(seconds)"))
 
     def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
         return f"every {self.seconds:g} s" if now - last_save_time >= self.seconds else None
@@ -67,7 +86,12 @@ class EverySeconds:
 
 @dataclass(frozen=True)
 class AtSteps:
+    """Save at these steps (``at_steps=``)."""
+
     steps: frozenset[int]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", frozenset(arguments.step(s, "AtSteps(steps[])") for s in self.steps))
 
     def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
         return "at step" if step in self.steps else None
@@ -88,12 +112,28 @@ Votes = dict[str, "str | None"]
 
 
 class RetentionPolicy(Protocol):
+    """What to keep: for each checkpoint, a reason to keep it, or None to let it go.
+
+    Pass your own to ``CheckpointManager(retention_policies=[...])``. A checkpoint is deleted only when no
+    policy keeps it and at least one lets it go; the newest and pinned ones are always kept. Pure: no I/O.
+    """
+
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes: ...
 
 
 @dataclass(frozen=True)
 class KeepLast:
+    """Keep the newest ``n`` checkpoints (by commit order, not clock) (``keep_last=n``).
+
+    Example:
+        >>> trainstate.CheckpointManager("runs/exp1", every_steps=500,
+        ...     retention_policies=[trainstate.KeepLast(3), trainstate.KeepBest("val_loss", "min", 2)])
+    """
+
     n: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "n", arguments.positive_int(self.n, "KeepLast(n)"))
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
         ordered = sorted(checkpoints, key=saved_order, reverse=True)
@@ -102,7 +142,12 @@ class KeepLast:
 
 @dataclass(frozen=True)
 class KeepEverySteps:
+    """Keep every checkpoint whose step is a multiple of ``n`` (``keep_every_steps=n``)."""
+
     n: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "n", arguments.positive_int(self.n, "KeepEverySteps(n)"))
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
         return {c.name: (f"every {self.n} steps" if c.step % self.n == 0 else None) for c in checkpoints}
@@ -113,6 +158,9 @@ class KeepEveryMinutes:
     """One checkpoint per ``minutes`` of wall time: the oldest, then the first at least that much newer."""
 
     minutes: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "minutes", arguments.positive_number(self.minutes, "KeepEveryMinutes(minutes)"))
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
         out: Votes = {}
@@ -135,8 +183,10 @@ class KeepBest:
     k: int = 1
 
     def __post_init__(self) -> None:
-        if self.mode not in ("min", "max"):
-            raise InvalidArgumentError(f"keep_best mode must be 'min' or 'max', got {self.mode!r}")
+        metric, mode, k = arguments.keep_best((self.metric, self.mode, self.k))
+        object.__setattr__(self, "metric", metric)
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "k", k)
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
         scored = [c for c in checkpoints if finite(c.metrics.get(self.metric))]
@@ -152,6 +202,8 @@ def finite(value: object) -> bool:
 
 @dataclass(frozen=True)
 class RetentionPlan:
+    """What a retention pass decided: each kept checkpoint with its reasons, and the names deleted."""
+
     keep: dict[str, list[str]]  # name -> reasons
     delete: list[str]
 
