@@ -401,6 +401,9 @@ _KINDS = frozenset({"torch", "numpy", "numpy-scalar"})
 
 
 def _tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
+    entry = _plain_entry(t, sizes) if type(t) is dict else None
+    if entry is not None:
+        return entry
     t = _typed(t, dict, f"tensors[{name}]")
     dtype = dtypes.from_code(t["dtype"])
     shape = _shape(t["shape"], f"{name}.shape")
@@ -415,6 +418,55 @@ def _tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
         raise CorruptCheckpointError(f"tensor {name}: its chunks do not cover shape {list(shape)}")
     _check_disjoint(name, chunks)
     return TensorEntry(dtype=dtype.code, shape=shape, kind=kind, chunks=chunks)
+
+
+_PLAIN_CHUNK = frozenset({"file", "byte_range", "offset", "shape", "checksum"})
+
+
+def _plain_entry(t: dict[str, Any], sizes: dict[str, int]) -> TensorEntry | None:
+    """The common entry (one chunk covering a non-empty tensor, no transforms or pieces) checked in a few
+    C-speed steps, or None for the general path, which gives the precise error for anything wrong.
+
+    Checks exactly what the general path does for such an entry: a known dtype and kind, a plausible shape,
+    a chunk at offset 0 of the same shape, in a listed file, holding exactly the tensor's bytes.
+    """
+    chunks = t.get("chunks")
+    if type(chunks) is not list or len(chunks) != 1 or len(t) != 4:
+        return None
+    c = chunks[0]
+    if type(c) is not dict or c.keys() != _PLAIN_CHUNK:
+        return None
+    dtype, kind, shape = dtypes.BY_CODE.get(t.get("dtype")), t.get("kind"), t.get("shape")  # type: ignore[arg-type]
+    file, byte_range, offset, checksum_ = c["file"], c["byte_range"], c["offset"], c["checksum"]
+    if (
+        dtype is None
+        or type(kind) is not str
+        or kind not in _KINDS
+        or type(shape) is not list
+        or c["shape"] != shape
+        or type(byte_range) is not list
+        or type(offset) is not list
+        or type(checksum_) is not str
+        or type(file) is not str
+    ):
+        return None
+    size = sizes.get(file)
+    if (
+        size is None
+        or not _JUST_INT.issuperset(map(type, shape + c["shape"] + offset + byte_range))
+        or len(shape) > MAX_RANK
+        or len(byte_range) != 2
+        or offset != [0] * len(shape)
+        or min(shape, default=1) <= 0
+        or max(shape, default=0) >= MAX_DIM
+    ):
+        return None
+    count = math.prod(shape)
+    begin, end = byte_range
+    if count >= MAX_DIM or not 0 <= begin <= end <= size or end - begin != count * dtype.itemsize:
+        return None
+    dims = tuple(shape)
+    return TensorEntry(dtype.code, dims, kind, (Chunk(file, (begin, end), tuple(offset), dims, checksum_),))
 
 
 def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes: dict[str, int]) -> Chunk:
