@@ -277,15 +277,19 @@ def read_views(ck: Checkpoint, reads: list[tuple[str, memoryview]], *, verify: b
     boxes: list[Batch] = []
     for name, dst in reads:
         t = tensors[name]
-        if dst.nbytes != t.nbytes:
-            raise ValueError(f"{name} needs {t.nbytes} bytes to read into, got {dst.nbytes}")
         chunks = t.chunks
         if len(chunks) == 1 and chunks[0].shape == t.shape:
             c = chunks[0]
-            if c.byte_range[0] != c.byte_range[1]:
+            begin, end = c.byte_range  # the tensor's size (the manifest parser checked)
+            if dst.nbytes != end - begin:
+                raise ValueError(f"{name} needs {end - begin} bytes to read into, got {dst.nbytes}")
+            if begin != end:
                 what = f"tensor {name} ({c.file})"
                 spans.extend((c.file, s) for s in _chunk_spans(c, dst, what))
-        elif chunks:
+            continue
+        if dst.nbytes != t.nbytes:
+            raise ValueError(f"{name} needs {t.nbytes} bytes to read into, got {dst.nbytes}")
+        if chunks:
             first = min(chunks, key=lambda c: (c.file, c.byte_range[0]))
             fill = _box_filler(files, name, t, dst, verify)
             boxes.append(Batch(first.file, first.byte_range[0], first.byte_range[0] + t.nbytes, [], fill))
@@ -374,6 +378,14 @@ class Job:
 
 
 _codes: dict[tuple[type, Any], str] = {}  # (array type, its dtype) -> dtype code: describe() once per kind
+_adapters: dict[type, ModuleType | None] = {}  # which adapter an array type has (the type decides it)
+
+
+def _adapter_of(value: Any) -> ModuleType | None:
+    cls = type(value)
+    if cls not in _adapters:
+        _adapters[cls] = adapter_for(value)
+    return _adapters[cls]
 
 
 def _code(adapter: ModuleType, value: Any) -> str:
@@ -395,7 +407,7 @@ def fill(
         for name, job in jobs:
             entry = tensors[name]
             target = job.target
-            live = adapter_for(target) if target is not absent else None
+            live = _adapter_of(target) if target is not absent else None
             view = None
             if live is not None and _code(live, target) == entry.dtype:
                 view = live.writable_view(target)
