@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 BATCH_BYTES = 1 << 20  # small chunks read together, up to this many bytes: one size check, one range
 REMOTE_BATCH_BYTES = 64 << 20  # one ranged read where files are not mapped (latency-bound)
 _BIG_COPY = 64 << 10  # copies at least this large go through NumPy, which lets the other lanes run
+_GAP = 4 << 10  # neighbours this close share a batch (a partial restore leaves larger holes unread)
 
 
 class DataFiles:
@@ -179,7 +180,7 @@ def _check(src: memoryview, span: Span) -> None:
 
 
 def _batches(spans_by_file: list[tuple[str, Span]], limit: int) -> list[Batch]:
-    """Spans (sorted by file and offset) grouped: small neighbours together, anything larger alone."""
+    """Spans (sorted by file and offset) grouped: close neighbours together up to ``limit`` bytes."""
     out: list[Batch] = []
     for file, s in spans_by_file:
         last = out[-1] if out else None
@@ -188,7 +189,7 @@ def _batches(spans_by_file: list[tuple[str, Span]], limit: int) -> list[Batch]:
             and last.file == file
             and last.fill is None
             and s.end - last.begin <= limit
-            and s.begin >= last.end
+            and last.end <= s.begin <= last.end + _GAP
         ):
             last.spans.append(s)
             last.end = s.end
