@@ -7,7 +7,12 @@ file could lie about — file names, byte ranges, shapes, dtypes — before a si
 never allocates more than the files hold. Before the JSON is parsed at all, its size and a cheap bound on
 what parsing it costs (:func:`parse_cost`) are checked, so a small file cannot make the reader build gigabytes
 of Python objects; the writer checks the same bound, so every manifest it writes can be read back.
-docs/format.md is the normative description.
+Large chunks may also carry per-piece checksums (:class:`Pieces`, format 1.1): a reader can then check
+and copy a chunk a cache-sized piece at a time, so damaged bytes never land and nothing is read twice.
+
+docs/format.md is the normative description. Minor versions only add optional fields an older reader
+of the same major version may ignore (it still finds every checksum it knows); a writer declares the
+lowest version whose fields it uses, so a manifest without pieces stays a 1.0 manifest.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainstate import _tree
+from trainstate import _gc, _tree
 from trainstate._format import checksum, dtypes
 from trainstate.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 
 FORMAT_NAME = "trainstate"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.0"  # what a manifest without newer optional fields declares
+PIECES_VERSION = "1.1"  # the minor version that added per-piece checksums (Chunk.pieces)
 MANIFEST_NAME = "manifest.json"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")  # in full: "$" would let a trailing newline in
 KNOWN_TRANSFORMS: frozenset[str] = frozenset()  # per-chunk byte transforms (compression, encryption) go here
@@ -37,6 +43,15 @@ PARSE_COST_ALLOWANCE = 256 << 20  # ... plus this much
 
 
 @dataclass(frozen=True)
+class Pieces:
+    """Checksums of a chunk's stored bytes cut into consecutive pieces of ``size`` bytes (the last may be
+    shorter): piece ``i`` is ``[begin + i * size, min(end, begin + (i + 1) * size))`` of the byte range."""
+
+    size: int
+    checksums: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Chunk:
     """A box of a tensor stored contiguously (C order) in one data file."""
 
@@ -46,6 +61,7 @@ class Chunk:
     shape: tuple[int, ...]  # the box's shape
     checksum: str  # over the stored bytes
     transforms: tuple[dict[str, Any], ...] = ()
+    pieces: Pieces | None = None  # the same bytes checked piece by piece (format 1.1; optional)
 
 
 @dataclass(frozen=True)
@@ -98,34 +114,44 @@ class Manifest:
         return raw
 
     def _body(self) -> dict[str, Any]:
+        with _gc.paused():
+            tensors = {name: _tensor_json(t) for name, t in self.tensors.items()}
+        version = self.format_version
+        if _older(version, PIECES_VERSION) and any(c.pieces for t in self.tensors.values() for c in t.chunks):
+            version = PIECES_VERSION
         return {
             **self.extra,
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": version,
             "created": self.created,
             "writer": self.writer,
             "files": [{"path": f.path, "size": f.size, "header_checksum": f.header_checksum} for f in self.files],
-            "tensors": {name: _tensor_json(t) for name, t in self.tensors.items()},
+            "tensors": tensors,
         }
 
 
+def _older(version: str, than: str) -> bool:
+    return tuple(map(int, version.split("."))) < tuple(map(int, than.split(".")))
+
+
 def _tensor_json(t: TensorEntry) -> dict[str, Any]:
-    return {
-        "dtype": t.dtype,
-        "shape": list(t.shape),
-        "kind": t.kind,
-        "chunks": [
-            {
-                "file": c.file,
-                "byte_range": list(c.byte_range),
-                "offset": list(c.offset),
-                "shape": list(c.shape),
-                "checksum": c.checksum,
-                **({"transforms": list(c.transforms)} if c.transforms else {}),
-            }
-            for c in t.chunks
-        ],
+    # json.dumps writes tuples as arrays, so shapes and ranges go in as they are
+    return {"dtype": t.dtype, "shape": t.shape, "kind": t.kind, "chunks": [_chunk_json(c) for c in t.chunks]}
+
+
+def _chunk_json(c: Chunk) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "file": c.file,
+        "byte_range": c.byte_range,
+        "offset": c.offset,
+        "shape": c.shape,
+        "checksum": c.checksum,
     }
+    if c.transforms:
+        out["transforms"] = list(c.transforms)
+    if c.pieces is not None:
+        out["pieces"] = {"bytes": c.pieces.size, "checksums": c.pieces.checksums}
+    return out
 
 
 def _canonical(body: dict[str, Any], texts: Mapping[str, str] | None = None) -> bytes:
@@ -194,10 +220,11 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME) -> Manifest:
             "(or an older trainstate wrote it for a state of millions of tiny Python values): restore another "
             "checkpoint"
         )
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{what} is not valid JSON ({e})") from None
+    with _gc.paused():  # a manifest is hundreds of thousands of small containers and no cycle
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{what} is not valid JSON ({e})") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{what} is not a trainstate manifest")
     _check_version(body.get("format_version"), what)
@@ -212,7 +239,7 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME) -> Manifest:
             checksum.check(_canonical(body), expected, what)
         except ValueError as e:  # non-finite floats smuggled in
             raise CorruptCheckpointError(f"{what}: {e}") from None
-    with malformed(what):
+    with malformed(what), _gc.paused():
         return _build(body)
 
 
@@ -304,7 +331,12 @@ def _typed(value: Any, kind: type, what: str) -> Any:
     return value
 
 
+_JUST_INT = frozenset({int})
+
+
 def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if type(value) is list and _JUST_INT.issuperset(map(type, value)) and min(value, default=0) >= 0:
+        return tuple(value)  # the common case, checked at C speed: thousands of these per manifest
     items = tuple(_typed(v, int, what) for v in _typed(value, list, what))
     if any(v < 0 for v in items):
         raise CorruptCheckpointError(f"manifest field {what} has a negative entry: {list(items)}")
@@ -318,9 +350,9 @@ MAX_DIM = 1 << 48
 def _shape(value: Any, what: str) -> tuple[int, ...]:
     """A shape NumPy and torch can allocate: bounded rank, dimensions and element count."""
     shape = _ints(value, what)
-    if len(shape) > MAX_RANK or any(d >= MAX_DIM for d in shape):
+    if len(shape) > MAX_RANK or max(shape, default=0) >= MAX_DIM:
         raise CorruptCheckpointError(f"manifest field {what} is not a plausible shape: {list(shape)[:8]}")
-    if math.prod(d for d in shape if d) >= MAX_DIM:
+    if math.prod(filter(None, shape)) >= MAX_DIM:
         raise CorruptCheckpointError(f"manifest field {what} has too many elements: {list(shape)[:8]}")
     return shape
 
@@ -332,10 +364,18 @@ def _check_byte_ranges(raw_tensors: dict[str, Any]) -> None:
     """
     spans: dict[str, list[tuple[int, int]]] = {}
     for t in raw_tensors.values():
-        for c in t.get("chunks", []) if isinstance(t, dict) and isinstance(t.get("chunks"), list) else []:
-            rng = c.get("byte_range") if isinstance(c, dict) else None
-            if isinstance(rng, list) and len(rng) == 2 and all(type(v) is int for v in rng) and rng[0] < rng[1]:
-                spans.setdefault(str(c.get("file")), []).append((rng[0], rng[1]))
+        chunks = t.get("chunks") if type(t) is dict else None
+        for c in chunks if type(chunks) is list else ():
+            rng = c.get("byte_range") if type(c) is dict else None
+            if type(rng) is list and len(rng) == 2:
+                begin, end = rng
+                if type(begin) is int and type(end) is int and begin < end:
+                    file = c.get("file")
+                    file = file if type(file) is str else str(file)
+                    found = spans.get(file)
+                    if found is None:
+                        found = spans[file] = []
+                    found.append((begin, end))
     for file, ranges in spans.items():
         ranges.sort()
         for (_, end), (begin, _) in zip(ranges, ranges[1:]):
@@ -359,27 +399,83 @@ def _file_entry(f: Any) -> FileEntry:
     )
 
 
+_KINDS = frozenset({"torch", "numpy", "numpy-scalar"})
+
+
 def _tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
+    entry = _plain_entry(t, sizes) if type(t) is dict else None
+    if entry is not None:
+        return entry
     t = _typed(t, dict, f"tensors[{name}]")
     dtype = dtypes.from_code(t["dtype"])
     shape = _shape(t["shape"], f"{name}.shape")
     kind = t["kind"]
-    if kind not in ("torch", "numpy", "numpy-scalar"):
+    if type(kind) is not str or kind not in _KINDS:
         raise CorruptCheckpointError(f"tensor {name}: unknown kind {kind!r:.40}")
     chunks = tuple(_chunk(name, c, dtype, shape, sizes) for c in _typed(t["chunks"], list, f"{name}.chunks"))
     covered = 0
     for c in chunks:
-        covered += int(math.prod(c.shape))
-    if covered != int(math.prod(shape)):
+        covered += math.prod(c.shape)
+    if covered != math.prod(shape):
         raise CorruptCheckpointError(f"tensor {name}: its chunks do not cover shape {list(shape)}")
     _check_disjoint(name, chunks)
     return TensorEntry(dtype=dtype.code, shape=shape, kind=kind, chunks=chunks)
 
 
+_PLAIN_CHUNK = frozenset({"file", "byte_range", "offset", "shape", "checksum"})
+
+
+def _plain_entry(t: dict[str, Any], sizes: dict[str, int]) -> TensorEntry | None:
+    """The common entry (one chunk covering a non-empty tensor, no transforms or pieces) checked in a few
+    C-speed steps, or None for the general path, which gives the precise error for anything wrong.
+
+    Checks exactly what the general path does for such an entry: a known dtype and kind, a plausible shape,
+    a chunk at offset 0 of the same shape, in a listed file, holding exactly the tensor's bytes.
+    """
+    chunks = t.get("chunks")
+    if type(chunks) is not list or len(chunks) != 1 or len(t) != 4:
+        return None
+    c = chunks[0]
+    if type(c) is not dict or c.keys() != _PLAIN_CHUNK:
+        return None
+    dtype, kind, shape = dtypes.BY_CODE.get(t.get("dtype")), t.get("kind"), t.get("shape")  # type: ignore[arg-type]
+    file, byte_range, offset, checksum_ = c["file"], c["byte_range"], c["offset"], c["checksum"]
+    if (
+        dtype is None
+        or type(kind) is not str
+        or kind not in _KINDS
+        or type(shape) is not list
+        or c["shape"] != shape
+        or type(byte_range) is not list
+        or type(offset) is not list
+        or type(checksum_) is not str
+        or type(file) is not str
+    ):
+        return None
+    size = sizes.get(file)
+    if (
+        size is None
+        or not _JUST_INT.issuperset(map(type, shape + c["shape"] + offset + byte_range))
+        or len(shape) > MAX_RANK
+        or len(byte_range) != 2
+        or offset != [0] * len(shape)
+        or min(shape, default=1) <= 0
+        or max(shape, default=0) >= MAX_DIM
+    ):
+        return None
+    count = math.prod(shape)
+    begin, end = byte_range
+    if count >= MAX_DIM or not 0 <= begin <= end <= size or end - begin != count * dtype.itemsize:
+        return None
+    dims = tuple(shape)
+    return TensorEntry(dtype.code, dims, kind, (Chunk(file, (begin, end), tuple(offset), dims, checksum_),))
+
+
 def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes: dict[str, int]) -> Chunk:
     c = _typed(c, dict, f"{name}.chunks[]")
-    file = check_file_name(c["file"])
-    if file not in sizes:
+    file = c["file"]
+    if type(file) is not str or file not in sizes:  # listed names were checked when the files were read
+        check_file_name(file)
         raise CorruptCheckpointError(f"tensor {name}: chunk in {file!r}, which the manifest does not list")
     byte_range = _ints(c["byte_range"], f"{name}.byte_range")
     if len(byte_range) != 2 or not byte_range[0] <= byte_range[1] <= sizes[file]:
@@ -393,9 +489,10 @@ def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes
         raise CorruptCheckpointError(f"tensor {name}: chunk rank does not match the tensor's rank {len(shape)}")
     if any(o + s > n for o, s, n in zip(offset, cshape, shape)):
         raise CorruptCheckpointError(f"tensor {name}: chunk at {list(offset)} of {list(cshape)} exceeds {list(shape)}")
-    transforms = tuple(
-        _typed(x, dict, f"{name}.transforms[]") for x in _typed(c.get("transforms", []), list, f"{name}.transforms")
-    )
+    transforms: tuple[dict[str, Any], ...] = ()
+    if "transforms" in c:
+        listed = _typed(c["transforms"], list, f"{name}.transforms")
+        transforms = tuple(_typed(x, dict, f"{name}.transforms[]") for x in listed)
     for x in transforms:
         if not isinstance(x.get("name"), str) or x["name"] not in KNOWN_TRANSFORMS:
             raise FormatVersionError(
@@ -406,7 +503,25 @@ def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes
             f"tensor {name}: {end - begin} stored bytes do not hold {list(cshape)} × {dtype.code} "
             f"({math.prod(cshape) * dtype.itemsize} bytes)"
         )
-    return Chunk(file, (begin, end), offset, cshape, _typed(c["checksum"], str, "checksum"), transforms)
+    pieces = _pieces(name, c["pieces"], end - begin) if "pieces" in c else None
+    checksum_ = c["checksum"]
+    if type(checksum_) is not str:
+        _typed(checksum_, str, "checksum")
+    return Chunk(file, (begin, end), offset, cshape, checksum_, transforms, pieces)
+
+
+def _pieces(name: str, raw: Any, stored: int) -> Pieces:
+    """Per-piece checksums: ``bytes`` a positive piece size, one checksum per piece of the stored bytes."""
+    raw = _typed(raw, dict, f"{name}.pieces")
+    size = _typed(raw["bytes"], int, f"{name}.pieces.bytes")
+    sums = _typed(raw["checksums"], list, f"{name}.pieces.checksums")
+    if size <= 0 or len(sums) != -(-stored // size):
+        raise CorruptCheckpointError(
+            f"tensor {name}: {len(sums)} piece checksums of {size} bytes do not cover its {stored} stored bytes"
+        )
+    if not {str}.issuperset(map(type, sums)):
+        raise CorruptCheckpointError(f"tensor {name}: a piece checksum is not a string")
+    return Pieces(size, tuple(sums))
 
 
 def _check_disjoint(name: str, chunks: tuple[Chunk, ...]) -> None:

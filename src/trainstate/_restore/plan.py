@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from trainstate import _tree as tree
 from trainstate._format.added_keys import declared_keys
-from trainstate._frameworks import Adapter, adapter_for, adapter_named, load_takes_strict, rebuilt_from_checkpoint
+from trainstate._frameworks import adapter_for, load_takes_strict, rebuilt_from_checkpoint
 from trainstate._restore.checkpoint import Checkpoint
+from trainstate._restore.read import Job as _Job
+from trainstate._restore.read import fill
 from trainstate.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 
 Finisher = Callable[[], Any]
@@ -274,46 +275,9 @@ class Restorer:
             raise StateMismatchError(self.missing, self.unexpected, self.mismatched)
 
     def read(self, *, verify: bool, threads: int) -> None:
-        """Read every planned tensor: straight into the target's memory where its layout allows."""
-        reads: list[tuple[str, Any]] = []
-        all_jobs = [*self.jobs.items(), *self.extra_jobs]
-        for name, job in all_jobs:
-            entry = self.ck.manifest.tensors[name]
-            live = adapter_for(job.target) if job.target is not _ABSENT else None
-            if (
-                live is not None
-                and live.describe(job.target)[0] == entry.dtype
-                and live.writable_view(job.target) is not None
-            ):
-                job.value = job.target
-                reads.append((name, job.target))
-            else:  # absent, on an accelerator, non-contiguous, or a cast: read to host first
-                job.host = (live or adapter_named(self.framework or entry.kind)).empty(entry.dtype, entry.shape)
-                reads.append((name, job.host))
-        try:
-            self.ck.read_many(reads, verify=verify, threads=threads)
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(
-                f"{e}\nThe target is partly restored: tensors read before the damaged one hold the "
-                "checkpoint's values; the damaged one and the rest are unchanged. Load another checkpoint."
-            ) from None
-        for name, job in all_jobs:
-            if job.host is not None:
-                host = _adapter(job.host).finish(job.host, self.ck.manifest.tensors[name].kind)
-                job.value = host if job.target is _ABSENT else _adapter(job.target).assign(job.target, host)
-
-
-@dataclass
-class _Job:
-    target: Any  # the live array to fill, or _ABSENT
-    host: Any = None  # a host buffer, when the target cannot be read into directly
-    value: Any = None  # the restored value
-
-
-def _adapter(value: Any) -> Adapter:
-    adapter = adapter_for(value)
-    assert adapter is not None
-    return adapter
+        """Read every planned tensor (read.py): straight into the target's memory where its layout allows."""
+        jobs = [*self.jobs.items(), *self.extra_jobs]
+        fill(self.ck, jobs, framework=self.framework, absent=_ABSENT, verify=verify, threads=threads)
 
 
 def _target_leaves(value: Any, path: str) -> list[str]:

@@ -30,10 +30,14 @@ class TensorTable:
         self.entries: list[Entry] = []
         self._by_identity: dict[tuple[object, ...], str] = {}
         self._names: set[str] = set()
+        self._adapters: dict[type, Adapter] = {}  # the array's type decides its adapter: look it up once
 
     def add(self, path: tuple[str, ...], value: Any) -> str:
-        adapter = adapter_for(value)
-        assert adapter is not None
+        adapter = self._adapters.get(type(value))
+        if adapter is None:
+            adapter = adapter_for(value)
+            assert adapter is not None
+            self._adapters[type(value)] = adapter
         dtype, shape, kind = adapter.describe(value)  # also refuses what cannot be stored
         ident = adapter.identity(value)
         if ident is not None and ident in self._by_identity:
@@ -44,7 +48,7 @@ class TensorTable:
             n += 1
             name = f"{base}~{n}"
         self._names.add(name)
-        nbytes = dtypes.from_code(dtype).itemsize * math.prod(shape)
+        nbytes = dtypes.BY_CODE[dtype].itemsize * math.prod(shape)
         self.entries.append(Entry(name, value, adapter, dtype, shape, kind, nbytes))
         if ident is not None:
             self._by_identity[ident] = name

@@ -2,7 +2,11 @@
 
 Tensor bytes go from the live tensors' memory straight to the file (no serialized copy of the state), each
 hashed on the way; files are written by a small thread pool, one file per thread, so hashing and writing
-overlap with each other and with fsync.
+overlap with each other and with fsync. A tensor larger than one piece (:data:`PIECE_BYTES`) is hashed and
+written a piece at a time, while the piece is in cache: its checksum per piece (manifest ``pieces``, which
+lets a reader check and copy the same way) and over the whole chunk (what a 1.0 reader checks). Small
+tensors are gathered into one buffer per megabyte, so a state of many tiny tensors is not one system call
+per tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from trainstate._storage import Storage
 log = logging.getLogger("trainstate")
 
 DEFAULT_THREADS = 2
+PIECE_BYTES = 1 << 20  # per-piece checksums for chunks larger than this; 1 MiB: a piece stays in L2 cache
+_GATHER_BYTES = 1 << 20  # tensors under _SMALL_BYTES are written through a buffer of this size
+_SMALL_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ def _write_files(
     fsync: bool,
     threads: int,
 ) -> tuple[tuple[manifest.FileEntry, ...], dict[str, manifest.TensorEntry]]:
-    def write(name: str, group: list[Entry]) -> tuple[int, str, list[tuple[int, int]], list[str]]:
+    def write(name: str, group: list[Entry]) -> tuple[int, str, list[tuple[int, int]], _FileViews]:
         return _write_group(storage, storage.join(tmp, name), group, fsync)
 
     workers = min(len(groups), max(threads, storage.capabilities.write_parallelism))
@@ -117,17 +124,17 @@ def _write_files(
             results = list(pool.map(write, names, groups))
     files = []
     tensors: dict[str, manifest.TensorEntry] = {}
-    for name, group, (size, header_sum, ranges, sums) in zip(names, groups, results):
+    for name, group, (size, header_sum, ranges, views) in zip(names, groups, results):
         files.append(manifest.FileEntry(name, size, header_sum))
-        for e, rng, digest in zip(group, ranges, sums):
-            chunk = manifest.Chunk(name, rng, (0,) * len(e.shape), e.shape, digest)
+        for e, rng, digest, pieces in zip(group, ranges, views.sums, views.pieces):
+            chunk = manifest.Chunk(name, rng, (0,) * len(e.shape), e.shape, digest, (), pieces)
             tensors[e.name] = manifest.TensorEntry(e.dtype, e.shape, e.kind, (chunk,))
     return tuple(files), {e.name: tensors[e.name] for e in entries}
 
 
 def _write_group(
     storage: Storage, path: str, group: list[Entry], fsync: bool
-) -> tuple[int, str, list[tuple[int, int]], list[str]]:
+) -> tuple[int, str, list[tuple[int, int]], _FileViews]:
     header_entries = []
     for e in group:
         if dtypes.from_code(e.dtype).safetensors:
@@ -138,24 +145,52 @@ def _write_group(
     ranges = [(o, o + e.nbytes) for o, e in zip(offsets, group)]
     views = _FileViews(header, group)
     size = storage.write(path, views, fsync=fsync)
-    return size, checksum.digest(header), ranges, views.sums
+    return size, checksum.digest(header), ranges, views
 
 
 class _FileViews:
     """A data file's bytes as views of the live arrays; each tensor is hashed on the first pass.
 
-    Iterable more than once, so a storage may retry an upload from the start.
+    Iterable more than once, so a storage may retry an upload from the start. Large tensors come out a
+    piece at a time (hashed while the piece is in cache), small ones gathered into a buffer.
     """
 
     def __init__(self, header: bytes, group: list[Entry]) -> None:
         self.header = header
         self.group = group
-        self.sums: list[str] = []
+        self.sums: list[str] = []  # per tensor, over its whole stored bytes
+        self.pieces: list[manifest.Pieces | None] = []  # per tensor, for those larger than one piece
 
     def __iter__(self) -> Iterator[memoryview]:
-        yield memoryview(self.header)
+        gathered = bytearray(memoryview(self.header))
         for i, e in enumerate(self.group):
             data = e.adapter.byte_view(e.value)
-            if i == len(self.sums):
+            n = data.nbytes
+            hashing = i == len(self.sums)  # the first pass, even if an earlier one stopped part-way
+            if hashing and n <= PIECE_BYTES:
                 self.sums.append(checksum.digest(data))
-            yield data
+                self.pieces.append(None)
+            if n < _SMALL_BYTES:  # gathered, never changed once handed out (a storage may keep the view)
+                if len(gathered) + n > _GATHER_BYTES:
+                    yield memoryview(gathered)
+                    gathered = bytearray()
+                gathered += data
+                continue
+            if gathered:
+                yield memoryview(gathered)
+                gathered = bytearray()
+            if n <= PIECE_BYTES:
+                yield data
+                continue
+            whole, sums = checksum.Hasher(), []
+            for begin in range(0, n, PIECE_BYTES):
+                piece = data[begin : begin + PIECE_BYTES]
+                if hashing:
+                    sums.append(checksum.digest(piece))
+                    whole.update(piece)  # from cache: the piece was just hashed
+                yield piece
+            if hashing:
+                self.sums.append(whole.result())
+                self.pieces.append(manifest.Pieces(PIECE_BYTES, tuple(sums)))
+        if gathered:
+            yield memoryview(gathered)

@@ -1,0 +1,448 @@
+"""manifest -> plan -> **read**: planned tensors' bytes, checked, into the memory they belong in.
+
+The unit of work is a *span*: a run of stored bytes with the checksum that covers it and the memory it
+lands in. A chunk with per-piece checksums (format 1.1, every chunk over one piece that trainstate writes)
+gives one span per piece; any other chunk (small ones, and every chunk of a 1.0 manifest) is one span.
+Each span is hashed and then copied, so **no byte that fails its checksum is ever written**, and a piece
+(1 MiB) is copied while it is still in the CPU cache from hashing it: the stored bytes cross the memory
+bus once. Spans are grouped into *batches* (one piece, one whole chunk, or a run of small chunks up to
+:data:`BATCH_BYTES`) and the batches, in file order, are cut into ``threads`` lanes of equal bytes, so one
+large tensor is split across lanes too.
+
+Where the storage maps files (local disks), bytes are hashed and copied straight from the page cache
+through the map made at open. Each batch first checks the file's current size, so a file truncated
+while the checkpoint is open is a CorruptCheckpointError, not a SIGBUS. Elsewhere (object stores) each
+batch is one ranged read into a buffer.
+
+What lands when a checksum fails: every lane stops before its next batch. Tensors read before hold the
+checkpoint's values, tensors not reached keep their own, and small tensors are all-or-nothing. A tensor
+stored in pieces that was being read may hold some of the checkpoint's (verified) pieces and its own
+bytes elsewhere; with one thread, exactly the pieces before the damaged one.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import mmap
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from trainstate import _gc
+from trainstate._format import checksum, dtypes, manifest
+from trainstate._frameworks import NUMPY, Adapter, adapter_for, adapter_named
+from trainstate._storage import Storage
+from trainstate.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+
+if TYPE_CHECKING:
+    from trainstate._restore.checkpoint import Checkpoint
+
+BATCH_BYTES = 1 << 20  # small chunks read together, up to this many bytes: one size check, one range
+REMOTE_BATCH_BYTES = 64 << 20  # one ranged read where files are not mapped (latency-bound)
+_BIG_COPY = 64 << 10  # copies at least this large go through NumPy, which lets the other lanes run
+_GAP = 4 << 10  # neighbours this close share a batch (a partial restore leaves larger holes unread)
+
+
+class DataFiles:
+    """The checkpoint's data files: mapped at open where the storage maps files, read by range elsewhere.
+
+    Mapping at open keeps a checkpoint readable if it is deleted later (POSIX). Every access to a map goes
+    through :meth:`mapped`, which checks the file's current size first: a file truncated since (by a user,
+    a sync tool, a full disk) leaves the map longer than the file, and touching a page past the new end
+    kills the process with SIGBUS instead of raising.
+    """
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage, self.path = storage, path
+        self._maps: dict[str, mmap.mmap | None] = {}
+        self._lock = threading.Lock()
+
+    def map(self, file: str) -> mmap.mmap | None:
+        maps = self._maps
+        if file in maps:
+            return maps[file]
+        with self._lock:
+            if file not in maps:
+                mappable = self.storage.capabilities.memory_map
+                maps[file] = self.storage.map(self.storage.join(self.path, file)) if mappable else None
+            return maps[file]
+
+    def mapped(self, mm: mmap.mmap, file: str, begin: int, end: int) -> memoryview:
+        """Bytes ``[begin, end)`` of a mapped file, once the file is known to still hold them."""
+        size = mm.size()  # the file's size now, not the map's length
+        if end > size:
+            raise CorruptCheckpointError(
+                f"data file {file} of {self.path} now has {size} bytes, but the manifest needs bytes up to "
+                f"{end}: it was truncated after the checkpoint was opened. Do not modify checkpoint files "
+                "while they are read; load another checkpoint"
+            )
+        with memoryview(mm) as whole:
+            return whole[begin:end]
+
+    def pread(self, file: str, view: memoryview, offset: int) -> None:
+        """Fill ``view`` from ``file`` at ``offset``."""
+        mm = self.map(file)  # mapped at open: still readable if the checkpoint was deleted since
+        if mm is not None:
+            with self.mapped(mm, file, offset, offset + len(view)) as src:
+                view[:] = src
+            return
+        try:
+            got = self.storage.read_into(self.storage.join(self.path, file), offset, view)
+        except StorageError as e:
+            if e.errno == errno.ENOENT:  # retention, a user, or an overwrite's cleanup removed it meanwhile
+                raise CheckpointNotFoundError(
+                    f"{self.path} was deleted while it was being read: its data file {file} is gone (deleted, "
+                    "or dropped by an overwrite of the checkpoint). Open it again, or load another checkpoint"
+                ) from e
+            raise
+        if got != len(view):
+            raise CorruptCheckpointError(f"{file} ended before byte {offset + len(view)}: it was truncated")
+
+    def stored(self, c: manifest.Chunk, verify: bool, what: str) -> memoryview:
+        """A chunk's stored bytes, checked (piece by piece where it has pieces) before anyone copies them."""
+        begin, end = c.byte_range
+        if begin == end:
+            return memoryview(b"")
+        mm = self.map(c.file)
+        if mm is not None:
+            view = self.mapped(mm, c.file, begin, end)
+        else:
+            view = memoryview(bytearray(end - begin))
+            self.pread(c.file, view, begin)
+        if verify:
+            try:
+                for span in _chunk_spans(c, None, what):
+                    _check(view[span.begin - begin : span.end - begin], span)
+            except BaseException:
+                view.release()
+                raise
+        return view
+
+    def close(self) -> None:
+        with self._lock:
+            for mm in self._maps.values():
+                try:
+                    if mm is not None:
+                        mm.close()
+                except BufferError:
+                    pass  # arrays handed out still use it; it closes when they go
+            self._maps.clear()
+
+
+# -- spans and batches ------------------------------------------------------------------------------
+
+
+class Span(NamedTuple):
+    """Stored bytes ``[begin, end)`` of one file, the checksum over them, and where they land."""
+
+    begin: int
+    end: int
+    dst: memoryview | None  # flat bytes to fill; None to check only
+    checksum: str  # the manifest's checksum string over these bytes
+    what: str  # the tensor, for messages
+    piece: int  # index among the chunk's pieces; -1 for a whole chunk
+    pieces: int
+
+
+@dataclass(slots=True)
+class Batch:
+    """Spans of one file read together, or (``fill`` set) a tensor stored as several boxes."""
+
+    file: str
+    begin: int
+    end: int
+    spans: list[Span]
+    fill: Callable[[], None] | None = None
+
+
+def _chunk_spans(c: manifest.Chunk, dst: memoryview | None, what: str) -> list[Span]:
+    begin, end = c.byte_range
+    p = c.pieces
+    if p is None:
+        return [Span(begin, end, dst, c.checksum, what, -1, 1)]
+    n = len(p.checksums)
+    return [
+        Span(b, min(b + p.size, end), None if dst is None else dst[b - begin : b + p.size - begin], s, what, i, n)
+        for i, (b, s) in enumerate(zip(range(begin, end, p.size), p.checksums))
+    ]
+
+
+def _check(src: memoryview, span: Span) -> None:
+    found = checksum.value_of(src)
+    if found != checksum.expected_value(span.checksum, span.what):
+        where = span.what if span.piece < 0 else f"{span.what}, piece {span.piece + 1} of {span.pieces}"
+        raise checksum.mismatch(f"{where} (bytes {span.begin}-{span.end})", span.checksum, found)
+
+
+def _batches(spans_by_file: list[tuple[str, Span]], limit: int) -> list[Batch]:
+    """Spans (sorted by file and offset) grouped: close neighbours together up to ``limit`` bytes."""
+    out: list[Batch] = []
+    for file, s in spans_by_file:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and last.file == file
+            and last.fill is None
+            and s.end - last.begin <= limit
+            and last.end <= s.begin <= last.end + _GAP
+        ):
+            last.spans.append(s)
+            last.end = s.end
+        else:
+            out.append(Batch(file, s.begin, s.end, [s]))
+    return out
+
+
+def _run_batch(files: DataFiles, b: Batch, verify: bool) -> None:
+    if b.fill is not None:
+        b.fill()
+        return
+    mm = files.map(b.file)
+    if mm is not None:
+        src = files.mapped(mm, b.file, b.begin, b.end)
+    else:
+        only = b.spans[0].dst if len(b.spans) == 1 and not verify else None
+        if only is not None:  # unchecked and alone: straight into its destination
+            files.pread(b.file, only, b.begin)
+            return
+        src = memoryview(bytearray(b.end - b.begin))
+        files.pread(b.file, src, b.begin)
+    base = b.begin
+    with src:
+        for s in b.spans:
+            piece = src[s.begin - base : s.end - base]
+            if verify:
+                _check(piece, s)
+            if s.dst is None:
+                continue
+            if s.end - s.begin >= _BIG_COPY:
+                np.copyto(np.frombuffer(s.dst, np.uint8), np.frombuffer(piece, np.uint8))
+            else:
+                s.dst[:] = piece
+
+
+def _split_by_bytes(jobs: list[Any], sizes: list[int], lanes: int) -> list[list[Any]]:
+    """Cut an ordered job list into at most ``lanes`` contiguous runs of about equal bytes."""
+    total = sum(sizes) or 1
+    out: list[list[Any]] = [[]]
+    acc = 0
+    for job, size in zip(jobs, sizes):
+        if acc >= total * len(out) / lanes and len(out) < lanes:
+            out.append([])
+        out[-1].append(job)
+        acc += size
+    return [lane for lane in out if lane]
+
+
+def _run_lanes(files: DataFiles, batches: list[Batch], verify: bool, threads: int) -> None:
+    lanes = _split_by_bytes(batches, [b.end - b.begin for b in batches], max(1, threads))
+    failed = threading.Event()  # one damaged span stops every lane before its next batch
+
+    def run(lane: list[Batch]) -> None:
+        for b in lane:
+            if failed.is_set():
+                return
+            try:
+                _run_batch(files, b, verify)
+            except BaseException:
+                failed.set()
+                raise
+
+    if len(lanes) <= 1:
+        for lane in lanes:
+            run(lane)
+        return
+    with ThreadPoolExecutor(len(lanes), thread_name_prefix="trainstate-read") as pool:
+        futures = [pool.submit(run, lane) for lane in lanes]
+    for f in futures:
+        f.result()
+
+
+# -- the readers --------------------------------------------------------------------------------------
+
+
+def read_views(ck: Checkpoint, reads: list[tuple[str, memoryview]], *, verify: bool, threads: int) -> None:
+    """Fill flat byte views (one per tensor name, each of the tensor's size) from the checkpoint."""
+    files = ck.files
+    caps = ck.storage.capabilities
+    remote = bool(caps.target_file_bytes)
+    threads = max(threads, caps.read_parallelism)  # remote: latency-bound ranged reads, more of them at once
+    limit = REMOTE_BATCH_BYTES if remote or not verify else BATCH_BYTES
+    tensors = ck.manifest.tensors
+    spans: list[tuple[str, Span]] = []
+    boxes: list[Batch] = []
+    for name, dst in reads:
+        t = tensors[name]
+        chunks = t.chunks
+        if len(chunks) == 1 and chunks[0].shape == t.shape:
+            c = chunks[0]
+            begin, end = c.byte_range  # the tensor's size (the manifest parser checked)
+            if dst.nbytes != end - begin:
+                raise ValueError(f"{name} needs {end - begin} bytes to read into, got {dst.nbytes}")
+            if begin != end:
+                what = f"tensor {name} ({c.file})"
+                spans.extend((c.file, s) for s in _chunk_spans(c, dst, what))
+            continue
+        if dst.nbytes != t.nbytes:
+            raise ValueError(f"{name} needs {t.nbytes} bytes to read into, got {dst.nbytes}")
+        if chunks:
+            first = min(chunks, key=lambda c: (c.file, c.byte_range[0]))
+            fill = _box_filler(files, name, t, dst, verify)
+            boxes.append(Batch(first.file, first.byte_range[0], first.byte_range[0] + t.nbytes, [], fill))
+    spans.sort(key=lambda fs: (fs[0], fs[1].begin))
+    batches = _batches(spans, limit)
+    if boxes:
+        batches = sorted(batches + boxes, key=lambda b: (b.file, b.begin))
+    _run_lanes(files, batches, verify, threads)
+
+
+def _box_filler(
+    files: DataFiles, name: str, t: manifest.TensorEntry, dst: memoryview, verify: bool
+) -> Callable[[], None]:
+    """A tensor written by several ranks: every box is verified before any byte reaches ``dst``."""
+
+    def fill() -> None:
+        whole = np.frombuffer(dst, dtype=dtypes.from_code(t.dtype).numpy).reshape(t.shape)
+        sources = [files.stored(c, verify, f"tensor {name} chunk at {list(c.offset)} ({c.file})") for c in t.chunks]
+        try:
+            for c, src in zip(t.chunks, sources):
+                box = tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))
+                whole[box] = np.frombuffer(src, dtype=whole.dtype).reshape(c.shape)
+        finally:
+            for src in sources:
+                src.release()
+
+    return fill
+
+
+def read_into(ck: Checkpoint, name: str, out: Any, *, verify: bool = True) -> None:
+    """Read tensor ``name`` into the contiguous host array ``out`` of the right size."""
+    t = ck.manifest.tensors[name]
+    view = flat_view(out)
+    if view is None or view.nbytes != t.nbytes:
+        raise ValueError(f"read_into needs a contiguous host array of {t.nbytes} bytes for {name}")
+    read_views(ck, [(name, view)], verify=verify, threads=1)
+
+
+def read_tensor(ck: Checkpoint, name: str, *, framework: str, verify: bool) -> Any:
+    """One tensor: a read-only NumPy view of the map (``"numpy"``) or an array of its own."""
+    t = ck.manifest.tensors[name]
+    c = t.chunks[0] if len(t.chunks) == 1 and t.nbytes else None
+    mm = ck.files.map(c.file) if c is not None else None
+    if c is not None and mm is not None:
+        view = ck.files.mapped(mm, c.file, *c.byte_range)  # the array keeps it (and the map) alive
+        if verify:
+            for span in _chunk_spans(c, None, f"tensor {name} ({c.file})"):
+                _check(view[span.begin - c.byte_range[0] : span.end - c.byte_range[0]], span)
+        array = np.frombuffer(view, dtype=dtypes.from_code(t.dtype).numpy, count=math.prod(t.shape)).reshape(t.shape)
+        if framework == "torch":
+            return adapter_named("torch").from_numpy(array.copy())
+        return NUMPY.finish(array, t.kind)
+    adapter = adapter_named(framework)
+    out = adapter.empty(t.dtype, t.shape)
+    read_into(ck, name, out, verify=verify)
+    return adapter.finish(out, t.kind)
+
+
+def verify_all(ck: Checkpoint) -> None:
+    """Check every tensor against every checksum the manifest has for it: whole chunks and pieces."""
+    for name, t in ck.manifest.tensors.items():
+        for c in t.chunks:
+            what = f"tensor {name} ({c.file})"
+            with ck.files.stored(c, True, what) as view:  # pieces, where it has them
+                if c.pieces is not None or c.byte_range[0] == c.byte_range[1]:
+                    checksum.check(view, c.checksum, what)  # the whole chunk, as a 1.0 reader checks it
+
+
+def flat_view(out: Any) -> memoryview | None:
+    """``out``'s memory as flat bytes, or None unless it is a contiguous, writable host array."""
+    adapter = adapter_for(out) or NUMPY
+    view = adapter.writable_view(out)
+    return None if view is None else view.cast("B") if view.format != "B" else view
+
+
+# -- filling the planned jobs -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Job:
+    """One planned tensor read: the live array to fill (or the planner's absent marker)."""
+
+    target: Any
+    host: Any = None  # a host buffer, when the target cannot be read into directly
+    value: Any = None  # the restored value
+
+
+_codes: dict[tuple[type, Any], str] = {}  # (array type, its dtype) -> dtype code: describe() once per kind
+_adapters: dict[type, Adapter | None] = {}  # which adapter an array type has (the type decides it)
+
+
+def _adapter_of(value: Any) -> Adapter | None:
+    cls = type(value)
+    if cls not in _adapters:
+        _adapters[cls] = adapter_for(value)
+    return _adapters[cls]
+
+
+def _code(adapter: Adapter, value: Any) -> str:
+    key = (type(value), value.dtype)
+    code = _codes.get(key)
+    if code is None:
+        code = _codes[key] = adapter.describe(value)[0]
+    return code
+
+
+def fill(
+    ck: Checkpoint, jobs: list[tuple[str, Job]], *, framework: str | None, absent: object, verify: bool, threads: int
+) -> None:
+    """Read every planned tensor: straight into the target's memory where its layout allows, else
+    through a host buffer (absent targets, accelerator tensors, non-contiguous ones, casts)."""
+    tensors = ck.manifest.tensors
+    reads: list[tuple[str, memoryview]] = []
+    with _gc.paused():
+        for name, job in jobs:
+            entry = tensors[name]
+            target = job.target
+            live = _adapter_of(target) if target is not absent else None
+            view = None
+            if live is not None and _code(live, target) == entry.dtype:
+                view = live.writable_view(target)
+            if view is not None:
+                job.value = target
+            else:
+                job.host = (live or adapter_named(framework or entry.kind)).empty(entry.dtype, entry.shape)
+                view = _adapter(job.host).writable_view(job.host)
+                assert view is not None
+            reads.append((name, view if view.format == "B" else view.cast("B")))
+        try:
+            read_views(ck, reads, verify=verify, threads=threads)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(
+                f"{e}\nThe target is partly restored, and no byte that failed its checksum was written: tensors "
+                "read before the damaged one hold the checkpoint's values and the rest keep their own, except that "
+                "a tensor stored in pieces that was being read may hold some of the checkpoint's verified pieces. "
+                "Load another checkpoint."
+            ) from None
+        for name, job in jobs:
+            if job.host is not None:
+                host = _adapter(job.host).finish(job.host, tensors[name].kind)
+                job.value = host if job.target is absent else _adapter(job.target).assign(job.target, host)
+
+
+def _adapter(value: Any) -> Adapter:
+    adapter = adapter_for(value)
+    assert adapter is not None
+    return adapter
+
+
+def open_files(storage: Storage, path: str, files: tuple[manifest.FileEntry, ...]) -> DataFiles:
+    """Map every data file now: a checkpoint deleted after this stays readable (POSIX)."""
+    data = DataFiles(storage, path)
+    for f in files:
+        data.map(f.path)
+    return data
