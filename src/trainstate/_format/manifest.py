@@ -539,6 +539,10 @@ def _check_disjoint(name: str, chunks: tuple[Chunk, ...]) -> None:
         start = box.offset[axis]
         active = [a for a in active if a.offset[axis] + a.shape[axis] > start]
         for a in active:
-            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offset, a.shape, box.offset, box.shape)):
+            if _overlap(a, box):
                 raise CorruptCheckpointError(f"tensor {name}: chunks overlap")
         active.append(box)
+
+
+def _overlap(a: Chunk, b: Chunk) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offset, a.shape, b.offset, b.shape))
