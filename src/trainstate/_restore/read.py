@@ -295,6 +295,8 @@ def read_views(ck: Checkpoint, reads: list[tuple[str, memoryview]], *, verify: b
             fill = _box_filler(files, name, t, dst, verify)
             boxes.append(Batch(first.file, first.byte_range[0], first.byte_range[0] + t.nbytes, [], fill))
     spans.sort(key=lambda fs: (fs[0], fs[1].begin))
+    total = sum(s.end - s.begin for _, s in spans)
+    limit = max(1, min(limit, -(-total // max(1, threads))))  # enough batches for every lane the store asks for
     batches = _batches(spans, limit)
     if boxes:
         batches = sorted(batches + boxes, key=lambda b: (b.file, b.begin))
