@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager import arguments, naming
 from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, ensure_directory, facts
@@ -80,6 +81,10 @@ class CheckpointManager:
         threads: writer threads per save.
         metadata: plain values recorded in every checkpoint's manifest.
         storage: where the checkpoints live (default: chosen from ``directory``).
+        save_policies: more save policies (:class:`EverySteps`, :class:`EverySeconds`, :class:`AtSteps`, or
+            your own with ``reason_to_save``), combined with the ones the keywords above make: any one saves.
+        retention_policies: more retention policies (:class:`KeepLast`, :class:`KeepBest`, ..., or your own
+            with ``votes``), combined with the keywords': a checkpoint goes only when none keeps it.
         read_only: list, restore and pin only: no lock, no sweep, no saves or deletions (for tools
             beside a running job).
 
@@ -120,6 +125,9 @@ class CheckpointManager:
         read_only: bool = False,
     ) -> None:
         # Every argument is checked before anything is acquired (lock, signal handlers, threads).
+        for given, what in ((save_policies, "save_policies"), (retention_policies, "retention_policies")):
+            if given is not None and not isinstance(given, (list, tuple)):
+                raise InvalidArgumentError(f"{what} takes a list of policies, got {given!r:.60}")
         save_list: list[SavePolicy] = list(save_policies or [])
         if every_steps is not None:
             save_list.append(EverySteps(arguments.positive_int(every_steps, "every_steps")))
@@ -156,6 +164,22 @@ class CheckpointManager:
         ):
             arguments.flag(value, name)
         storage_, root = resolve(arguments.location(directory), storage)
+        if storage_.stat_followed(storage_.join(root, MANIFEST_NAME)) is not None:
+            raise InvalidArgumentError(
+                f"{directory} is a checkpoint, not a run directory: a CheckpointManager keeps its checkpoints "
+                "inside a directory of its own (pass the run directory, e.g. its parent); to load this one, "
+                "use trainstate.load"
+            )
+        for policy in save_list:
+            if not callable(getattr(policy, "reason_to_save", None)):
+                raise InvalidArgumentError(
+                    f"save_policies takes save policies (e.g. EverySteps(500)), got {policy!r:.60}"
+                )
+        for kept in keep:
+            if not callable(getattr(kept, "votes", None)):
+                raise InvalidArgumentError(
+                    f"retention_policies takes retention policies (e.g. KeepLast(3)), got {kept!r:.60}"
+                )
         self._config = Settings(
             directory=root,
             storage=storage_,

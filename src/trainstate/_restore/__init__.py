@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from typing import Any
 
@@ -34,12 +35,15 @@ def restore(
     if verify:
         ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
     r = Restorer(ck, strict=strict, selected=selector(include, exclude), framework=framework, optional=optional)
-    if include is not None and r.partial and not r._any_selected(ck.manifest.tree, ()):
+    if include is not None:
         keys = r._leaves(ck.manifest.tree, ())
-        raise InvalidArgumentError(
-            f"include={include!r:.60} matches no key of the checkpoint (keys look like {keys[:3]}); patterns "
-            "match whole dotted keys: 'model.*' selects everything under 'model'"
-        )
+        patterns = [include] if isinstance(include, str) else list(include)
+        unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(k, p) for k in keys)]
+        if unmatched or not patterns:  # a typo in one pattern of a list would silently skip a part
+            raise InvalidArgumentError(
+                f"include pattern(s) {unmatched or patterns!r:.80} match no key of the checkpoint (keys look like "
+                f"{keys[:3]}); patterns match whole dotted keys: 'model.*' selects everything under 'model'"
+            )
     finish = r.plan(target, ck.manifest.tree, (), free=False)
     r.check()
     r.read(verify=verify, threads=threads)

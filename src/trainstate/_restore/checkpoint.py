@@ -20,12 +20,14 @@ from typing import Any
 
 from trainstate import _tree as tree
 from trainstate._format import checksum, datafile, manifest
+from trainstate._frameworks import adapter_for
 from trainstate._restore import read as engine
 from trainstate._storage import Storage, resolve
 from trainstate.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InvalidArgumentError,
     StorageError,
     UnknownKeyError,
 )
@@ -110,8 +112,16 @@ class Checkpoint:
         return engine.read_tensor(self, name, framework=framework, verify=verify)
 
     def read_into(self, name: str, out: Any, *, verify: bool = True) -> None:
-        """Read tensor ``name`` into the contiguous host array ``out`` of the right size."""
-        self._entry(name)
+        """Read tensor ``name`` into ``out``: a contiguous host array of the tensor's dtype and shape."""
+        t = self._entry(name)
+        adapter = adapter_for(out)
+        have = adapter.describe(out)[:2] if adapter is not None else None
+        if have != (t.dtype, t.shape) or engine.flat_view(out) is None:
+            raise InvalidArgumentError(
+                f"read_into({name!r}) needs a writable, contiguous host array of dtype {t.dtype} and shape "
+                f"{list(t.shape)}, got {type(out).__name__}"
+                + (f" of dtype {have[0]} and shape {list(have[1])}" if have else "")
+            )
         engine.read_into(self, name, out, verify=verify)
 
     def load(

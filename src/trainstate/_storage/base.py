@@ -113,7 +113,11 @@ class Storage(ABC):
 
     @abstractmethod
     def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
-        """Create the file ``path`` (it must not exist) from ``views`` in order; returns bytes written.
+        """Write the file ``path`` from ``views`` in order; returns bytes written.
+
+        Data files are always new names. Where ``capabilities.in_place`` is set, an overwriting save writes
+        ``manifest.json`` over the committed one (that replacement is the commit), so replace an existing
+        file rather than refusing it. Raise :class:`StorageError` for the backend's own errors.
 
         ``views`` may be iterated again from the start, so an upload can be retried.
         """
