@@ -10,6 +10,8 @@ import errno
 import pytest
 from tools.reliability import concurrency, crash, faults
 
+from trainstate._storage.faulty import OPERATIONS
+
 pytestmark = pytest.mark.campaign  # run at test size; `-m "not campaign"` for a quick loop
 
 
@@ -27,7 +29,11 @@ def test_sigkill_during_sync_and_async_saves(tmp_path):
 def test_every_injected_write_fsync_rename_failure_is_clean(tmp_path, mode):
     row = faults.injected(tmp_path, mode)
     _clean(row)
-    assert row.trials >= 15  # every create, write, fsync and rename of a save was failed once
+    # The campaign fails the 1st, 2nd, ... call of each operation until a save makes no more such calls, so
+    # every call is covered by construction; here: each kind of operation was reached at least once. (The
+    # count of calls is the saver's business: gathering small tensors into 1 MiB writes took it from 15 to 13.)
+    assert row.trials >= len(OPERATIONS)
+    assert row.trials == row.passed
 
 
 def test_injected_io_error_and_overwrite(tmp_path):
