@@ -41,7 +41,7 @@ def restore(
         unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(k, p) for k in keys)]
         if unmatched or not patterns:  # a typo in one pattern of a list would silently skip a part
             raise InvalidArgumentError(
-                f"include pattern(s) {unmatched or patterns!r:.80} match no key of the checkpoint (keys look like "
+                f"include pattern(s) {unmatched or patterns!r:.80}: matches no key of the checkpoint (keys look like "
                 f"{keys[:3]}); patterns match whole dotted keys: 'model.*' selects everything under 'model'"
             )
     finish = r.plan(target, ck.manifest.tree, (), free=False)
