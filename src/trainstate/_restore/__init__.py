@@ -6,6 +6,7 @@ import os
 import sys
 from typing import Any
 
+from trainstate import _gc
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.plan import _ABSENT, ABSENT, RESERVED_RNG_KEY, Restorer, selector
 from trainstate._storage import Storage
@@ -69,7 +70,7 @@ def load_from(
     Opens the checkpoint (manifest validated), checks every data-file header when ``verify``, then
     plans and reads. Any damage surfaces as a CheckpointError subclass.
     """
-    with Checkpoint(path, storage) as ck:
+    with Checkpoint(path, storage) as ck, _gc.paused():  # many small tensors: no collections meanwhile
         if verify:
             ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
         return restore(
