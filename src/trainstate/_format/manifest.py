@@ -177,7 +177,8 @@ def parse_cost(raw: bytes | bytearray) -> int:
     containers = raw.count(b"[") + objects
     values = raw.count(b",") + containers + 1
     text = 1 if raw.isascii() else 4
-    wide_strings = text > 1 or raw.count(b"\\u") > raw.count(b"\\u00")  # escapes past Latin-1
+    escapes = b"\\u" in raw and raw.count(b"\\u") > raw.count(b"\\u00")  # past Latin-1 (count only if any)
+    wide_strings = text > 1 or escapes
     per_byte = text + (4 if wide_strings else 1)
     return (
         60 * containers
