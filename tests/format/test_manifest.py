@@ -115,3 +115,18 @@ def test_the_checksum_is_the_first_member_whatever_fields_a_newer_minor_version_
 def test_data_file_names_must_match_the_pattern_in_full(name):
     with pytest.raises(trainstate.CorruptCheckpointError, match="illegal data file"):
         manifest.check_file_name(name)
+
+
+def test_the_fast_entry_check_agrees_with_the_full_one(tmp_path, training_state, monkeypatch):
+    import json
+
+    from trainstate._save import write
+
+    monkeypatch.setattr(write, "PIECE_BYTES", 256)  # the small training state gets pieced tensors too
+    trainstate.save(tmp_path / "c", training_state)
+    body = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
+    sizes = {f["path"]: f["size"] for f in body["files"]}
+    fast = {name: manifest._plain_entry(t, sizes) for name, t in body["tensors"].items()}
+    assert all(e is not None for e in fast.values())
+    assert any(e.chunks[0].pieces for e in fast.values())
+    assert fast == {name: manifest._checked_entry(name, t, sizes) for name, t in body["tensors"].items()}

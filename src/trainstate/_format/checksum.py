@@ -9,6 +9,8 @@ system ``libxxhash``, whose builds vary: some hash ~3x slower in cache). Measure
 pieces that fit in cache and copies each piece while it is still there (see ``_restore/read.py``).
 
 Hot paths compare integers (:func:`expected_value` once, then :func:`value_of` per block), not strings.
+The package's one-shot functions (``xxh3_64_intdigest``) hold the GIL while they hash; its hasher objects
+release it, so large blocks go through a hasher object and reader or writer threads hash in parallel.
 """
 
 from __future__ import annotations
@@ -21,11 +23,20 @@ ALGORITHM = "xxh3_64"
 _PREFIX = ALGORITHM + ":"
 _HEX = frozenset("0123456789abcdef")
 
-value_of = xxhash.xxh3_64_intdigest  # the digest of a block as an int, compared against expected_value()
+_UNLOCKED = 64 << 10  # blocks at least this large are hashed with the GIL released
+
+
+def value_of(data: bytes | memoryview) -> int:
+    """The digest of a block as an int, compared against :func:`expected_value`."""
+    if (data.nbytes if isinstance(data, memoryview) else len(data)) >= _UNLOCKED:
+        return xxhash.xxh3_64(data).intdigest()  # the hasher object releases the GIL: lanes hash in parallel
+    return xxhash.xxh3_64_intdigest(data)  # the one-shot function holds the GIL, but costs less to call
 
 
 def digest(data: bytes | memoryview) -> str:
     """The checksum string of ``data``."""
+    if (data.nbytes if isinstance(data, memoryview) else len(data)) >= _UNLOCKED:
+        return f"{_PREFIX}{xxhash.xxh3_64(data).hexdigest()}"
     return f"{_PREFIX}{xxhash.xxh3_64_hexdigest(data)}"
 
 

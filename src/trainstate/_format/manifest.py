@@ -181,7 +181,8 @@ def parse_cost(raw: bytes | bytearray) -> int:
     containers = raw.count(b"[") + objects
     values = raw.count(b",") + containers + 1
     text = 1 if raw.isascii() else 4
-    wide_strings = text > 1 or raw.count(b"\\u") > raw.count(b"\\u00")  # escapes past Latin-1
+    escapes = b"\\u" in raw and raw.count(b"\\u") > raw.count(b"\\u00")  # past Latin-1 (count only if any)
+    wide_strings = text > 1 or escapes
     per_byte = text + (4 if wide_strings else 1)
     return (
         60 * containers
@@ -404,8 +405,10 @@ _KINDS = frozenset({"torch", "numpy", "numpy-scalar"})
 
 def _tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
     entry = _plain_entry(t, sizes) if type(t) is dict else None
-    if entry is not None:
-        return entry
+    return entry if entry is not None else _checked_entry(name, t, sizes)
+
+
+def _checked_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
     t = _typed(t, dict, f"tensors[{name}]")
     dtype = dtypes.from_code(t["dtype"])
     shape = _shape(t["shape"], f"{name}.shape")
@@ -423,11 +426,12 @@ def _tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
 
 
 _PLAIN_CHUNK = frozenset({"file", "byte_range", "offset", "shape", "checksum"})
+_PIECED_CHUNK = _PLAIN_CHUNK | {"pieces"}
 
 
 def _plain_entry(t: dict[str, Any], sizes: dict[str, int]) -> TensorEntry | None:
-    """The common entry (one chunk covering a non-empty tensor, no transforms or pieces) checked in a few
-    C-speed steps, or None for the general path, which gives the precise error for anything wrong.
+    """The common entry (one chunk covering a non-empty tensor, no transforms) checked in a few C-speed
+    steps, or None for the general path, which gives the precise error for anything wrong.
 
     Checks exactly what the general path does for such an entry: a known dtype and kind, a plausible shape,
     a chunk at offset 0 of the same shape, in a listed file, holding exactly the tensor's bytes.
@@ -436,7 +440,7 @@ def _plain_entry(t: dict[str, Any], sizes: dict[str, int]) -> TensorEntry | None
     if type(chunks) is not list or len(chunks) != 1 or len(t) != 4:
         return None
     c = chunks[0]
-    if type(c) is not dict or c.keys() != _PLAIN_CHUNK:
+    if type(c) is not dict or (c.keys() != _PLAIN_CHUNK and c.keys() != _PIECED_CHUNK):
         return None
     dtype, kind, shape = dtypes.BY_CODE.get(t.get("dtype")), t.get("kind"), t.get("shape")  # type: ignore[arg-type]
     file, byte_range, offset, checksum_ = c["file"], c["byte_range"], c["offset"], c["checksum"]
@@ -467,8 +471,17 @@ def _plain_entry(t: dict[str, Any], sizes: dict[str, int]) -> TensorEntry | None
     begin, end = byte_range
     if count >= MAX_DIM or not 0 <= begin <= end <= size or end - begin != count * dtype.itemsize:
         return None
+    pieces = None
+    if "pieces" in c:
+        raw = c["pieces"]
+        size, sums = (raw.get("bytes"), raw.get("checksums")) if type(raw) is dict and len(raw) == 2 else (0, None)
+        if type(size) is not int or size <= 0 or type(sums) is not list or len(sums) != -(-(end - begin) // size):
+            return None
+        if not {str}.issuperset(map(type, sums)):
+            return None
+        pieces = Pieces(size, tuple(sums))
     dims = tuple(shape)
-    return TensorEntry(dtype.code, dims, kind, (Chunk(file, (begin, end), tuple(offset), dims, checksum_),))
+    return TensorEntry(dtype.code, dims, kind, (Chunk(file, (begin, end), tuple(offset), dims, checksum_, (), pieces),))
 
 
 def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes: dict[str, int]) -> Chunk:

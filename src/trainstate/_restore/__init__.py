@@ -6,6 +6,7 @@ import fnmatch
 import os
 from typing import Any
 
+from trainstate import _gc
 from trainstate._frameworks import after_restore
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector
@@ -73,7 +74,7 @@ def load_from(
     Opens the checkpoint (manifest validated), checks every data-file header when ``verify``, then
     plans and reads. Any damage surfaces as a CheckpointError subclass.
     """
-    with Checkpoint(path, storage) as ck:
+    with Checkpoint(path, storage) as ck, _gc.paused():  # many small tensors: no collections meanwhile
         return restore(
             ck,
             target,

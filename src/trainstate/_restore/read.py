@@ -440,11 +440,3 @@ def _adapter(value: Any) -> Adapter:
     adapter = adapter_for(value)
     assert adapter is not None
     return adapter
-
-
-def open_files(storage: Storage, path: str, files: tuple[manifest.FileEntry, ...]) -> DataFiles:
-    """Map every data file now: a checkpoint deleted after this stays readable (POSIX)."""
-    data = DataFiles(storage, path)
-    for f in files:
-        data.map(f.path)
-    return data

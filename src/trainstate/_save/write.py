@@ -170,7 +170,7 @@ class _FileViews:
             if hashing and n <= PIECE_BYTES:
                 self.sums.append(checksum.digest(data))
                 self.pieces.append(None)
-            if n < _SMALL_BYTES:  # gathered, never changed once handed out (a storage may keep the view)
+            if n < _SMALL_BYTES and n <= PIECE_BYTES:  # gathered; never changed once handed out (a storage may keep it)
                 if len(gathered) + n > _GATHER_BYTES:
                     yield memoryview(gathered)
                     gathered = bytearray()
