@@ -142,21 +142,30 @@ def test_a_lying_piece_checksum_is_caught(ckpt):
 def test_one_large_tensor_is_split_across_reader_threads_and_restores_exactly(tmp_path, monkeypatch):
     saved = _big(6.25, seed=3)
     trainstate.save(tmp_path / "c", {"w": saved}, threads=1)
-    lanes: list[list[int]] = []
-    original = read._split_by_bytes
+    segments: list[list[int]] = []
+    workers: list[int] = []
+    original_split, original_pool = read._split_by_bytes, read.ThreadPoolExecutor
 
-    def spy(jobs, sizes, n):  # the lanes the reader cut: pieces (by size) per lane
-        out = original(jobs, sizes, n)
-        lanes[:] = [[b.end - b.begin for b in lane] for lane in out]
+    def spy(jobs, sizes, n):  # the segments the reader cut: pieces (by size) per segment
+        out = original_split(jobs, sizes, n)
+        segments[:] = [[b.end - b.begin for b in segment] for segment in out]
         return out
 
+    def pool(n, **kwargs):
+        workers.append(n)
+        return original_pool(n, **kwargs)
+
     monkeypatch.setattr(read, "_split_by_bytes", spy)
+    monkeypatch.setattr(read, "ThreadPoolExecutor", pool)
     for threads in (1, 2, 3):
+        workers.clear()
         target = {"w": np.zeros_like(saved)}
         trainstate.load(tmp_path / "c", target, threads=threads)
         assert target["w"].tobytes() == saved.tobytes()
-        assert len(lanes) == threads and sum(map(len, lanes)) == 7, lanes  # 7 pieces over `threads` lanes
-        assert max(map(sum, lanes)) <= saved.nbytes / threads + PIECE_BYTES  # about equal bytes each
+        assert workers == ([] if threads == 1 else [threads])  # one lane per thread
+        assert sum(map(len, segments)) == 7, segments  # 7 pieces, in segments the lanes take in turn
+        assert len(segments) == min(7, threads * read._SEGMENTS_PER_LANE), segments
+        assert max(map(sum, segments)) <= saved.nbytes / len(segments) + PIECE_BYTES  # about equal bytes each
 
 
 def test_pieces_survive_torch_casts_and_non_contiguous_targets(tmp_path):
@@ -217,3 +226,29 @@ def test_any_piece_size_round_trips_a_training_state(tmp_path, monkeypatch, trai
         trainstate.load(path, target)
         assert_same(training_state["optim"].state_dict()["state"], target["optim"].state_dict()["state"])
         assert all((a == b).all() for a, b in zip(training_state["model"].parameters(), target["model"].parameters()))
+
+
+def test_a_tied_tensor_is_read_once_into_shared_memory_and_into_each_of_separate_ones(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    saved = torch.from_numpy(_big(2.5, seed=7))
+    model = torch.nn.Module()  # weights tied as in a language model's embedding and output layer
+    model.a = model.b = torch.nn.Parameter(saved.clone())
+    trainstate.save(tmp_path / "c", {"m": model})  # stored once, named twice in the tree
+    read_bytes: list[int] = []
+    original = read._run_batch
+
+    def spy(files, batch, verify):
+        read_bytes.append(batch.end - batch.begin)
+        return original(files, batch, verify)
+
+    monkeypatch.setattr(read, "_run_batch", spy)
+    with torch.no_grad():
+        model.a.zero_()
+    trainstate.load(tmp_path / "c", {"m": model})
+    assert sum(read_bytes) == saved.nbytes and torch.equal(model.a, saved) and model.a is model.b
+    read_bytes.clear()
+    untied = torch.nn.Module()
+    untied.a, untied.b = torch.nn.Parameter(torch.zeros_like(saved)), torch.nn.Parameter(torch.zeros_like(saved))
+    trainstate.load(tmp_path / "c", {"m": untied})
+    assert sum(read_bytes) == 2 * saved.nbytes
+    assert torch.equal(untied.a, saved) and torch.equal(untied.b, saved)

@@ -130,3 +130,9 @@ def test_the_fast_entry_check_agrees_with_the_full_one(tmp_path, training_state,
     assert all(e is not None for e in fast.values())
     assert any(e.chunks[0].pieces for e in fast.values())
     assert fast == {name: manifest._checked_entry(name, t, sizes) for name, t in body["tensors"].items()}
+
+
+@pytest.mark.parametrize("char", [b"{", b"[", b",", b'"', b":", b"a", "\u00e9".encode()])
+def test_no_byte_costs_more_than_the_bound_that_lets_small_manifests_skip_counting(char):
+    for text in (char * 999, b"\\u1234" + char * 999, "\u00e9".encode() + char * 999):
+        assert manifest.parse_cost(text) <= manifest.MAX_COST_PER_BYTE * len(text)

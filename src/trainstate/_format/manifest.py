@@ -40,6 +40,7 @@ KNOWN_TRANSFORMS: frozenset[str] = frozenset()  # per-chunk byte transforms (com
 MAX_BYTES = 1 << 30
 PARSE_COST_PER_BYTE = 18  # parse_cost() may be this many bytes per manifest byte ...
 PARSE_COST_ALLOWANCE = 256 << 20  # ... plus this much
+MAX_COST_PER_BYTE = 148  # the most parse_cost() counts for one byte: a '{' (60 + 40 + 40) plus 8 of wide text
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,8 @@ def over_limits(raw: bytes | bytearray) -> str | None:
     """What makes these manifest bytes too large or too costly to parse, or None if nothing does."""
     if len(raw) > MAX_BYTES:
         return f"is {len(raw)} bytes, more than the {MAX_BYTES} a manifest may have"
+    if (MAX_COST_PER_BYTE - PARSE_COST_PER_BYTE) * len(raw) <= PARSE_COST_ALLOWANCE:
+        return None  # small enough that no content can exceed the budget (~2 MB): not worth counting
     cost, budget = parse_cost(raw), PARSE_COST_PER_BYTE * len(raw) + PARSE_COST_ALLOWANCE
     if cost > budget:
         return (
