@@ -142,30 +142,21 @@ def test_a_lying_piece_checksum_is_caught(ckpt):
 def test_one_large_tensor_is_split_across_reader_threads_and_restores_exactly(tmp_path, monkeypatch):
     saved = _big(6.25, seed=3)
     trainstate.save(tmp_path / "c", {"w": saved}, threads=1)
-    segments: list[list[int]] = []
-    workers: list[int] = []
-    original_split, original_pool = read._split_by_bytes, read.ThreadPoolExecutor
+    lanes: list[list[int]] = []
+    original = read._split_by_bytes
 
-    def spy(jobs, sizes, n):  # the segments the reader cut: pieces (by size) per segment
-        out = original_split(jobs, sizes, n)
-        segments[:] = [[b.end - b.begin for b in segment] for segment in out]
+    def spy(jobs, sizes, n):  # the lanes the reader cut: pieces (by size) per lane
+        out = original(jobs, sizes, n)
+        lanes[:] = [[b.end - b.begin for b in lane] for lane in out]
         return out
 
-    def pool(n, **kwargs):
-        workers.append(n)
-        return original_pool(n, **kwargs)
-
     monkeypatch.setattr(read, "_split_by_bytes", spy)
-    monkeypatch.setattr(read, "ThreadPoolExecutor", pool)
     for threads in (1, 2, 3):
-        workers.clear()
         target = {"w": np.zeros_like(saved)}
         trainstate.load(tmp_path / "c", target, threads=threads)
         assert target["w"].tobytes() == saved.tobytes()
-        assert workers == ([] if threads == 1 else [threads])  # one lane per thread
-        assert sum(map(len, segments)) == 7, segments  # 7 pieces, in segments the lanes take in turn
-        assert len(segments) == min(7, threads * read._SEGMENTS_PER_LANE), segments
-        assert max(map(sum, segments)) <= saved.nbytes / len(segments) + PIECE_BYTES  # about equal bytes each
+        assert len(lanes) == threads and sum(map(len, lanes)) == 7, lanes  # 7 pieces over `threads` lanes
+        assert max(map(sum, lanes)) <= saved.nbytes / threads + PIECE_BYTES  # about equal bytes each
 
 
 def test_pieces_survive_torch_casts_and_non_contiguous_targets(tmp_path):
