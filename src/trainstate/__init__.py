@@ -30,12 +30,13 @@ from trainstate._rng import RNGState
 from trainstate._save import SaveResult, save
 from trainstate._storage import Capabilities, FileInfo, LocalStorage, Storage
 from trainstate._storage import check as check_storage
-from trainstate._tree import Stateful
+from trainstate._tree import PerRank, Stateful
 from trainstate.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DistributedError,
     FormatVersionError,
     IncompleteCheckpointError,
     InvalidArgumentError,
@@ -77,6 +78,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "DistributedError",
     "EverySeconds",
     "EverySteps",
     "FORMAT_VERSION",
@@ -90,6 +92,7 @@ __all__ = [
     "KeepEverySteps",
     "KeepLast",
     "LocalStorage",
+    "PerRank",
     "MissingDependencyError",
     "RNGState",
     "ResumableSampler",

@@ -28,7 +28,11 @@ class RNGState:
         >>> state = {"model": model, "rng": trainstate.RNGState()}
         >>> trainstate.save("ckpt", state)   # ... later, in a new process:
         >>> trainstate.load("ckpt", state)   # the next random draws match the uninterrupted run
+
+    Under torch.distributed each rank saves and restores its own generators (a per-rank value).
     """
+
+    __trainstate_per_rank__ = True
 
     def __init__(
         self,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, Generic, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checkable
 
-from trainstate._frameworks import adapter_for
+from trainstate._frameworks import adapter_for, rebuilt_from_checkpoint
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 
 MAX_DEPTH = 200
@@ -231,16 +231,68 @@ def join(path: tuple[str, ...]) -> str:
 _Live = tuple[Any, tuple[str, ...], bool]  # a live value, its path, and whether it is a dict key
 _NOT_PLAIN = object()
 
+PER_RANK_TYPE = "trainstate.PerRank"  # a stateful node whose state maps each rank ("0", "1", ...) to its value
 
-def encode(state: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: tuple[str, ...] = ()) -> Node:
+
+class PerRank:
+    """Marks a part of the state whose value differs between ranks (a rank's own counters, buffers).
+
+    Under torch.distributed each rank saves its own value and gets its own back at the same world size;
+    a different world size is an error for it (docs/distributed.md). ``trainstate.RNGState`` and data
+    loaders are per rank without this mark. In a single process it is transparent.
+
+    Example:
+        >>> state = {"model": model, "seen": trainstate.PerRank({"samples": seen})}
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r:.60})"
+
+
+def is_per_rank(value: Any) -> bool:
+    """Whether ``value`` is saved per rank under torch.distributed."""
+    return (
+        isinstance(value, PerRank)
+        or bool(getattr(type(value), "__trainstate_per_rank__", False))
+        or (is_stateful(value) and rebuilt_from_checkpoint(value))  # a data loader: each rank's own position
+    )
+
+
+class _Own(NamedTuple):
+    """A per-rank object's value, encoded as itself under its rank's key (not marked again)."""
+
+    value: Any
+
+
+def _per_rank_node(results: list[Any]) -> StatefulNode:
+    return _new_stateful(PER_RANK_TYPE, _dict_node(results))
+
+
+def encode(
+    state: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: tuple[str, ...] = (), rank: int | None = None
+) -> Node:
     """The node for ``state``; ``on_tensor(path, array)`` registers an array and returns its table name.
 
-    Objects with ``state_dict()`` are asked for it (in tree order). Raises UnsupportedValueError for a value
-    that cannot be stored without pickle, and for a state nested deeper than :data:`MAX_DEPTH`.
+    Objects with ``state_dict()`` are asked for it (in tree order). With ``rank`` (a collective save), each
+    per-rank part (:func:`is_per_rank`) becomes a :data:`PER_RANK_TYPE` node holding this rank's value under
+    its rank's key. Raises UnsupportedValueError for a value that cannot be stored without pickle, and for
+    a state nested deeper than :data:`MAX_DEPTH`.
     """
 
     def visit(item: _Live) -> Any:
         value, at, key = item
+        if type(value) is _Own:
+            value = value.value
+        elif isinstance(value, PerRank) or (rank is not None and not key and is_per_rank(value)):
+            inner = value.value if isinstance(value, PerRank) else value
+            if rank is None:  # a single process: transparent
+                return Branch([(_Own(inner), at, False)], _first)
+            return Branch([(str(rank), at, True), (_Own(inner), at + (str(rank),), False)], _per_rank_node)
         if value is None or type(value) is bool or type(value) is str:
             return value if key else _new_value(value)
         if adapter_for(value) is not None:

@@ -13,6 +13,7 @@ fit — comes out as one of these, never as a traceback from deep inside a depen
     ├── UnsupportedValueError        (also TypeError) a value the format cannot hold
     ├── StorageError                 (also OSError) disk full, I/O error, permission denied
     ├── MissingDependencyError       (also ImportError) an optional extra is not installed
+    ├── DistributedError             a collective save / load failed on another rank, or a rank fell silent
     └── InvalidArgumentError         (also ValueError and TypeError) a call's argument is wrong
         └── UnknownKeyError          (also KeyError) no tensor of that name in the checkpoint
 """
@@ -26,6 +27,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "DistributedError",
     "FormatVersionError",
     "IncompleteCheckpointError",
     "InvalidArgumentError",
@@ -105,6 +107,11 @@ class StorageError(CheckpointError, OSError):
 
 class MissingDependencyError(CheckpointError, ImportError):
     """An optional dependency is needed; the message names the extra to install."""
+
+
+class DistributedError(CheckpointError):
+    """A collective save or load did not complete on every rank: another rank failed (its message is
+    included) or did not answer within the timeout. A save that raises this committed nothing."""
 
 
 class InvalidArgumentError(CheckpointError, ValueError, TypeError):

@@ -76,6 +76,9 @@ class TensorEntry:
     def nbytes(self) -> int:
         return int(math.prod(self.shape)) * dtypes.from_code(self.dtype).itemsize
 
+    def _replace_chunks(self, chunks: tuple[Chunk, ...]) -> TensorEntry:
+        return TensorEntry(self.dtype, self.shape, self.kind, chunks)
+
 
 @dataclass(frozen=True)
 class FileEntry:

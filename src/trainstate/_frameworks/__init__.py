@@ -33,6 +33,10 @@ class Adapter(Protocol):
     def identity(self, value: Any) -> tuple[object, ...] | None:
         """A key equal for two arrays that are the same view of the same memory (tied weights), or None."""
 
+    def local_part(self, value: Any) -> tuple[Any, tuple[int, ...]] | None:
+        """For an array sharded over ranks (a DTensor): this rank's part (a plain array) and its offset in
+        the whole; None for an array this process holds whole."""
+
     def byte_view(self, value: Any) -> memoryview:
         """The array's bytes, C order, little-endian; copies only when the layout requires it."""
 

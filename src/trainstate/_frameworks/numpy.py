@@ -33,6 +33,10 @@ def identity(value: Any) -> tuple[object, ...] | None:
     return ("np", value.__array_interface__["data"][0], value.shape, value.strides, value.dtype.str)
 
 
+def local_part(value: Any) -> tuple[Any, tuple[int, ...]] | None:
+    return None
+
+
 def byte_view(value: Any) -> memoryview:
     """The value's bytes in C order, little-endian; copies only when the layout requires it."""
     arr = np.asarray(value)

@@ -66,6 +66,24 @@ def identity(value: torch.Tensor) -> tuple[object, ...] | None:
     )
 
 
+def local_part(value: Any) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """A DTensor's local shard and its offset in the global tensor (uneven shards included)."""
+    if not _is_dtensor(value):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local: torch.Tensor = value.to_local()
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    if tuple(local.shape) != tuple(shape):  # padded shards: keep the part that belongs to the tensor
+        local = local[tuple(slice(0, n) for n in shape)]
+    return local, tuple(int(o) for o in offset)
+
+
+def _is_dtensor(value: Any) -> bool:
+    cls = type(value)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
 def byte_view(value: torch.Tensor) -> memoryview:
     t = value.detach()
     if t.device.type != "cpu":

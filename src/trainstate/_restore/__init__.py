@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from trainstate import _gc
+from trainstate._distributed import rank_and_world
 from trainstate._frameworks import after_restore
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector
@@ -35,7 +36,14 @@ def restore(
     """
     if verify:
         ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
-    r = Restorer(ck, strict=strict, selected=selector(include, exclude), framework=framework, optional=optional)
+    r = Restorer(
+        ck,
+        strict=strict,
+        selected=selector(include, exclude),
+        framework=framework,
+        optional=optional,
+        rank=rank_and_world(),
+    )
     if include is not None:
         keys = r._leaves(ck.manifest.tree, ())
         patterns = [include] if isinstance(include, str) else list(include)

@@ -151,7 +151,7 @@ class Checkpoint:
             view = engine.flat_view(out)
             if view is None or view.nbytes != t.nbytes:
                 raise ValueError(f"read_many needs a contiguous host array of {t.nbytes} bytes for {name}")
-            views.append((name, view))
+            views.append((name, view, None))
         engine.read_views(self, views, verify=verify, threads=threads)
 
     def verify(self) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 from trainstate import _tree as tree
+from trainstate._distributed import per_rank
 from trainstate._format.added_keys import declared_keys
 from trainstate._frameworks import adapter_for, load_takes_strict, rebuilt_from_checkpoint
 from trainstate._restore.checkpoint import Checkpoint
@@ -82,8 +83,10 @@ class Restorer:
         selected: Callable[[str], bool] | None,
         framework: str | None = None,
         optional: tuple[str, ...] = (),
+        rank: tuple[int, int] = (0, 1),
     ) -> None:
         self.ck = ck
+        self.rank, self.world = rank  # this process's rank and world size (per-rank values, shards)
         self.strict = strict
         self.framework = framework  # array type for tensors the target lacks; None: what the saver held
         self.optional = optional  # top-level target keys the checkpoint may lack without a complaint
@@ -93,6 +96,7 @@ class Restorer:
         self.missing: list[str] = []
         self.unexpected: list[str] = []
         self.mismatched: list[tuple[str, str, str]] = []
+        self.world_size_changed = False  # a per-rank value met a different world size: say so in the error
         self.jobs: dict[str, _Job] = {}
         self.extra_jobs: list[tuple[str, _Job]] = []
 
@@ -108,10 +112,21 @@ class Restorer:
 
     def _plan_node(self, item: _Item) -> Planned:
         node, target, path, free = item
-        key = tree.join(path)
         if target is _UNEXPECTED:  # a saved part the target has no place for
             self.unexpected.extend(p for p in self._leaves(node, path) if self.selected(p))
             return lambda: _ABSENT
+        if self.partial and not self._any_selected(node, path):
+            return lambda: target  # excluded (or not included): nothing to plan, not even a per-rank check
+        if target is not _ABSENT and (
+            per_rank.is_per_rank_node(node)
+            or isinstance(target, tree.PerRank)
+            or (self.world > 1 and tree.is_per_rank(target))
+        ):
+            return self._plan_per_rank(target, node, path, free)
+        return self._plan_plain(node, target, path, free)
+
+    def _plan_plain(self, node: tree.Node, target: Any, path: tuple[str, ...], free: bool) -> Planned:
+        key = tree.join(path)
         if isinstance(node, tree.ValueNode):
             if not self.selected(key):
                 return lambda: target
@@ -157,6 +172,45 @@ class Restorer:
         else:  # tied in the checkpoint, two separate arrays in the target: fill both
             self.extra_jobs.append((name, job))
         return lambda: job.value
+
+    def _plan_per_rank(self, target: Any, node: tree.Node, path: tuple[str, ...], free: bool) -> Planned:
+        """A per-rank part: this rank's own value, saved by as many ranks as there are now (docs/distributed.md)."""
+        key = tree.join(path) or "<root>"
+        inner = target.value if isinstance(target, tree.PerRank) else target
+        if isinstance(node, tree.StatefulNode) and per_rank.is_per_rank_node(node):
+            if not tree.is_per_rank(target):
+                self.mismatched.append((key, _describe(target), "values saved per rank (trainstate.PerRank)"))
+                return lambda: target
+            chosen = per_rank.entry(node, self.rank, self.world)
+            if chosen is None:
+                saved = per_rank.saved_ranks(node)
+                self.mismatched.append(
+                    (key, f"a per-rank value of rank {self.rank} of {self.world}", f"values saved by {saved} ranks")
+                )
+                self.world_size_changed = True
+                return lambda: target
+            node, path = chosen, path + (str(self.rank),)
+        elif self.world > 1:  # a per-rank target, a value saved by one process: every rank would get the same
+            self.mismatched.append((key, f"a per-rank value on {self.world} ranks", "one value saved by one process"))
+            self.world_size_changed = True
+            return lambda: target
+        planned = self._plan_plain(node, inner, path, free)
+        if not isinstance(target, tree.PerRank):
+            return planned
+
+        def put(finisher: Finisher) -> Finisher:
+            def finish() -> Any:
+                value = finisher()
+                if value is not _ABSENT:
+                    target.value = value
+                return target
+
+            return finish
+
+        if isinstance(planned, tree.Branch):
+            combine = planned.combine
+            return tree.Branch(planned.children, lambda finishers: put(combine(finishers)))
+        return put(planned)
 
     def _plan_stateful(self, target: Any, node: tree.StatefulNode, path: tuple[str, ...]) -> Planned:
         key = tree.join(path) or "<root>"
@@ -272,7 +326,14 @@ class Restorer:
 
     def check(self) -> None:
         if self.mismatched or (self.strict and (self.missing or self.unexpected)):
-            raise StateMismatchError(self.missing, self.unexpected, self.mismatched)
+            hint = (
+                "Per-rank values (RNG states, data loader positions, trainstate.PerRank) restore only at the world "
+                "size that saved them: exclude them (exclude=[...]) to keep this run's own, e.g. after a change of "
+                "world size (docs/distributed.md)"
+                if self.world_size_changed
+                else ""
+            )
+            raise StateMismatchError(self.missing, self.unexpected, self.mismatched, hint)
 
     def read(self, *, verify: bool, threads: int) -> None:
         """Read every planned tensor (read.py): straight into the target's memory where its layout allows."""

@@ -29,7 +29,7 @@ import errno
 import math
 import mmap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -125,6 +125,37 @@ class DataFiles:
                 view.release()
                 raise
         return view
+
+    def rows(self, c: manifest.Chunk, rows: tuple[int, int], verify: bool, what: str) -> memoryview:
+        """Rows ``[rows)`` (along the first dimension) of a chunk's stored bytes, checked.
+
+        A chunk with pieces is read and checked only over the pieces that cover those rows; any other chunk
+        is read and checked whole.
+        """
+        begin, end = c.byte_range
+        row_bytes = (end - begin) // max(1, c.shape[0]) if c.shape else end - begin
+        lo, hi = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
+        p = c.pieces
+        if p is None or (lo == begin and hi == end) or lo >= hi:
+            with self.stored(c, verify, what) as whole:
+                return whole[lo - begin : hi - begin]
+        first, last = (lo - begin) // p.size, (hi - begin - 1) // p.size
+        span_lo, span_hi = begin + first * p.size, min(end, begin + (last + 1) * p.size)
+        mm = self.map(c.file)
+        if mm is not None:
+            view = self.mapped(mm, c.file, span_lo, span_hi)
+        else:
+            view = memoryview(bytearray(span_hi - span_lo))
+            self.pread(c.file, view, span_lo)
+        if verify:
+            spans = _chunk_spans(c, None, what)[first : last + 1]
+            try:
+                for span in spans:
+                    _check(view[span.begin - span_lo : span.end - span_lo], span)
+            except BaseException:
+                view.release()
+                raise
+        return view[lo - span_lo : hi - span_lo]
 
     def close(self) -> None:
         with self._lock:
@@ -269,8 +300,13 @@ def _run_lanes(files: DataFiles, batches: list[Batch], verify: bool, threads: in
 # -- the readers --------------------------------------------------------------------------------------
 
 
-def read_views(ck: Checkpoint, reads: list[tuple[str, memoryview]], *, verify: bool, threads: int) -> None:
-    """Fill flat byte views (one per tensor name, each of the tensor's size) from the checkpoint."""
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # offset and shape of a part of a tensor
+
+
+def read_views(
+    ck: Checkpoint, reads: Sequence[tuple[str, memoryview, Box | None]], *, verify: bool, threads: int
+) -> None:
+    """Fill flat byte views from the checkpoint: each the whole tensor (box None) or the box of it given."""
     files = ck.files
     caps = ck.storage.capabilities
     remote = bool(caps.target_file_bytes)
@@ -280,7 +316,7 @@ def read_views(ck: Checkpoint, reads: list[tuple[str, memoryview]], *, verify: b
     spans: list[tuple[str, Span]] = []
     boxes: list[Batch] = []
     seen: set[tuple[str, int]] = set()
-    for name, dst in reads:
+    for name, dst, box in reads:
         if dst.nbytes:  # a tied tensor met twice in the tree, landing in the same memory, is read once
             key = (name, np.frombuffer(dst, np.uint8).ctypes.data)
             if key in seen:
@@ -288,8 +324,15 @@ def read_views(ck: Checkpoint, reads: list[tuple[str, memoryview]], *, verify: b
             seen.add(key)
         t = tensors[name]
         chunks = t.chunks
-        if len(chunks) == 1 and chunks[0].shape == t.shape:
-            c = chunks[0]
+        if box is not None and box[1] == t.shape:
+            box = None  # a shard that is the whole tensor
+        same = (
+            [c for c in chunks if c.offset == box[0] and c.shape == box[1]]
+            if box is not None
+            else [c for c in chunks if c.shape == t.shape][: len(chunks) == 1]
+        )
+        if same:  # stored as exactly this part: read straight in, split over the lanes
+            c = same[0]
             begin, end = c.byte_range  # the tensor's size (the manifest parser checked)
             if dst.nbytes != end - begin:
                 raise ValueError(f"{name} needs {end - begin} bytes to read into, got {dst.nbytes}")
@@ -297,12 +340,16 @@ def read_views(ck: Checkpoint, reads: list[tuple[str, memoryview]], *, verify: b
                 what = f"tensor {name} ({c.file})"
                 spans.extend((c.file, s) for s in _chunk_spans(c, dst, what))
             continue
-        if dst.nbytes != t.nbytes:
-            raise ValueError(f"{name} needs {t.nbytes} bytes to read into, got {dst.nbytes}")
-        if chunks:
-            first = min(chunks, key=lambda c: (c.file, c.byte_range[0]))
-            fill = _box_filler(files, name, t, dst, verify)
-            boxes.append(Batch(first.file, first.byte_range[0], first.byte_range[0] + t.nbytes, [], fill))
+        region = box or ((0,) * len(t.shape), t.shape)
+        itemsize = dtypes.from_code(t.dtype).itemsize
+        if dst.nbytes != math.prod(region[1]) * itemsize:
+            raise ValueError(f"{name} needs {math.prod(region[1]) * itemsize} bytes to read into, got {dst.nbytes}")
+        needed = [c for c in chunks if _meets(c, region)]
+        if needed:
+            first = min(needed, key=lambda c: (c.file, c.byte_range[0]))
+            fill = _box_filler(files, name, t, dst, verify, region, needed)
+            size = sum(c.byte_range[1] - c.byte_range[0] for c in needed)
+            boxes.append(Batch(first.file, first.byte_range[0], first.byte_range[0] + size, [], fill))
     spans.sort(key=lambda fs: (fs[0], fs[1].begin))
     total = sum(s.end - s.begin for _, s in spans)
     limit = max(1, min(limit, -(-total // max(1, threads))))  # enough batches for every lane the store asks for
@@ -312,21 +359,36 @@ def read_views(ck: Checkpoint, reads: list[tuple[str, memoryview]], *, verify: b
     _run_lanes(files, batches, verify, threads)
 
 
+def _meets(c: manifest.Chunk, region: Box) -> bool:
+    return all(co < ro + rs and ro < co + cs for co, cs, ro, rs in zip(c.offset, c.shape, *region)) and all(region[1])
+
+
 def _box_filler(
-    files: DataFiles, name: str, t: manifest.TensorEntry, dst: memoryview, verify: bool
+    files: DataFiles,
+    name: str,
+    t: manifest.TensorEntry,
+    dst: memoryview,
+    verify: bool,
+    region: Box,
+    chunks: list[manifest.Chunk],
 ) -> Callable[[], None]:
-    """A tensor written by several ranks: every box is verified before any byte reaches ``dst``."""
+    """``region`` of a tensor stored as several boxes (written by several ranks), assembled from the
+    chunks that meet it; each is checked before any of its bytes reach ``dst``, and only the stored rows
+    that meet the region are read (with the pieces that cover them, where the chunk has pieces)."""
 
     def fill() -> None:
-        whole = np.frombuffer(dst, dtype=dtypes.from_code(t.dtype).numpy).reshape(t.shape)
-        sources = [files.stored(c, verify, f"tensor {name} chunk at {list(c.offset)} ({c.file})") for c in t.chunks]
-        try:
-            for c, src in zip(t.chunks, sources):
-                box = tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))
-                whole[box] = np.frombuffer(src, dtype=whole.dtype).reshape(c.shape)
-        finally:
-            for src in sources:
-                src.release()
+        dtype = dtypes.from_code(t.dtype).numpy
+        whole = np.frombuffer(dst, dtype=dtype).reshape(region[1])
+        for c in chunks:
+            what = f"tensor {name} chunk at {list(c.offset)} ({c.file})"
+            lo = [max(co, ro) for co, ro in zip(c.offset, region[0])]
+            hi = [min(co + cs, ro + rs) for co, cs, ro, rs in zip(c.offset, c.shape, *region)]
+            rows = (lo[0] - c.offset[0], hi[0] - c.offset[0]) if c.shape else (0, 1)
+            with files.rows(c, rows, verify, what) as src:
+                stored = np.frombuffer(src, dtype=dtype).reshape((rows[1] - rows[0], *c.shape[1:]))
+                part = tuple(slice(a - o, b - o) for a, b, o in zip(lo[1:], hi[1:], c.offset[1:]))
+                into = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, region[0]))
+                whole[into] = stored[(slice(None), *part)]
 
     return fill
 
@@ -337,7 +399,7 @@ def read_into(ck: Checkpoint, name: str, out: Any, *, verify: bool = True) -> No
     view = flat_view(out)
     if view is None or view.nbytes != t.nbytes:
         raise ValueError(f"read_into needs a contiguous host array of {t.nbytes} bytes for {name}")
-    read_views(ck, [(name, view)], verify=verify, threads=1)
+    read_views(ck, [(name, view, None)], verify=verify, threads=1)
 
 
 def read_tensor(ck: Checkpoint, name: str, *, framework: str, verify: bool) -> Any:
@@ -387,6 +449,7 @@ class Job:
     target: Any
     host: Any = None  # a host buffer, when the target cannot be read into directly
     value: Any = None  # the restored value
+    local: Any = None  # what the host buffer is copied into: the target, or its local shard
 
 
 _codes: dict[tuple[type, Any], str] = {}  # (array type, its dtype) -> dtype code: describe() once per kind
@@ -414,22 +477,26 @@ def fill(
     """Read every planned tensor: straight into the target's memory where its layout allows, else
     through a host buffer (absent targets, accelerator tensors, non-contiguous ones, casts)."""
     tensors = ck.manifest.tensors
-    reads: list[tuple[str, memoryview]] = []
+    reads: list[tuple[str, memoryview, Box | None]] = []
     with _gc.paused():
         for name, job in jobs:
             entry = tensors[name]
             target = job.target
             live = _adapter_of(target) if target is not absent else None
+            part = live.local_part(target) if live is not None else None
+            local, box = (target, None) if part is None else (part[0], (part[1], tuple(part[0].shape)))
             view = None
             if live is not None and _code(live, target) == entry.dtype:
-                view = live.writable_view(target)
+                view = live.writable_view(local)
             if view is not None:
                 job.value = target
             else:
-                job.host = (live or adapter_named(framework or entry.kind)).empty(entry.dtype, entry.shape)
+                shape = entry.shape if box is None else box[1]
+                job.host = (live or adapter_named(framework or entry.kind)).empty(entry.dtype, shape)
                 view = _adapter(job.host).writable_view(job.host)
                 assert view is not None
-            reads.append((name, view if view.format == "B" else view.cast("B")))
+                job.local = local
+            reads.append((name, view if view.format == "B" else view.cast("B"), box))
         try:
             read_views(ck, reads, verify=verify, threads=threads)
         except CorruptCheckpointError as e:
@@ -442,7 +509,13 @@ def fill(
         for name, job in jobs:
             if job.host is not None:
                 host = _adapter(job.host).finish(job.host, tensors[name].kind)
-                job.value = host if job.target is absent else _adapter(job.target).assign(job.target, host)
+                if job.target is absent:
+                    job.value = host
+                elif job.local is not job.target:  # a shard: copied into the local part, the target stays
+                    _adapter(job.local).assign(job.local, host)
+                    job.value = job.target
+                else:
+                    job.value = _adapter(job.target).assign(job.target, host)
 
 
 def _adapter(value: Any) -> Adapter:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from trainstate import _gc
+from trainstate._distributed import coordinator
 from trainstate._save.encode import Snapshot, TensorTable, encode_state
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
 from trainstate._save.write import DEFAULT_THREADS, SaveResult, write_checkpoint
@@ -34,6 +35,8 @@ def save(
     fsync: bool = True,
     threads: int = DEFAULT_THREADS,
     storage: Storage | None = None,
+    collective: bool | None = None,
+    timeout: float | None = None,
 ) -> SaveResult:
     """Save ``state`` as a checkpoint directory at ``path``, atomically.
 
@@ -46,6 +49,11 @@ def save(
         fsync: flush files and directories to stable storage before the commit.
         threads: writer threads; tensors are spread over this many data files.
         storage: where to write (default: chosen from ``path``; the local filesystem for plain paths).
+        collective: under torch.distributed (a process group of several ranks), every rank calls ``save``
+            with its own state and the ranks write one checkpoint together (docs/distributed.md). That is the
+            default there; ``collective=False`` saves this process's state alone, as outside a process group.
+        timeout: seconds a collective save waits for the other ranks before it raises DistributedError
+            (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
 
     Returns:
         A :class:`SaveResult` with the path, bytes written and seconds taken.
@@ -55,6 +63,21 @@ def save(
     """
     start = time.perf_counter()
     backend, root = resolve(path, storage)
+    coord = coordinator(timeout=timeout) if collective is not False else None
+    if coord is not None:
+        from trainstate._distributed.save import save_collective
+
+        return save_collective(
+            coord,
+            root,
+            state,
+            metadata=metadata,
+            overwrite=overwrite,
+            fsync=fsync,
+            threads=threads,
+            storage=backend,
+            start=start,
+        )
     with _gc.paused():  # a state of many small tensors would otherwise spend a quarter of the save collecting
         snapshot = encode_state(state, metadata)
         return write_checkpoint(

@@ -14,6 +14,9 @@ from trainstate._frameworks import Adapter, adapter_for
 
 @dataclass
 class Entry:
+    """One array to store: ``value`` is what this process holds (for a DTensor, its local shard), ``shape``
+    that part's shape, and ``offset`` / ``global_shape`` place it in the whole tensor."""
+
     name: str
     value: Any
     adapter: Adapter
@@ -21,6 +24,14 @@ class Entry:
     shape: tuple[int, ...]
     kind: str
     nbytes: int
+    offset: tuple[int, ...] = ()
+    global_shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.global_shape:
+            self.global_shape = self.shape
+        if len(self.offset) != len(self.shape):
+            self.offset = (0,) * len(self.shape)
 
 
 class TensorTable:
@@ -39,6 +50,11 @@ class TensorTable:
             assert adapter is not None
             self._adapters[type(value)] = adapter
         dtype, shape, kind = adapter.describe(value)  # also refuses what cannot be stored
+        global_shape, offset = shape, (0,) * len(shape)
+        part = adapter.local_part(value)
+        if part is not None:  # sharded over ranks: this process stores its own part
+            value, offset = part
+            shape = adapter.describe(value)[1]
         ident = adapter.identity(value)
         if ident is not None and ident in self._by_identity:
             return self._by_identity[ident]
@@ -49,7 +65,7 @@ class TensorTable:
             name = f"{base}~{n}"
         self._names.add(name)
         nbytes = dtypes.BY_CODE[dtype].itemsize * math.prod(shape)
-        self.entries.append(Entry(name, value, adapter, dtype, shape, kind, nbytes))
+        self.entries.append(Entry(name, value, adapter, dtype, shape, kind, nbytes, offset, global_shape))
         if ident is not None:
             self._by_identity[ident] = name
         return name
@@ -68,9 +84,12 @@ class Snapshot:
         return sum(e.nbytes for e in self.entries)
 
 
-def encode_state(state: Any, metadata: Any = None) -> Snapshot:
-    """Flatten ``state`` (calling ``state_dict()`` on statefuls) without copying any array."""
+def encode_state(state: Any, metadata: Any = None, rank: int | None = None) -> Snapshot:
+    """Flatten ``state`` (calling ``state_dict()`` on statefuls) without copying any array.
+
+    ``rank``: this process's rank in a collective save (per-rank parts go under their rank's key).
+    """
     check_declaration(metadata)
     table = TensorTable()
-    tree_node = _tree.encode(state, table.add)
+    tree_node = _tree.encode(state, table.add, rank=rank)
     return Snapshot(tree_node, _tree.encode_plain(metadata), table.entries)

@@ -52,37 +52,58 @@ def write_checkpoint(
     threads: int = DEFAULT_THREADS,
     start: float | None = None,
 ) -> SaveResult:
-    """Write a snapshot as a checkpoint and commit it: the synchronous core of every save.
+    """Write a snapshot as a checkpoint and commit it: the synchronous core of every single-process save.
 
     Data files first, the manifest last, then the backend's commit; on any failure the staging
     location is thrown away and whatever was at ``final`` before is untouched.
     """
     start = time.perf_counter() if start is None else start
     tmp = storage.begin(final, overwrite=overwrite)
-    groups, names = _plan(storage, snapshot.entries, threads)
+    groups, names = plan_data(storage, snapshot.entries, threads)
     unnamed = names  # data files no manifest names yet: what a failure deletes
     try:
-        files, tensors = _write_files(storage, tmp, snapshot.entries, groups, names, fsync=fsync, threads=threads)
-        body = manifest.Manifest(
-            tree=snapshot.tree,
-            tensors=tensors,
-            files=files,
-            metadata=snapshot.metadata,
-            created=time.time(),
-            writer=f"trainstate {_version()}",
-        )
-        raw = body.to_json_bytes()
+        files, tensors = write_data(storage, tmp, snapshot.entries, groups, names, fsync=fsync, threads=threads)
         unnamed = []  # a manifest write that failed may still have landed, naming them
-        storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
-        written = time.perf_counter()
-        storage.commit(tmp, final, [*names, manifest.MANIFEST_NAME], overwrite=overwrite, fsync=fsync)
+        nbytes, written = commit_manifest(
+            storage, tmp, final, snapshot, files, tensors, names, overwrite=overwrite, fsync=fsync
+        )
     except BaseException:
         storage.abort(tmp, unnamed)
         raise
-    total = sum(f.size for f in files) + len(raw)
     end = time.perf_counter()
-    log.debug("saved %s: %d tensors, %d bytes in %.3fs", final, len(tensors), total, end - start)
-    return SaveResult(str(final), total, end - start, written - start, end - written)
+    log.debug("saved %s: %d tensors, %d bytes in %.3fs", final, len(tensors), nbytes, end - start)
+    return SaveResult(str(final), nbytes, end - start, written - start, end - written)
+
+
+def commit_manifest(
+    storage: Storage,
+    tmp: str,
+    final: str,
+    snapshot: Snapshot,
+    files: tuple[manifest.FileEntry, ...],
+    tensors: dict[str, manifest.TensorEntry],
+    names: list[str],
+    *,
+    overwrite: bool,
+    fsync: bool,
+) -> tuple[int, float]:
+    """Write the manifest naming ``files`` and ``tensors`` into ``tmp`` and commit it to ``final``.
+
+    Returns the checkpoint's bytes and the clock when the manifest was written (before the commit).
+    """
+    body = manifest.Manifest(
+        tree=snapshot.tree,
+        tensors=tensors,
+        files=files,
+        metadata=snapshot.metadata,
+        created=time.time(),
+        writer=f"trainstate {_version()}",
+    )
+    raw = body.to_json_bytes()
+    storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
+    written = time.perf_counter()
+    storage.commit(tmp, final, [*names, manifest.MANIFEST_NAME], overwrite=overwrite, fsync=fsync)
+    return sum(f.size for f in files) + len(raw), written
 
 
 def _version() -> str:
@@ -91,19 +112,22 @@ def _version() -> str:
     return __version__
 
 
-def _plan(storage: Storage, entries: list[Entry], threads: int) -> tuple[list[list[Entry]], list[str]]:
-    """The data files of this save: which entries go in each, and its name."""
+def plan_data(
+    storage: Storage, entries: list[Entry], threads: int, prefix: str = "data"
+) -> tuple[list[list[Entry]], list[str]]:
+    """The data files of this save (of this rank's part, under ``prefix``): the entries in each, and its name."""
     caps = storage.capabilities
     n_files = threads
     if caps.target_file_bytes:  # remote: many moderate files, uploaded several at a time
         n_files = max(threads, -(-sum(e.nbytes for e in entries) // caps.target_file_bytes))
     groups = plan_files(entries, n_files)
     # Written in place beside a committed checkpoint: names of this save alone, never the old files'.
-    prefix = f"data-{uuid.uuid4().hex[:12]}" if caps.in_place else "data"
+    if caps.in_place:
+        prefix = f"{prefix}-{uuid.uuid4().hex[:12]}"
     return groups, [FILE_TEMPLATE.format(prefix, i) for i in range(len(groups))]
 
 
-def _write_files(
+def write_data(
     storage: Storage,
     tmp: str,
     entries: list[Entry],
@@ -127,8 +151,8 @@ def _write_files(
     for name, group, (size, header_sum, ranges, views) in zip(names, groups, results):
         files.append(manifest.FileEntry(name, size, header_sum))
         for e, rng, digest, pieces in zip(group, ranges, views.sums, views.pieces):
-            chunk = manifest.Chunk(name, rng, (0,) * len(e.shape), e.shape, digest, (), pieces)
-            tensors[e.name] = manifest.TensorEntry(e.dtype, e.shape, e.kind, (chunk,))
+            chunk = manifest.Chunk(name, rng, e.offset, e.shape, digest, (), pieces)
+            tensors[e.name] = manifest.TensorEntry(e.dtype, e.global_shape, e.kind, (chunk,))
     return tuple(files), {e.name: tensors[e.name] for e in entries}
 
 

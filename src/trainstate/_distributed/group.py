@@ -1,0 +1,145 @@
+"""The coordination group: where the ranks of a collective save or load agree, apart from training.
+
+Checkpoint coordination runs on a gloo group of its own, created once per process group (collectively,
+the first time a rank saves or loads under it). The training loop's own collectives (NCCL on GPUs) never
+wait behind a checkpoint's, and an async save's commit can run on a background thread. Every exchange
+has a timeout: a rank that died or hangs makes the others raise :class:`DistributedError` instead of
+waiting forever. Messages are small Python objects (plans, file lists, error texts) sent with torch's
+object collectives; no tensor bytes travel through the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from trainstate.errors import DistributedError, InvalidArgumentError
+
+DEFAULT_TIMEOUT = 600.0  # seconds; TRAINSTATE_DIST_TIMEOUT or timeout= overrides it
+_groups: dict[tuple[int, float], Any] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a rank sends instead of its result when its own part failed."""
+
+    rank: int
+    message: str
+
+
+class Coordinator:
+    """Rank, world size and the gloo group of one process group; every method is collective."""
+
+    def __init__(self, group: Any, timeout: float) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = timeout
+        self.group = _gloo_group(group, timeout)
+
+    def gather(self, value: Any, what: str) -> list[Any] | None:
+        """Every rank's ``value`` on rank 0 (None elsewhere)."""
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        self._call(what, lambda: self.dist.gather_object(value, out, dst=self._global(0), group=self.group))
+        return out
+
+    def broadcast(self, value: Any, what: str) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        box = [value if self.rank == 0 else None]
+        self._call(what, lambda: self.dist.broadcast_object_list(box, src=self._global(0), group=self.group))
+        return box[0]
+
+    def scatter(self, values: list[Any] | None, what: str) -> Any:
+        """Rank 0's ``values[rank]`` on each rank."""
+        box: list[Any] = [None]
+        self._call(
+            what,
+            lambda: self.dist.scatter_object_list(box, values, src=self._global(0), group=self.group),
+        )
+        return box[0]
+
+    def all_gather(self, value: Any, what: str) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        self._call(what, lambda: self.dist.all_gather_object(out, value, group=self.group))
+        return out
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank if any rank failed: the first failure's message, naming its rank."""
+        mine = None if error is None else Failure(self.rank, _text(error))
+        failures = [f for f in self.all_gather(mine, what) if f is not None]
+        if error is not None:
+            raise error
+        if failures:
+            f = failures[0]
+            raise DistributedError(f"{what} failed on rank {f.rank} of {self.world}: {f.message}")
+
+    def _global(self, rank: int) -> int:
+        return int(self.dist.get_global_rank(self.group, rank))
+
+    def _call(self, what: str, op: Any) -> None:
+        try:
+            op()
+        except DistributedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - gloo: a peer closed the connection (died), or timed out
+            raise DistributedError(
+                f"{what}: rank {self.rank} of {self.world} lost contact with the other ranks ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else 'no message'}). A rank died or did not reach this "
+                f"point within {self.timeout:g} s (timeout=, or TRAINSTATE_DIST_TIMEOUT); nothing was committed"
+            ) from None
+
+
+def coordinator(group: Any = None, timeout: float | None = None) -> Coordinator | None:
+    """The coordinator for ``group`` (default: the default process group), or None outside torch.distributed.
+
+    A process group of one rank is treated as no process group: its checkpoints are plain ones.
+    """
+    if group is None:
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return None
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) <= 1:
+        return None
+    return Coordinator(group, _timeout(timeout))
+
+
+def _timeout(timeout: float | None) -> float:
+    if timeout is None:
+        raw = os.environ.get("TRAINSTATE_DIST_TIMEOUT")
+        try:
+            timeout = float(raw) if raw else DEFAULT_TIMEOUT
+        except ValueError:
+            raise InvalidArgumentError(f"TRAINSTATE_DIST_TIMEOUT must be seconds, got {raw!r:.40}") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e7:
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r:.40}")
+    return float(timeout)
+
+
+def _gloo_group(group: Any, timeout: float) -> Any:
+    """A gloo group over ``group``'s ranks, made once (collectively) per group and timeout."""
+    import torch.distributed as dist
+
+    key = (id(group), timeout)
+    with _lock:
+        found = _groups.get(key)
+        if found is None:
+            ranks = sorted(dist.get_process_group_ranks(group))
+            found = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+            _groups[key] = found
+        return found
+
+
+def _text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:2000]
