@@ -11,8 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
 
-import workers  # noqa: E402
-
+import dist_workers as workers  # noqa: E402
 import ranks  # noqa: E402
 import trainstate  # noqa: E402
 

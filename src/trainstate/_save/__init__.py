@@ -49,9 +49,10 @@ def save(
         fsync: flush files and directories to stable storage before the commit.
         threads: writer threads; tensors are spread over this many data files.
         storage: where to write (default: chosen from ``path``; the local filesystem for plain paths).
-        collective: under torch.distributed (a process group of several ranks), every rank calls ``save``
-            with its own state and the ranks write one checkpoint together (docs/distributed.md). That is the
-            default there; ``collective=False`` saves this process's state alone, as outside a process group.
+        collective: inside an initialized process group of several ranks (torch distributed), every rank
+            calls ``save`` with its own state and the ranks write one checkpoint together
+            (docs/distributed.md). That is the default there; ``collective=False`` saves this process's
+            state alone, as outside a process group.
         timeout: seconds a collective save waits for the other ranks before it raises DistributedError
             (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
 
