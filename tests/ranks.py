@@ -51,7 +51,8 @@ def run(world: int, fn: Any, *args: Any, timeout: float = TIMEOUT) -> list[Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_main, args=(r, world, port, fn, args, out), daemon=True) for r in range(world)]
+    # not daemonic: a rank may start processes of its own (DataLoader workers); run() reaps them all
+    procs = [ctx.Process(target=_main, args=(r, world, port, fn, args, out)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

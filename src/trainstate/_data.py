@@ -32,7 +32,7 @@ with optional("torch", extra="torch", needed_for="trainstate._data (ResumableSam
     from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from trainstate import _seeding as seeding
-from trainstate.errors import CheckpointError
+from trainstate.errors import CheckpointError, InvalidArgumentError
 
 log = logging.getLogger("trainstate")
 _HOOK = "_get_iterator"
@@ -47,6 +47,14 @@ class ResumableSampler(Sampler[int]):
         data_source: the dataset, or its length.
         shuffle: a fresh permutation each epoch, drawn from ``seed + epoch`` (never the global RNG).
         seed: the shuffle seed.
+        num_replicas: data-parallel ranks sharing the epoch (as ``DistributedSampler``): each takes every
+            ``num_replicas``-th index of the epoch's order from ``rank`` on, the order padded with its own
+            first indices to a multiple of ``num_replicas``. Default 1: the whole dataset. Pass both
+            explicitly under DDP (e.g. ``dist.get_world_size()`` and ``dist.get_rank()``).
+        rank: this rank's place among the ``num_replicas``.
+
+    Under torch.distributed its position is saved per rank (each rank's loader drew its own base seed), so
+    a resume at the same world size is exact; a different world size is refused by the restore.
 
     Once attached, it yields indices that carry their sample's seed (``int`` subclasses), and the loader's
     dataset sees each sample with the global generators seeded from (``seed``, epoch, index).
@@ -57,8 +65,27 @@ class ResumableSampler(Sampler[int]):
         >>> state = {"model": model, "optim": opt, "sampler": sampler, "rng": trainstate.RNGState()}
     """
 
-    def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0) -> None:
-        self.n = data_source if isinstance(data_source, int) else len(data_source)
+    __trainstate_per_rank__ = True
+
+    def __init__(
+        self,
+        data_source: Sized | int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        for value, what in ((num_replicas, "num_replicas"), (rank, "rank")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(f"ResumableSampler: {what} must be a non-negative int, got {value!r:.40}")
+        if num_replicas < 1 or rank >= num_replicas:
+            raise InvalidArgumentError(
+                f"ResumableSampler: rank must be in 0..num_replicas-1, got rank={rank} of num_replicas={num_replicas}"
+            )
+        self.total = data_source if isinstance(data_source, int) else len(data_source)
+        self.num_replicas, self.rank = num_replicas, rank
+        self.n = -(-self.total // num_replicas)  # this rank's samples per epoch
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
@@ -88,11 +115,17 @@ class ResumableSampler(Sampler[int]):
         return min(self.n, self._start + self._batches * self._batch_size)
 
     def _order(self) -> list[int]:
+        """This rank's indices of the epoch, in order."""
         if not self.shuffle:
-            return list(range(self.n))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.n, generator=g).tolist()
+            order = list(range(self.total))
+        else:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.total, generator=g).tolist()
+        if self.num_replicas == 1:
+            return order
+        padded = order + (order * self.num_replicas)[: self.n * self.num_replicas - self.total]
+        return padded[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         order = self._order()[self._start :]
@@ -111,14 +144,15 @@ class ResumableSampler(Sampler[int]):
                 "the batches the loop consumed"
             )
         state: dict[str, Any] = {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed}
-        if self._loader_rng is not None and self.consumed:
+        if self._loader_rng is not None and 0 < self.consumed < self.n:  # mid-epoch: its iterator is resumed
             state["loader_rng"] = self._loader_rng
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
         self._start, self._batches = int(state["consumed"]), 0
-        rng = state.get("loader_rng")
+        # an epoch whose last batch was taken is over: the next iterator draws its seed afresh, as it would have
+        rng = state.get("loader_rng") if self._start < self.n else None
         self._resume_rng = None if rng is None else torch.as_tensor(rng, dtype=torch.uint8)
         if self._loader is not None:
             _hooks(self._loader).base_seed_rng = self._resume_rng
@@ -285,7 +319,12 @@ def arm_exact_resume(target: Any) -> None:
     rngs = [r for r in _walk(target) if isinstance(r, RNGState) and r.restored_torch_state is not None]
     if not rngs:
         return
+    # a sampler restored at the end of its epoch starts the next one afresh: its loader draws from the RNG
+    # as restored, as the interrupted run did after the save
+    fresh = {id(s._loader) for s in _walk(target) if isinstance(s, ResumableSampler) and not 0 < s._start < s.n}
     for loader in loaders_in(target):
+        if id(loader) in fresh:
+            continue
         for rng in rngs:
             reapply_after_iterator_start(loader, rng.reapply_torch)
 

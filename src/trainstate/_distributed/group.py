@@ -19,7 +19,7 @@ from typing import Any
 from trainstate.errors import DistributedError, InvalidArgumentError
 
 DEFAULT_TIMEOUT = 600.0  # seconds; TRAINSTATE_DIST_TIMEOUT or timeout= overrides it
-_groups: dict[tuple[int, float], Any] = {}
+_groups: dict[tuple[int, float, str], Any] = {}
 _lock = threading.Lock()
 
 
@@ -29,19 +29,20 @@ class Failure:
 
     rank: int
     message: str
+    fatal: bool = False  # a user error to raise everywhere, not damage to step past
 
 
 class Coordinator:
     """Rank, world size and the gloo group of one process group; every method is collective."""
 
-    def __init__(self, group: Any, timeout: float) -> None:
+    def __init__(self, group: Any, timeout: float, channel: str = "save") -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = timeout
-        self.group = _gloo_group(group, timeout)
+        self.group = _gloo_group(group, timeout, channel)
 
     def gather(self, value: Any, what: str) -> list[Any] | None:
         """Every rank's ``value`` on rank 0 (None elsewhere)."""
@@ -69,6 +70,14 @@ class Coordinator:
         self._call(what, lambda: self.dist.all_gather_object(out, value, group=self.group))
         return out
 
+    def max(self, values: list[int], what: str) -> list[int]:
+        """The element-wise maximum of every rank's ``values`` (one small tensor: cheaper than objects)."""
+        import torch
+
+        box = torch.tensor(values, dtype=torch.int64)
+        self._call(what, lambda: self.dist.all_reduce(box, op=self.dist.ReduceOp.MAX, group=self.group))
+        return [int(v) for v in box.tolist()]
+
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank if any rank failed: the first failure's message, naming its rank."""
         mine = None if error is None else Failure(self.rank, _text(error))
@@ -95,10 +104,12 @@ class Coordinator:
             ) from None
 
 
-def coordinator(group: Any = None, timeout: float | None = None) -> Coordinator | None:
+def coordinator(group: Any = None, timeout: float | None = None, channel: str = "save") -> Coordinator | None:
     """The coordinator for ``group`` (default: the default process group), or None outside torch.distributed.
 
-    A process group of one rank is treated as no process group: its checkpoints are plain ones.
+    A process group of one rank is treated as no process group: its checkpoints are plain ones. Each
+    ``channel`` is a gloo group of its own, so exchanges on one (a manager's background saves) never
+    interleave with those on another (its foreground decisions), whatever thread runs them.
     """
     if group is None:
         try:
@@ -112,7 +123,7 @@ def coordinator(group: Any = None, timeout: float | None = None) -> Coordinator 
 
     if dist.get_world_size(group) <= 1:
         return None
-    return Coordinator(group, _timeout(timeout))
+    return Coordinator(group, _timeout(timeout), channel)
 
 
 def _timeout(timeout: float | None) -> float:
@@ -127,11 +138,11 @@ def _timeout(timeout: float | None) -> float:
     return float(timeout)
 
 
-def _gloo_group(group: Any, timeout: float) -> Any:
-    """A gloo group over ``group``'s ranks, made once (collectively) per group and timeout."""
+def _gloo_group(group: Any, timeout: float, channel: str) -> Any:
+    """A gloo group over ``group``'s ranks, made once (collectively) per group, timeout and channel."""
     import torch.distributed as dist
 
-    key = (id(group), timeout)
+    key = (id(group), timeout, channel)
     with _lock:
         found = _groups.get(key)
         if found is None:

@@ -40,17 +40,45 @@ def save_collective(
     storage: Storage,
     start: float,
 ) -> SaveResult:
-    rank = coord.rank
-    mine: Any
+    """Encode this rank's ``state`` and write it with the other ranks' (:func:`write_collective`)."""
     snapshot: Snapshot | None = None
     error: Exception | None = None
     try:
         with _gc.paused():
-            snapshot = encode_state(state, metadata, rank=rank)
-            digests, parts = per_rank.split(snapshot.tree)
-        mine = (_plan_of(snapshot), digests)
+            snapshot = encode_state(state, metadata, rank=coord.rank)
     except Exception as e:  # noqa: BLE001 - every rank still takes part, so the others hear why
-        mine, error = Failure(rank, f"{type(e).__name__}: {e}"), e
+        error = e
+    return write_collective(
+        coord, root, snapshot, error, overwrite=overwrite, fsync=fsync, threads=threads, storage=storage, start=start
+    )
+
+
+def write_collective(
+    coord: Coordinator,
+    root: str,
+    snapshot: Snapshot | None,
+    error: Exception | None,
+    *,
+    overwrite: bool,
+    fsync: bool,
+    threads: int,
+    storage: Storage,
+    start: float,
+) -> SaveResult:
+    """Write this rank's encoded ``snapshot`` (or report ``error``, its encoding's failure) with the other
+    ranks' as one checkpoint at ``root``; every rank returns the same result or raises."""
+    rank = coord.rank
+    mine: Any
+    if error is None:
+        assert snapshot is not None
+        try:
+            with _gc.paused():
+                digests, parts = per_rank.split(snapshot.tree)
+            mine = (_plan_of(snapshot), digests)
+        except Exception as e:  # noqa: BLE001 - every rank still takes part, so the others hear why
+            error = e
+    if error is not None:
+        mine = Failure(rank, f"{type(error).__name__}: {error}")
     sent = coord.gather(mine, "checkpoint save (planning)")
     reply: list[Any] | None = None
     if rank == 0:

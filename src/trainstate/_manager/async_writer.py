@@ -158,6 +158,11 @@ class AsyncWriter:
             self.history.append(SaveRecord(job.step, job.reason, path, True, job.blocking, error=repr(error)))
         self.jobs[:] = still  # in place: the exit hook tracks this list
 
+    def failed(self) -> bool:
+        """Whether a finished background save failed and the error was not raised yet."""
+        self.collect(block=False)
+        return self._error is not None
+
     def take_error(self) -> BaseException | None:
         """The first error a finished background save met since the last call, now reported."""
         self.collect(block=False)

@@ -15,7 +15,8 @@ from typing import Any
 from trainstate._manager import naming
 from trainstate._manager.catalog import Catalog
 from trainstate._manager.policies import CheckpointInfo, RetentionPlan, RetentionPolicy, SavePolicy, plan_retention
-from trainstate._save import Snapshot, write_checkpoint
+from trainstate._manager.ranks import ManagerRanks
+from trainstate._save import SaveResult, Snapshot, write_checkpoint
 from trainstate._storage import Storage
 from trainstate.errors import CheckpointError, FormatVersionError
 
@@ -60,9 +61,10 @@ class Committer:
     """Writes a snapshot, commits it and applies retention: the part of a save that may run in the
     background. It holds the catalog and the settings, never the manager."""
 
-    def __init__(self, catalog: Catalog, config: Settings) -> None:
+    def __init__(self, catalog: Catalog, config: Settings, ranks: ManagerRanks | None = None) -> None:
         self.catalog = catalog
         self.config = config
+        self.ranks = ranks  # under a process group: every rank writes its share, rank 0 applies retention
         self.last_retention: RetentionPlan | None = None
 
     def list(self) -> builtins.list[CheckpointInfo]:
@@ -86,8 +88,13 @@ class Committer:
     ) -> SaveRecord:
         c = self.config
         path = self.catalog.path(naming.name_for(step))
-        result = write_checkpoint(path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads)
-        deleted = self.apply_retention()
+        if self.ranks is None:
+            result = write_checkpoint(
+                path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads
+            )
+            deleted = self.apply_retention()
+        else:
+            result, deleted = self._write_collective(step, path, snapshot, None)
         if blocking_start is not None:
             blocking = time.perf_counter() - blocking_start
         log.info(
@@ -111,6 +118,42 @@ class Committer:
             result.nbytes,
             deleted,
         )
+
+    def _write_collective(
+        self, step: int, path: str, snapshot: Snapshot | None, error: Exception | None
+    ) -> tuple[SaveResult, tuple[str, ...]]:
+        """This rank's share of the group's checkpoint, then retention on rank 0; every rank raises if
+        any part failed anywhere."""
+        from trainstate._distributed.save import write_collective
+
+        assert self.ranks is not None
+        c = self.config
+        result = write_collective(
+            self.ranks.saves,
+            path,
+            snapshot,
+            error,
+            overwrite=True,
+            fsync=c.fsync,
+            threads=c.threads,
+            storage=c.storage,
+            start=time.perf_counter(),
+        )
+        deleted: tuple[str, ...] = ()
+        failure: Exception | None = None
+        if self.ranks.leader:
+            try:
+                deleted = self.apply_retention()
+            except Exception as e:  # noqa: BLE001 - raised on every rank just below
+                failure = e
+        self.ranks.saves.agree(failure, f"retention after the save of step {step}")
+        return result, deleted
+
+    def refuse(self, step: int, error: Exception) -> None:
+        """Take part in the group's save of ``step`` with this rank's failure (its state did not encode), so
+        the other ranks raise too instead of waiting for its share; raises ``error``."""
+        self._write_collective(step, self.catalog.path(naming.name_for(step)), None, error)
+        raise error  # pragma: no cover - write_collective raised it already
 
     def apply_retention(self) -> tuple[str, ...]:
         plan = plan_retention(self.list(), self.config.retention)

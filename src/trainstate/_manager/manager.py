@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from trainstate._distributed.group import Failure
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager import arguments, naming
 from trainstate._manager.async_writer import AsyncWriter
@@ -42,6 +43,7 @@ from trainstate._manager.policies import (
     saved_order,
 )
 from trainstate._manager.preemption import DEFAULT_SIGNALS, PreemptionWatcher
+from trainstate._manager.ranks import failed_elsewhere, manager_ranks
 from trainstate._manager.rng_capture import RNGCapture
 from trainstate._restore import load_from
 from trainstate._save import DEFAULT_THREADS, encode_state
@@ -50,6 +52,7 @@ from trainstate.errors import (
     CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
+    DistributedError,
     FormatVersionError,
     InvalidArgumentError,
     StateMismatchError,
@@ -87,6 +90,13 @@ class CheckpointManager:
             with ``votes``), combined with the keywords': a checkpoint goes only when none keeps it.
         read_only: list, restore and pin only: no lock, no sweep, no saves or deletions (for tools
             beside a running job).
+        collective: inside an initialized torch.distributed process group of several ranks, every rank
+            builds the manager on the same directory and calls it the same way; the ranks save each
+            checkpoint together and decide together when to save, what to keep and where to resume
+            (docs/distributed.md). That is the default there; ``collective=False`` makes this rank's
+            manager its own (give each rank a directory of its own then).
+        timeout: seconds a rank waits for the others under a process group before it raises
+            DistributedError (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
 
     Example:
         >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
@@ -123,6 +133,8 @@ class CheckpointManager:
         retention_policies: list[RetentionPolicy] | None = None,
         storage: Storage | None = None,
         read_only: bool = False,
+        collective: bool | None = None,
+        timeout: float | None = None,
     ) -> None:
         # Every argument is checked before anything is acquired (lock, signal handlers, threads).
         for given, what in ((save_policies, "save_policies"), (retention_policies, "retention_policies")):
@@ -163,6 +175,8 @@ class CheckpointManager:
             ("save_on_preemption", save_on_preemption),
         ):
             arguments.flag(value, name)
+        if collective is not None:
+            arguments.flag(collective, "collective")
         storage_, root = resolve(arguments.location(directory), storage)
         if storage_.stat_followed(storage_.join(root, MANIFEST_NAME)) is not None:
             raise InvalidArgumentError(
@@ -195,7 +209,9 @@ class CheckpointManager:
             read_only=bool(read_only),
         )
         self.catalog = Catalog(storage_, root)
-        self._committer = Committer(self.catalog, self._config)
+        # under a process group (collective): built on every rank, in the same order
+        self._ranks = None if read_only else manager_ranks(collective, timeout)
+        self._committer = Committer(self.catalog, self._config, self._ranks)
         self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
         self._rng = RNGCapture(bool(capture_rng))
         self._closed = False
@@ -204,12 +220,22 @@ class CheckpointManager:
         self.swept: builtins.list[str] = []
         self._lock: DirectoryLock | None = None
         self._preemption: PreemptionWatcher | None = None
+        leader = self._ranks is None or self._ranks.leader
         try:
+            failed: BaseException | None = None
+            try:
+                if not read_only and leader:  # one rank locks and sweeps; the others wait for it below
+                    ensure_directory(storage_, root)
+                    if storage_.capabilities.locking:
+                        self._lock = DirectoryLock(Path(root))
+                    self.swept = self.catalog.sweep(locked=self._lock is not None)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by setup()
+                failed = e
+            if self._ranks is not None:
+                self._ranks.setup(failed)
+            elif failed is not None:
+                raise failed
             if not read_only:
-                ensure_directory(storage_, root)
-                if storage_.capabilities.locking:
-                    self._lock = DirectoryLock(Path(root))
-                self.swept = self.catalog.sweep(locked=self._lock is not None)
                 self.list()  # refuses to start beside a checkpoint written by a newer trainstate
                 if save_on_preemption:
                     self._preemption = PreemptionWatcher(preemption_signals)
@@ -313,22 +339,20 @@ class CheckpointManager:
             StateMismatchError: ``state`` does not fit the newest checkpoint (a user error, not damage).
             FormatVersionError: a checkpoint here was written by a newer trainstate.
         """
-        candidates = sorted(self.list(), key=saved_order, reverse=True)
+        candidates = [(info.name, info.step) for info in sorted(self.list(), key=saved_order, reverse=True)]
         failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]
-        for info in candidates:
-            try:
-                self._restore_into(self.catalog.path(info.name), state, **load_kwargs)
-            except (StateMismatchError, FormatVersionError, InvalidArgumentError):
-                raise
-            except CheckpointError as e:
-                why = str(e).splitlines()[0] if str(e) else type(e).__name__  # the first line says what failed
-                log.warning("checkpoint %s cannot be restored (%s); trying the one before it", info.name, why)
-                failures.append((info.name, why))
+        if self._ranks is not None:  # rank 0's list, on every rank
+            candidates, failures = self._ranks.from_leader((candidates, failures), "restore_latest (listing)")
+        for name, step in candidates:
+            why = self._try_restore(name, state, load_kwargs)
+            if why is not None:
+                log.warning("checkpoint %s cannot be restored (%s); trying the one before it", name, why)
+                failures.append((name, why))
                 continue
-            log.info("resumed from %s", info.name)
-            self._writer.last_step = info.step
+            log.info("resumed from %s", name)
+            self._writer.last_step = step
             self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
-            return info.step + 1
+            return step + 1
         if failures:
             lines = "\n".join(f"  {name}: {why}" for name, why in failures)
             raise CorruptCheckpointError(
@@ -338,6 +362,37 @@ class CheckpointManager:
             )
         self.prepare(state)
         return None
+
+    def _try_restore(self, name: str, state: Any, load_kwargs: dict[str, Any]) -> str | None:
+        """Restore checkpoint ``name`` into ``state``: None when it worked (on every rank), or why not.
+
+        Under a process group, a rank that could not read its part makes every rank move on; a user error
+        (a state that does not fit) on any rank raises on every rank.
+        """
+        fatal: Exception | None = None
+        why: str | None = None
+        try:
+            self._restore_into(self.catalog.path(name), state, **load_kwargs)
+        except (StateMismatchError, FormatVersionError, InvalidArgumentError) as e:
+            fatal = e
+        except CheckpointError as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__  # the first line says what failed
+        if self._ranks is None:
+            if fatal is not None:
+                raise fatal
+            return why
+        mine = (
+            None if fatal is None and why is None else Failure(self._ranks.rank, str(fatal or why), fatal is not None)
+        )
+        failures = self._ranks.outcomes(mine, f"restore_latest ({name})")
+        if fatal is not None:
+            raise fatal
+        for f in failures:
+            if f.fatal:
+                raise DistributedError(f"restore_latest: rank {f.rank} could not restore {name}: {f.message}")
+        if why is None and failures:
+            why = f"rank {failures[0].rank}: {failures[0].message}"
+        return why
 
     def prepare(self, state: Any) -> None:
         """Get async saving ready for ``state``: allocate and touch its staging buffer on a helper thread.
@@ -384,18 +439,29 @@ class CheckpointManager:
         epoch = None if epoch is None else arguments.step(epoch, "epoch")
         values = arguments.metrics(metrics)
         preempting = self._preemption is not None and self._preemption.requested and not self._preemption_saved
+        by_policy = reason_to_save(self.save_policies, step, time.monotonic(), self._writer.last_save_time)
+        if self._ranks is not None:  # the same answers on every rank
+            agreed = self._ranks.decide(step, by_policy is not None, preempting, force, self._writer.failed())
+            preempting, force = agreed.preempting, agreed.forced
+            if agreed.by_policy and by_policy is None:
+                by_policy = "rank 0's save policy"
+            elif not agreed.by_policy:
+                by_policy = None
+            if agreed.failed and not preempting:
+                self._writer.wait()  # raises this rank's error; every rank's part of that save failed
+                raise failed_elsewhere(self._ranks.world)
         stale = self._writer.take_error() if preempting else None
         if not preempting:
             self._writer.raise_pending()
         if preempting:
-            reason: str | None = f"preemption ({self._preemption.signal_name})"  # type: ignore[union-attr]
+            reason: str | None = f"preemption ({self._preemption_signal()})"
         elif force:
             reason = "forced"
         else:
-            reason = reason_to_save(self.save_policies, step, time.monotonic(), self._writer.last_save_time)
+            reason = by_policy
         if reason is None or (step == self._writer.last_step and not preempting and not force):
             return False
-        if self.catalog.is_pinned(naming.name_for(step)):
+        if self._pinned(step):
             raise CheckpointExistsError(
                 f"step {step} is pinned in {self.directory}; unpin it (mgr.unpin({step})) to save over it"
             )
@@ -405,6 +471,17 @@ class CheckpointManager:
             if stale is not None:
                 raise_background(stale)
         return True
+
+    def _pinned(self, step: int) -> bool:
+        """Whether ``step`` is pinned, as rank 0 sees it under a process group."""
+        if self._ranks is None:
+            return self.catalog.is_pinned(naming.name_for(step))
+        mine = self.catalog.is_pinned(naming.name_for(step)) if self._ranks.leader else None
+        return bool(self._ranks.from_leader(mine, "CheckpointManager.save() (pins)"))
+
+    def _preemption_signal(self) -> str:
+        name = self._preemption.signal_name if self._preemption is not None else None
+        return name or "signalled on another rank"
 
     def _save(
         self,
@@ -425,18 +502,37 @@ class CheckpointManager:
             **(metadata or {}),
             META_KEY: facts(step, epoch, metrics, reason, time.time(), self._seq, added),
         }
-        self._writer.write(step, reason, encode_state(saved, meta), background, start)
+        if self._ranks is None:
+            self._writer.write(step, reason, encode_state(saved, meta), background, start)
+            return
+        try:
+            snapshot = encode_state(saved, meta, rank=self._ranks.rank)
+        except Exception as e:  # noqa: BLE001 - the other ranks wait for its share: tell them why there is none
+            self._writer.ready(background=False)
+            self._committer.refuse(step, e)
+        self._writer.write(step, reason, snapshot, background, start)
 
     def prune(self, *, dry_run: bool = False) -> RetentionPlan:
         """Apply the retention policies now (without saving); returns what was kept and deleted, and why.
 
-        A dry run only plans, and works on a read-only manager too.
+        A dry run only plans, and works on a read-only manager too. Under a process group, call it on every
+        rank: rank 0 deletes, and every rank returns its plan.
         """
         if dry_run:
             return plan_retention(self.list(), self.retention)
         self._check_open()
         self._writer.collect(block=True)
-        self._committer.apply_retention()
+        if self._ranks is None:
+            self._committer.apply_retention()
+        else:  # rank 0 deletes; every rank learns what
+            failed: Exception | None = None
+            if self._ranks.leader:
+                try:
+                    self._committer.apply_retention()
+                except Exception as e:  # noqa: BLE001 - raised on every rank just below
+                    failed = e
+            self._ranks.control.agree(failed, "prune()")
+            self._committer.last_retention = self._ranks.from_leader(self.last_retention, "prune()")
         assert self.last_retention is not None
         return self.last_retention
 
