@@ -46,3 +46,22 @@ def test_read_into_an_array_of_the_wrong_dtype_or_shape_is_refused(tmp_path):
         right = np.zeros(6, np.float32)
         ck.read_into("model.w", right)
         assert list(right) == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda d: trainstate.load(None),
+        lambda d: trainstate.open(None),
+        lambda d: trainstate.save("", {"x": 1}),
+        lambda d: trainstate.save(d / "new", {"x": 1}, threads=0),
+        lambda d: trainstate.load(d / "c", threads=0),
+        lambda d: trainstate.load(d / "c", framework="jax"),
+    ],
+    ids=["load-None", "open-None", "save-empty-path", "save-threads-0", "load-threads-0", "load-framework-jax"],
+)
+def test_wrong_arguments_get_a_clear_error_before_anything_is_touched(tmp_path, call):
+    trainstate.save(tmp_path / "c", {"x": np.zeros(3)})
+    with pytest.raises(trainstate.InvalidArgumentError):
+        call(tmp_path)
+    assert not (tmp_path / "new").exists()

@@ -135,6 +135,10 @@ def load(
         >>> trainstate.load("ckpt/step_1200", state)              # in place
         >>> tree = trainstate.load("ckpt/step_1200")              # NumPy arrays and plain values
     """
+    if framework not in ("numpy", "torch"):
+        raise InvalidArgumentError(f"framework must be 'numpy' or 'torch', got {framework!r:.40}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InvalidArgumentError(f"threads must be a positive int, got {threads!r:.40}")
     return load_from(
         path,
         ABSENT if target is _NO_TARGET else target,

@@ -12,6 +12,7 @@ from trainstate._save.encode import Snapshot, TensorTable, encode_state
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
 from trainstate._save.write import DEFAULT_THREADS, SaveResult, write_checkpoint
 from trainstate._storage import Storage, resolve
+from trainstate.errors import InvalidArgumentError
 
 __all__ = [
     "DEFAULT_THREADS",
@@ -63,6 +64,8 @@ def save(
         >>> trainstate.save("ckpt/step_1200", {"model": model, "step": 1200}, metadata={"run": "exp1"})
     """
     start = time.perf_counter()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InvalidArgumentError(f"threads must be a positive int, got {threads!r:.40}")
     backend, root = resolve(path, storage)
     coord = coordinator(timeout=timeout) if collective is not False else None
     if coord is not None:

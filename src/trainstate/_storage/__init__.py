@@ -12,6 +12,7 @@ import uuid
 
 from trainstate._storage.base import PROBE_PREFIX, Capabilities, FileInfo, Storage, is_staging_name
 from trainstate._storage.local import LocalStorage
+from trainstate.errors import InvalidArgumentError
 
 __all__ = [
     "Capabilities",
@@ -35,7 +36,11 @@ def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> tup
     (``pip install trainstate[s3]`` for s3://), with credentials from the environment. Pass ``storage=``
     (e.g. ``FsspecStorage.from_url(url, **options)``) for explicit options.
     """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise InvalidArgumentError(f"a checkpoint location is a non-empty path or URL, got {path!r:.60}")
     text = os.fspath(path)
+    if isinstance(text, bytes):
+        raise InvalidArgumentError(f"a checkpoint location is a str path or URL, got {path!r:.60}")
     if storage is not None:
         return storage, storage.strip(text)
     if text.startswith("file://"):
