@@ -2,13 +2,22 @@
 
 ``run(world, fn, *args)`` returns each rank's result, or the exception's type name and message where a
 rank raised (a rank that died shows as its exit code). ``fn`` must be importable (a module-level function).
+
+Starting ranks costs seconds (each imports torch and joins the group), so the ranks of a world size are
+kept for the next ``run`` while every run on them ends with every rank returning normally. A run in which a
+rank raised, died or did not answer in time may have left the group out of step: those ranks are killed
+and the next run starts fresh ones. A function must therefore leave nothing behind that the next could
+trip over (managers closed, signal handlers put back), as a well-behaved training script does.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
+import queue
 import socket
+import time
 import traceback
 from typing import Any
 
@@ -21,7 +30,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...], out: Any) -> None:
+def _serve(rank: int, world: int, port: int, inbox: Any, out: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -29,9 +38,12 @@ def _main(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...], out:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        out.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        out.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
+        while (task := inbox.get()) is not None:
+            fn, args = task
+            try:
+                out.put((rank, "ok", fn(rank, world, *args)))
+            except BaseException as e:  # noqa: BLE001 - reported to the test
+                out.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
     finally:
         try:
             dist.destroy_process_group()
@@ -47,33 +59,70 @@ class RankError:
         return f"RankError({self.kind}: {self.message[:300]})"
 
 
-def run(world: int, fn: Any, *args: Any, timeout: float = TIMEOUT) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    # not daemonic: a rank may start processes of its own (DataLoader workers); run() reaps them all
-    procs = [ctx.Process(target=_main, args=(r, world, port, fn, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    import queue
-    import time
+class _Ranks:
+    """``world`` live rank processes in one process group, each taking functions from its own queue."""
 
-    deadline = time.monotonic() + timeout
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, status, value = out.get(timeout=0.5)
-        except queue.Empty:
-            if all(not p.is_alive() for p in procs):
-                break
-            continue
-        results[rank] = value if status == "ok" else RankError(*value)
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return [results.get(r, f"exit code {procs[r].exitcode}") for r in range(world)]
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.out = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        port = free_port()
+        # not daemonic: a rank may start processes of its own (DataLoader workers)
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, world, port, self.inboxes[r], self.out)) for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Any, args: tuple[Any, ...], timeout: float) -> tuple[list[Any], bool]:
+        """Each rank's result, and whether these ranks can take another function."""
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world and time.monotonic() < deadline:
+            try:
+                rank, status, value = self.out.get(timeout=0.5)
+            except queue.Empty:
+                if any(not p.is_alive() for p in self.procs) and all(
+                    not p.is_alive() or r in results for r, p in enumerate(self.procs)
+                ):
+                    break  # a rank died and every live one answered: nobody else will
+                continue
+            results[rank] = value if status == "ok" else RankError(*value)
+        healthy = len(results) == self.world and not any(isinstance(v, RankError) for v in results.values())
+        if not healthy:
+            self.close()
+        return [results.get(r, f"exit code {self.procs[r].exitcode}") for r in range(self.world)], healthy
+
+    def close(self) -> None:
+        for inbox, p in zip(self.inboxes, self.procs, strict=True):
+            if p.is_alive():
+                inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_live: dict[int, _Ranks] = {}
+
+
+@atexit.register
+def _close_all() -> None:
+    for ranks in _live.values():
+        ranks.close()
+    _live.clear()
+
+
+def run(world: int, fn: Any, *args: Any, timeout: float = TIMEOUT) -> list[Any]:
+    ranks = _live.pop(world, None) or _Ranks(world)
+    results, healthy = ranks.run(fn, args, timeout)
+    if healthy:
+        _live[world] = ranks
+    return results
 
 
 def ok(results: list[Any]) -> list[Any]:
