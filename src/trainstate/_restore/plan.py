@@ -30,7 +30,13 @@ from trainstate._frameworks import Bound, adapter_for, load_takes_strict, rebuil
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.read import Job as _Job
 from trainstate._restore.read import fill
-from trainstate.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
+from trainstate.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
 
 Finisher = Callable[[], Any]
 # what the plan walk visits (a node, its part of the target, its path, free) and what a visit answers
@@ -170,7 +176,10 @@ class Restorer:
             self.mismatched.append((key, _describe(target), f"tensor {entry.dtype}{list(entry.shape)}"))
             return lambda: target
         if adapter is not None:
-            code, shape, _ = adapter.describe(target)
+            try:
+                code, shape, _ = adapter.describe(target)
+            except UnsupportedValueError as e:  # a target that cannot be filled (a DTensor shard of many boxes)
+                raise UnsupportedValueError(f"{key}: {e}") from None
             if shape != entry.shape or (code != entry.dtype and self.strict):
                 self.mismatched.append((key, f"tensor {code}{list(shape)}", f"tensor {entry.dtype}{list(entry.shape)}"))
                 return lambda: target
