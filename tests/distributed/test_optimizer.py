@@ -155,6 +155,31 @@ def test_saving_an_optimizer_that_has_not_stepped_changes_nothing(tmp_path):
     _same(workers.snapshot(fresh, fresh_optim), workers.snapshot(model, optim))
 
 
+def test_an_optimizer_whose_step_needs_a_closure_is_restored_by_name(tmp_path):
+    """DCP initializes a fresh optimizer with step(closure=None), which LBFGS refuses."""
+
+    def run(model, optim):
+        def closure():
+            optim.zero_grad()
+            loss = model(torch.ones(4, 16)).pow(2).mean()
+            loss.backward()
+            return loss
+
+        optim.step(closure)
+
+    model = workers.model()
+    optim = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    run(model, optim)
+    trainstate.save(tmp_path / "c", {"model": model, "optim": optim})
+    fresh = workers.model(seed=123)
+    fresh_optim = torch.optim.LBFGS(fresh.parameters(), lr=0.1, max_iter=3)
+    trainstate.load(tmp_path / "c", {"model": fresh, "optim": fresh_optim})
+    assert fresh_optim.param_groups[0]["lr"] == 0.1
+    run(model, optim)
+    run(fresh, fresh_optim)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
 def test_a_position_keyed_checkpoint_still_loads_in_one_process_and_on_2_fsdp2_ranks(tmp_path):
     with trainstate.open(POSITIONAL) as ck:
         assert "optim.state.0.exp_avg" in ck.keys()  # written before names (make_positional_optimizer.py)

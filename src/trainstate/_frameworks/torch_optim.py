@@ -13,7 +13,9 @@ of its parameters (found by identity anywhere in the state's containers), the op
   and optimizer step hooks would see that step).
 * **Restore** initializes a fresh optimizer's state the way DCP does (``_init_optim_state``: one step with
   zero gradients and a zero learning rate), takes the name-keyed state as the target (its DTensors tell
-  each rank which boxes to read), and sets the restored state with ``set_optimizer_state_dict``.
+  each rank which boxes to read), and sets the restored state with ``set_optimizer_state_dict``. An
+  optimizer whose step refuses that (LBFGS needs a closure) is restored by name without DCP, through the
+  positions ``load_state_dict`` takes; its state is then built from the checkpoint's plain tensors.
 
 Names are checked before anything is read: a parameter the checkpoint lacks is *missing*, a saved one the
 optimizer lacks *unexpected*, both under ``<optim>.state.<name>`` in the StateMismatchError. With
@@ -68,6 +70,7 @@ class OptimizerBinding:
         self.wrapper = torch.nn.ModuleDict({str(i): module for i, (_, module) in enumerate(owners)})
         self.wrapped: dict[str, str] = {}  # a state name -> the wrapper's name for it
         self.named = True  # what the last restore_target met: a name-keyed checkpoint
+        self.dcp = True  # ... and whether DCP could initialize the optimizer to restore through it
         self.initialized = False  # restore_target initialized the optimizer's state
 
     # -- save -----------------------------------------------------------------------------------------
@@ -75,12 +78,11 @@ class OptimizerBinding:
     def state_dict(self) -> _OptimState:
         if self.optim.state:  # DCP initializes only an optimizer without state: nothing changes here
             return self._keyed(self._dcp_state())
-        names = self._names()
-        osd: _OptimState = self.optim.state_dict()
-        if names is None:  # FSDP1 flat parameters stand for several names each: by position, as before
+        by_position = self._by_position()
+        if by_position is None:  # FSDP1 flat parameters stand for several names each: by position, as before
+            osd: _OptimState = self.optim.state_dict()
             return osd
-        by_position = [names[id(p)] for g in self.optim.param_groups for p in g["params"]]
-        return {"state": {}, "param_groups": [_params(g, lambda i: by_position[i]) for g in osd["param_groups"]]}
+        return {"state": {}, "param_groups": _named_groups(self.optim, by_position)}
 
     def _dcp_state(self) -> _OptimState:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -88,8 +90,9 @@ class OptimizerBinding:
         osd: _OptimState = get_optimizer_state_dict(self.wrapper, self.optim)
         return osd
 
-    def _names(self) -> dict[int, str] | None:
-        """Each parameter's name as DCP gives it (wrappers such as DDP's ``module.`` left out), by ``id``."""
+    def _by_position(self) -> list[str] | None:
+        """Each parameter's name as DCP gives it (wrappers such as DDP's ``module.`` left out), in the
+        optimizer's order; None where a parameter stands for several names (FSDP1's flat parameters)."""
         from torch.distributed.checkpoint.state_dict import _get_fqns
 
         names: dict[int, str] = {}
@@ -98,7 +101,7 @@ class OptimizerBinding:
             if len(fqns) != 1:
                 return None
             names[id(p)] = self._name(next(iter(fqns)))
-        return names
+        return [names[id(p)] for g in self.optim.param_groups for p in g["params"]]
 
     def _name(self, wrapped: str) -> str:
         """The state's name for the wrapper's name ``"1.layer.weight"``: the owner's path in its place."""
@@ -118,12 +121,22 @@ class OptimizerBinding:
 
     def restore_target(self, saved: Any, skip: object) -> tuple[Any, list[str], list[str]]:
         names = _saved_names(saved)
-        self._init()
+        self.dcp = self._init()
         self.named = names is not None
         if names is None:  # keyed by position: restored by position, into the initialized state
             return self.optim.state_dict(), [], []
         saved_state, saved_params = names
-        current = self._keyed(self._dcp_state())
+        if self.dcp:
+            current = self._keyed(self._dcp_state())
+        else:  # no DCP without its initialized state: names only, the state is rebuilt from the checkpoint
+            by_position = self._by_position()
+            if by_position is None:
+                raise CheckpointError(
+                    f"{type(self.optim).__name__}: its state could not be initialized for the restore (a step with "
+                    "zero gradients and a zero learning rate, as torch.distributed.checkpoint does), and its "
+                    "parameters have no single names. Take one optimizer step before loading"
+                )
+            current = {"state": {}, "param_groups": _named_groups(self.optim, by_position)}
         mine = [n for g in current["param_groups"] for n in g["params"]]
         have, had = set(mine), set(saved_params) | set(saved_state)
         missing = [n for n in mine if n not in had]
@@ -133,30 +146,35 @@ class OptimizerBinding:
                 current["state"][n] = skip
         return current, missing, unexpected
 
-    def _init(self) -> None:
-        """Give a fresh optimizer its state as DCP does; gradients a caller already has are kept aside."""
+    def _init(self) -> bool:
+        """Give a fresh optimizer its state as DCP does; gradients a caller already has are kept aside.
+
+        False where that step fails (LBFGS needs a closure, SparseAdam sparse gradients): the optimizer is
+        left as it was, and the restore goes by name without DCP.
+        """
         if self.optim.state:
-            return
+            return True
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-        params = [p for g in self.optim.param_groups for p in g["params"]]
+        groups = self.optim.param_groups
+        params = [p for g in groups for p in g["params"]]
         grads = [p.grad for p in params]
+        lrs = [g.get("lr") for g in groups]  # DCP zeroes them for its step, and restores them only if it returns
         for p in params:
             p.grad = None  # DCP initializes only an optimizer whose parameters have no gradient
         try:
             _init_optim_state(self.optim)
-        except Exception as e:
+        except Exception:  # noqa: BLE001 - any optimizer's step may refuse; the restore goes on without DCP
             self.optim.state.clear()
-            raise CheckpointError(
-                f"{type(self.optim).__name__}: its state could not be initialized for the restore (a step with "
-                f"zero gradients and a zero learning rate, as torch.distributed.checkpoint does): {e}. Take one "
-                "optimizer step before loading, or restore it by position: keep its modules out of the loaded "
-                "state"
-            ) from e
+            for g, lr in zip(groups, lrs):
+                if "lr" in g:
+                    g["lr"] = lr
+            return False
         finally:
-            for p, g in zip(params, grads):
-                p.grad = g
+            for p, grad in zip(params, grads):
+                p.grad = grad
         self.initialized = True
+        return True
 
     def undo(self) -> None:
         if self.initialized:
@@ -167,6 +185,20 @@ class OptimizerBinding:
         self.initialized = False
         if not self.named:
             self.optim.load_state_dict(state)
+            return
+        if not self.dcp:  # by name, through the positions torch's own load_state_dict takes
+            by_position = self._by_position()
+            assert by_position is not None  # restore_target refused it otherwise
+            position = {n: i for i, n in enumerate(by_position)}
+            self.optim.load_state_dict(
+                {
+                    "state": {position[k]: v for k, v in state["state"].items() if k in position},
+                    "param_groups": [
+                        {**g, "params": [position[n] for n in g["params"] if n in position]}
+                        for g in state["param_groups"]
+                    ],
+                }
+            )
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -184,6 +216,11 @@ class OptimizerBinding:
 
 def _params(group: dict[str, Any], name: Callable[[Any], str]) -> dict[str, Any]:
     return {**group, "params": [name(p) for p in group["params"]]}
+
+
+def _named_groups(optim: torch.optim.Optimizer, by_position: list[str]) -> list[dict[str, Any]]:
+    """The optimizer's own param groups (as its state_dict() has them), parameters named."""
+    return [_params(g, lambda i: by_position[i]) for g in optim.state_dict()["param_groups"]]
 
 
 def _saved_names(saved: Any) -> tuple[list[str], list[str]] | None:
