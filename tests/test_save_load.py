@@ -50,14 +50,23 @@ def test_resumed_training_matches_uninterrupted(tmp_path):
     assert _params_equal(a["model"], b["model"])
 
 
-def test_optimizer_keeps_int_keys_and_tuples(tmp_path, training_state):
+def test_optimizer_state_is_keyed_by_parameter_name_and_keeps_tuples(tmp_path, training_state):
     trainstate.save(tmp_path / "c", training_state)
     tree = trainstate.load(tmp_path / "c")
-    assert sorted(tree["optim"]["state"]) == [0, 1, 2, 3]
+    names = ["model.0.weight", "model.0.bias", "model.3.weight", "model.3.bias"]
+    assert list(tree["optim"]["state"]) == names  # its model is in the state: keyed by parameter name
     assert isinstance(tree["optim"]["param_groups"][0]["betas"], tuple)
-    assert tree["optim"]["param_groups"][0]["params"] == [0, 1, 2, 3]
+    assert tree["optim"]["param_groups"][0]["params"] == names
     assert type(tree["step"]) is int and type(tree["optim"]["param_groups"][0]["lr"]) is float
     assert isinstance(tree["model"]["0.weight"], np.ndarray)
+
+
+def test_an_optimizer_without_its_model_keeps_int_keys(tmp_path, training_state):
+    trainstate.save(tmp_path / "c", {"optim": training_state["optim"]})
+    tree = trainstate.load(tmp_path / "c")
+    assert sorted(tree["optim"]["state"]) == [0, 1, 2, 3]
+    assert tree["optim"]["param_groups"][0]["params"] == [0, 1, 2, 3]
+    assert isinstance(tree["optim"]["param_groups"][0]["betas"], tuple)
 
 
 def test_tied_weights_are_written_once_and_come_back_shared(tmp_path):
@@ -157,7 +166,7 @@ def test_open_is_lazy_and_reads_one_tensor(tmp_path, training_state):
     trainstate.save(tmp_path / "c", training_state, metadata={"run": "exp1", "lr": 0.01})
     with trainstate.open(tmp_path / "c") as ck:
         assert ck.metadata == {"run": "exp1", "lr": 0.01}
-        assert "model.0.weight" in ck.keys() and "optim.state.0.exp_avg" in ck.keys()
+        assert "model.0.weight" in ck.keys() and "optim.state.model.0.weight.exp_avg" in ck.keys()
         info = ck.info("model.0.weight")
         assert (info.dtype, info.shape, info.nbytes) == ("F32", (16, 6), 16 * 6 * 4)
         w = ck.read("model.0.weight")

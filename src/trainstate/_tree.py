@@ -274,15 +274,21 @@ def _per_rank_node(results: list[Any]) -> StatefulNode:
 
 
 def encode(
-    state: Any, on_tensor: Callable[[tuple[str, ...], Any], str], path: tuple[str, ...] = (), rank: int | None = None
+    state: Any,
+    on_tensor: Callable[[tuple[str, ...], Any], str],
+    path: tuple[str, ...] = (),
+    rank: int | None = None,
+    bound: Mapping[int, Any] | None = None,
 ) -> Node:
     """The node for ``state``; ``on_tensor(path, array)`` registers an array and returns its table name.
 
-    Objects with ``state_dict()`` are asked for it (in tree order). With ``rank`` (a collective save), each
-    per-rank part (:func:`is_per_rank`) becomes a :data:`PER_RANK_TYPE` node holding this rank's value under
-    its rank's key. Raises UnsupportedValueError for a value that cannot be stored without pickle, and for
-    a state nested deeper than :data:`MAX_DEPTH`.
+    Objects with ``state_dict()`` are asked for it (in tree order); an object in ``bound`` (by ``id``, from
+    :func:`trainstate._frameworks.bind`) is saved as its binding's ``state_dict()`` says instead. With
+    ``rank`` (a collective save), each per-rank part (:func:`is_per_rank`) becomes a :data:`PER_RANK_TYPE`
+    node holding this rank's value under its rank's key. Raises UnsupportedValueError for a value that
+    cannot be stored without pickle, and for a state nested deeper than :data:`MAX_DEPTH`.
     """
+    bound = bound or {}
 
     def visit(item: _Live) -> Any:
         value, at, key = item
@@ -313,8 +319,9 @@ def encode(
             )
         if is_stateful(value):
             cls = type(value)
+            source = bound.get(id(value), value)
             return Branch(
-                [(value.state_dict(), at, False)], partial(_stateful_node, f"{cls.__module__}.{cls.__qualname__}")
+                [(source.state_dict(), at, False)], partial(_stateful_node, f"{cls.__module__}.{cls.__qualname__}")
             )
         if isinstance(value, Mapping):
             children: list[_Live] = []
@@ -330,14 +337,42 @@ def encode(
             "give it state_dict() / load_state_dict(), or convert it to arrays and plain values"
         )
 
-    def too_deep(item: _Live) -> Exception:
-        return UnsupportedValueError(
-            f"{join(item[1][:5]) or 'the state'}...: state nests deeper than {MAX_DEPTH} levels "
-            "(lists, tuples, dicts and state_dict() objects count one level each)"
-        )
-
-    node: Node = walk((state, path, False), visit, too_deep)
+    node: Node = walk((state, path, False), visit, _too_deep)
     return node
+
+
+def _too_deep(item: tuple[Any, tuple[str, ...], Any]) -> Exception:
+    return UnsupportedValueError(
+        f"{join(item[1][:5]) or 'the state'}...: state nests deeper than {MAX_DEPTH} levels "
+        "(lists, tuples, dicts and state_dict() objects count one level each)"
+    )
+
+
+def stateful_objects(state: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """Every object with ``state_dict()`` that the user's containers hold, with its path, in tree order.
+
+    The containers are the ones :func:`encode` walks into (dicts, lists, tuples, :class:`PerRank`); what a
+    stateful object holds is its own and is not searched. This lets a framework key one object's state
+    through others of the same state: a torch optimizer by the names its parameters have in the modules
+    that own them (:func:`trainstate._frameworks.bind`).
+    """
+    found: list[tuple[tuple[str, ...], Any]] = []
+
+    def visit(item: tuple[Any, tuple[str, ...], bool]) -> Branch[tuple[Any, tuple[str, ...], bool], None] | None:
+        value, at, _ = item
+        if isinstance(value, PerRank):
+            return Branch([(value.value, at, False)], _nothing)
+        if hasattr(type(value), "load_state_dict") and is_stateful(value):  # the type test first: it is cheap
+            found.append((at, value))
+            return None
+        if isinstance(value, Mapping):
+            return Branch([(v, at + (str(k),), False) for k, v in value.items()], _nothing)
+        if isinstance(value, (list, tuple)):
+            return Branch([(v, at + (str(i),), False) for i, v in enumerate(value)], _nothing)
+        return None
+
+    walk((state, (), False), visit, _too_deep)
+    return found
 
 
 def _plain(value: Any) -> Any:

@@ -14,6 +14,7 @@ value or object of a framework the process has not imported cannot exist.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -67,6 +68,30 @@ class Adapter(Protocol):
         """Called with the whole restored state, once everything is in place."""
 
 
+class Bound(Protocol):
+    """A stateful object whose state is keyed through other objects of the same state: a torch optimizer,
+    keyed by the names its parameters have in the modules that own them (``torch_optim.py``).
+
+    Saving asks it for :meth:`state_dict` instead of the object. Restoring asks :meth:`restore_target` for
+    the live state to plan against, then calls :meth:`load_state_dict` with the restored one, or
+    :meth:`undo` when the restore stops before reading (so a failed restore changes nothing).
+    """
+
+    def state_dict(self) -> Any:
+        """The state to save."""
+
+    def restore_target(self, saved: Any, skip: object) -> tuple[Any, list[str], list[str]]:
+        """The live state to restore the saved state (a tree node) into, and the names the object has that
+        the checkpoint lacks (missing) and the checkpoint has that the object lacks (unexpected). Saved parts
+        the object has no place for are given ``skip`` in the returned state: the restore leaves them unread."""
+
+    def load_state_dict(self, state: Any, strict: bool) -> None:
+        """Set the restored state."""
+
+    def undo(self) -> None:
+        """Take back what :meth:`restore_target` changed in the object."""
+
+
 NUMPY: Adapter = numpy_adapter
 
 
@@ -105,6 +130,16 @@ def load_takes_strict(obj: Any) -> bool:
 def rebuilt_from_checkpoint(obj: Any) -> bool:
     """See :meth:`Adapter.rebuilt_from_checkpoint`; False for objects of no framework."""
     return any(a.rebuilt_from_checkpoint(obj) for a in _loaded())
+
+
+def bind(objects: Sequence[tuple[tuple[str, ...], Any]]) -> dict[int, Bound]:
+    """The objects among ``objects`` (stateful objects of one state, with their paths) whose state is keyed
+    through others of them, by ``id``: a torch optimizer whose parameters all belong to modules in the state."""
+    if "torch" not in sys.modules:
+        return {}
+    from trainstate._frameworks import torch_optim
+
+    return torch_optim.bind(objects)
 
 
 def after_restore(restored: Any) -> None:

@@ -48,6 +48,8 @@ def _check_plain(t: torch.Tensor) -> None:
 
 def describe(value: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     _check_plain(value)
+    if _is_dtensor(value):
+        _check_one_box(value)
     return dtypes.BY_TORCH_NAME[str(value.dtype).removeprefix("torch.")].code, tuple(value.shape), KIND
 
 
@@ -82,6 +84,54 @@ def local_part(value: Any) -> tuple[torch.Tensor, tuple[int, ...]] | None:
 def _is_dtensor(value: Any) -> bool:
     cls = type(value)
     return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def _is_strided(placement: Any) -> bool:
+    return type(placement).__name__ == "_StridedShard"
+
+
+def _check_one_box(value: Any) -> None:
+    """Refuse a DTensor whose local shard is not one box of the whole tensor.
+
+    A ``_StridedShard`` (FSDP2 over tensor parallelism shards "right to left") can give a rank rows that are
+    not contiguous, e.g. rows 0-1 and 4-5. The format stores one box per chunk, and torch's
+    ``compute_local_shape_and_global_offset`` reports only the first offset of such a shard, so it is
+    checked here, with the every-index form of the same computation, before any byte is written or read.
+    FSDP2 over TP on evenly nested meshes gives one box per rank, and passes.
+    """
+    if not any(_is_strided(p) for p in value.placements):
+        return  # Shard and Replicate placements always leave one box
+    shape = tuple(int(n) for n in value.shape)
+    try:
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+
+        mesh = value.device_mesh
+        coordinate = mesh.get_coordinate()
+        sizes: list[int] = list(shape)
+        indices: dict[int, Any] = {}
+        for mesh_dim, p in enumerate(value.placements):
+            if isinstance(p, Shard) or _is_strided(p):
+                d = p.dim
+                sizes[d], indices[d] = _get_shard_size_and_offsets(
+                    sizes[d], mesh.size(mesh_dim), coordinate[mesh_dim], p, indices.get(d), shape[d], False
+                )
+    except (ImportError, AttributeError, TypeError) as e:  # the private helper moved in another torch
+        raise UnsupportedValueError(
+            f"a DTensor placed as {tuple(value.placements)} on torch {torch.__version__}: trainstate cannot tell "
+            f"whether this rank's shard is one box of the tensor ({e}); redistribute it to Shard / Replicate "
+            "placements before saving or loading"
+        ) from None
+    for d, index in indices.items():
+        n = sizes[d]
+        if n and not torch.equal(index[:n].cpu(), torch.arange(int(index[0]), int(index[0]) + n)):
+            rows = index[:n].tolist()
+            raise UnsupportedValueError(
+                f"a DTensor placed as {tuple(value.placements)}: this rank holds indices {rows[:8]}"
+                f"{'...' if n > 8 else ''} of dimension {d} (of {shape[d]}), which are not one contiguous box; "
+                "trainstate stores one box per chunk. Redistribute it (e.g. to Shard(dim) placements) before "
+                "saving or loading"
+            )
 
 
 def byte_view(value: torch.Tensor) -> memoryview:

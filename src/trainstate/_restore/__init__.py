@@ -6,9 +6,9 @@ import fnmatch
 import os
 from typing import Any
 
-from trainstate import _gc
+from trainstate import _gc, _tree
 from trainstate._distributed import rank_and_world
-from trainstate._frameworks import after_restore
+from trainstate._frameworks import after_restore, bind
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector
 from trainstate._storage import Storage
@@ -43,6 +43,7 @@ def restore(
         framework=framework,
         optional=optional,
         rank=rank_and_world(),
+        bound=bind(_tree.stateful_objects(target)) if target is not _ABSENT else None,
     )
     if include is not None:
         keys = r._leaves(ck.manifest.tree, ())
@@ -53,8 +54,12 @@ def restore(
                 f"include pattern(s) {unmatched or patterns!r:.80}: matches no key of the checkpoint (keys look like "
                 f"{keys[:3]}); patterns match whole dotted keys: 'model.*' selects everything under 'model'"
             )
-    finish = r.plan(target, ck.manifest.tree, (), free=False)
-    r.check()
+    try:
+        finish = r.plan(target, ck.manifest.tree, (), free=False)
+        r.check()
+    except BaseException:
+        r.undo()  # nothing was read: leave the target as it was
+        raise
     r.read(verify=verify, threads=threads)
     result = finish()
     if result is _ABSENT:  # every key excluded

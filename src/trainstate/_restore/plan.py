@@ -12,6 +12,8 @@ Matching rules:
 * Under any other stateful object (optimizer, scheduler, data loader, RNG) the checkpoint's structure is
   the truth, as it is for ``load_state_dict``: a fresh optimizer has no moments yet and gets them. Target
   tensors at matching paths are still filled in place.
+* An object bound to others of the state (``_frameworks.bind``: a torch optimizer and the modules that own
+  its parameters) gives its own target and names; its missing and unexpected names are reported as keys.
 * Shapes must always match. Dtypes must match when ``strict``; otherwise values are cast.
 """
 
@@ -24,11 +26,17 @@ from typing import Any, TypeAlias
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
 from trainstate._format.added_keys import declared_keys
-from trainstate._frameworks import adapter_for, load_takes_strict, rebuilt_from_checkpoint
+from trainstate._frameworks import Bound, adapter_for, load_takes_strict, rebuilt_from_checkpoint
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.read import Job as _Job
 from trainstate._restore.read import fill
-from trainstate.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
+from trainstate.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
 
 Finisher = Callable[[], Any]
 # what the plan walk visits (a node, its part of the target, its path, free) and what a visit answers
@@ -36,6 +44,7 @@ _Item: TypeAlias = "tuple[tree.Node, Any, tuple[str, ...], bool]"
 Planned: TypeAlias = "Finisher | tree.Branch[_Item, Finisher]"
 _ABSENT = object()
 _UNEXPECTED = object()  # the target part for a saved key the target has no place for
+_SKIP = object()  # the target part for a saved key a bound object leaves unread (strict=False)
 
 
 def selector(include: str | list[str] | None, exclude: str | list[str] | None) -> Callable[[str], bool] | None:
@@ -84,8 +93,11 @@ class Restorer:
         framework: str | None = None,
         optional: tuple[str, ...] = (),
         rank: tuple[int, int] = (0, 1),
+        bound: dict[int, Bound] | None = None,
     ) -> None:
         self.ck = ck
+        self.bound = bound or {}  # id(object) -> its binding (_frameworks.bind over the target)
+        self.touched: list[Bound] = []  # bindings whose object restore_target changed: undone on failure
         self.rank, self.world = rank  # this process's rank and world size (per-rank values, shards)
         self.strict = strict
         self.framework = framework  # array type for tensors the target lacks; None: what the saver held
@@ -114,6 +126,8 @@ class Restorer:
         node, target, path, free = item
         if target is _UNEXPECTED:  # a saved part the target has no place for
             self.unexpected.extend(p for p in self._leaves(node, path) if self.selected(p))
+            return lambda: _ABSENT
+        if target is _SKIP:
             return lambda: _ABSENT
         if self.partial and not self._any_selected(node, path):
             return lambda: target  # excluded (or not included): nothing to plan, not even a per-rank check
@@ -162,7 +176,10 @@ class Restorer:
             self.mismatched.append((key, _describe(target), f"tensor {entry.dtype}{list(entry.shape)}"))
             return lambda: target
         if adapter is not None:
-            code, shape, _ = adapter.describe(target)
+            try:
+                code, shape, _ = adapter.describe(target)
+            except UnsupportedValueError as e:  # a target that cannot be filled (a DTensor shard of many boxes)
+                raise UnsupportedValueError(f"{key}: {e}") from None
             if shape != entry.shape or (code != entry.dtype and self.strict):
                 self.mismatched.append((key, f"tensor {code}{list(shape)}", f"tensor {entry.dtype}{list(entry.shape)}"))
                 return lambda: target
@@ -220,14 +237,23 @@ class Restorer:
             self.mismatched.append((key, _describe(target), f"state of {node.type}"))
             return lambda: target
         module = load_takes_strict(target)  # an nn.Module: its own keys are the truth
-        # A data loader's state_dict() starts an iterator (worker processes, a draw from the global RNG):
-        # its state is rebuilt from the checkpoint alone.
-        current = _ABSENT if rebuilt_from_checkpoint(target) else target.state_dict()
+        bound = self.bound.get(id(target))
+        if bound is not None:
+            self.touched.append(bound)
+            current, missing, unexpected = bound.restore_target(node.state, _SKIP)
+            self.missing.extend(k for k in (f"{key}.state.{n}" for n in missing) if self.selected(k))
+            self.unexpected.extend(k for k in (f"{key}.state.{n}" for n in unexpected) if self.selected(k))
+        else:
+            # A data loader's state_dict() starts an iterator (worker processes, a draw from the global RNG):
+            # its state is rebuilt from the checkpoint alone.
+            current = _ABSENT if rebuilt_from_checkpoint(target) else target.state_dict()
 
         def finish(inner: list[Finisher]) -> Any:
             state = inner[0]()
             try:
-                if module:
+                if bound is not None:
+                    bound.load_state_dict(state, self.strict)
+                elif module:
                     target.load_state_dict(state, strict=self.strict)
                 else:
                     target.load_state_dict(state)
@@ -323,6 +349,11 @@ class Restorer:
         return [tree.join(p) for p, _ in tree.leaves(node, path)]
 
     # -- read -----------------------------------------------------------------------------------
+
+    def undo(self) -> None:
+        """Take back what planning changed in bound objects (a fresh optimizer's initialized state)."""
+        for bound in self.touched:
+            bound.undo()
 
     def check(self) -> None:
         if self.mismatched or (self.strict and (self.missing or self.unexpected)):

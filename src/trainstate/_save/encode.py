@@ -9,7 +9,7 @@ from typing import Any
 from trainstate import _tree
 from trainstate._format import dtypes
 from trainstate._format.added_keys import check_declaration
-from trainstate._frameworks import Adapter, adapter_for
+from trainstate._frameworks import Adapter, adapter_for, bind
 
 
 @dataclass
@@ -87,9 +87,10 @@ class Snapshot:
 def encode_state(state: Any, metadata: Any = None, rank: int | None = None) -> Snapshot:
     """Flatten ``state`` (calling ``state_dict()`` on statefuls) without copying any array.
 
-    ``rank``: this process's rank in a collective save (per-rank parts go under their rank's key).
+    ``rank``: this process's rank in a collective save (per-rank parts go under their rank's key). An
+    optimizer whose modules are in the state is saved keyed by parameter name (``_frameworks/torch_optim.py``).
     """
     check_declaration(metadata)
     table = TensorTable()
-    tree_node = _tree.encode(state, table.add, rank=rank)
+    tree_node = _tree.encode(state, table.add, rank=rank, bound=bind(_tree.stateful_objects(state)))
     return Snapshot(tree_node, _tree.encode_plain(metadata), table.entries)
