@@ -139,7 +139,7 @@ def _commit(
         ordered = {e.name: tensors[e.name] for e in snapshot.entries if e.name in tensors}
         ordered.update(tensors)  # other ranks' own tensors (per-rank values) after rank 0's, in rank order
         nbytes, wrote = commit_manifest(
-            storage, tmp, root, full, files, ordered, names, overwrite=overwrite, fsync=fsync
+            storage, tmp, root, full, files, ordered, names, overwrite=overwrite, fsync=fsync, world_size=len(written)
         )
     except Exception as e:  # noqa: BLE001 - sent to every rank, which raises it
         storage.abort(tmp, names)

@@ -86,9 +86,11 @@ def commit_manifest(
     *,
     overwrite: bool,
     fsync: bool,
+    world_size: int = 1,
 ) -> tuple[int, float]:
     """Write the manifest naming ``files`` and ``tensors`` into ``tmp`` and commit it to ``final``.
 
+    ``world_size``: the ranks that wrote the files (a collective save), recorded in the manifest.
     Returns the checkpoint's bytes and the clock when the manifest was written (before the commit).
     """
     body = manifest.Manifest(
@@ -98,6 +100,7 @@ def commit_manifest(
         metadata=snapshot.metadata,
         created=time.time(),
         writer=f"trainstate {_version()}",
+        world_size=world_size,
     )
     raw = body.to_json_bytes()
     storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
