@@ -81,9 +81,13 @@ def consolidate(
     backend, root = resolve(dst, dst_storage)
     with Checkpoint(src, storage) as ck, _gc.paused():
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ck.world_size:
+            saved_by = (
+                f"{ck.world_size} ranks: pick one of 0 to {ck.world_size - 1}"
+                if ck.world_size > 1
+                else "one process: its values are rank 0's"
+            )
             raise InvalidArgumentError(
-                f"rank={rank!r:.40}: {ck.path} was saved by {ck.world_size} rank(s); pick one of 0 to "
-                f"{ck.world_size - 1} to keep its per-rank values"
+                f"cannot keep the per-rank values of rank {rank!r:.40}: {ck.path} was saved by {saved_by}"
             )
         ck.verify_headers()
         root_node, names = one_process_tree(ck.manifest.tree, rank)
