@@ -95,7 +95,10 @@ def save_big_shards(rank: int, world: int, path: str) -> Any:
     return {k: float(full(v).astype(np.float64).sum()) for k, v in state.items()}
 
 
-def _s3(endpoint: str) -> Any:
+def storage_for(endpoint: str | None) -> Any:
+    """S3 at ``endpoint`` (the tests' moto server, through s3fs as a user reaches AWS), or the local disk."""
+    if endpoint is None:
+        return trainstate.LocalStorage()
     import s3fs
 
     from trainstate._storage.fsspec import FsspecStorage
@@ -106,16 +109,16 @@ def _s3(endpoint: str) -> Any:
     return FsspecStorage(fs)
 
 
-def save_sharded_s3(rank: int, world: int, url: str, endpoint: str) -> Any:
-    """The sharded state saved collectively to s3:// (each rank uploads its own files)."""
+def save_sharded_to(rank: int, world: int, url: str, endpoint: str | None) -> Any:
+    """The sharded state saved collectively (on S3: each rank uploads its own files)."""
     state, whole = sharded_state(rank, world)
     torch.manual_seed(1000 + rank)
-    trainstate.save(url, state, storage=_s3(endpoint))
+    trainstate.save(url, state, storage=storage_for(endpoint))
     return {"whole": whole, "draw_next": torch.rand(4).numpy(), "seen": state["seen"].value["samples"]}
 
 
-def load_sharded_s3(rank: int, world: int, url: str, endpoint: str) -> Any:
-    """Every rank restores its own shards (fresh model, fresh optimizer) and per-rank values from s3://."""
+def load_sharded_from(rank: int, world: int, url: str, endpoint: str | None) -> Any:
+    """Every rank restores its own shards (fresh model, fresh optimizer) and its per-rank values."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     model, optim = fsdp_model(world, seed=123)
@@ -129,7 +132,7 @@ def load_sharded_s3(rank: int, world: int, url: str, endpoint: str) -> Any:
         "rng": trainstate.RNGState(),
         "seen": trainstate.PerRank({"samples": -1, "buf": torch.zeros(3)}),
     }
-    trainstate.load(url, state, storage=_s3(endpoint))
+    trainstate.load(url, state, storage=storage_for(endpoint))
     whole = {f"model.{k}": full(v) for k, v in model.state_dict().items()}
     whole.update({f"optim.{i}.{k}": full(v) for i, s in optim.state_dict()["state"].items() for k, v in s.items()})
     whole["columns"] = full(columns)
@@ -142,12 +145,24 @@ def load_sharded_s3(rank: int, world: int, url: str, endpoint: str) -> Any:
     }
 
 
-def die_while_uploading_s3(rank: int, world: int, url: str, endpoint: str) -> Any:
-    """Rank 1 dies (os._exit) in the middle of uploading its data file, after part of it went up."""
+def save_filled(rank: int, world: int, url: str, endpoint: str | None, value: float, overwrite: bool) -> Any:
+    """A small sharded tensor of ``value`` and a per-rank number, saved collectively."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = distribute_tensor(torch.full((8, 4), value), _mesh(world), [Shard(0)])
+    trainstate.save(
+        url, {"w": w, "mine": trainstate.PerRank(value + rank)}, storage=storage_for(endpoint), overwrite=overwrite
+    )
+
+
+def die_while_uploading(rank: int, world: int, url: str, endpoint: str | None) -> Any:
+    """Rank 1 dies (os._exit: no exception, no goodbye) part-way through writing its data file; on S3 after
+    the first part of a multipart upload went up."""
     import os
 
-    storage = _s3(endpoint)
-    storage.part_size = 5 << 20  # S3's smallest multipart part: the file goes up in several parts
+    storage = storage_for(endpoint)
+    if endpoint is not None:
+        storage.part_size = 5 << 20  # S3's smallest multipart part: the file goes up in several parts
     if rank == 1:
         original = storage.write
 
@@ -157,28 +172,28 @@ def die_while_uploading_s3(rank: int, world: int, url: str, endpoint: str) -> An
                 for view in views:
                     yield view
                     sent += view.nbytes
-                    if sent > 6 << 20:  # one part is up, the file is not
+                    if sent > 6 << 20:  # more than one part is out, the file is not finished
                         os._exit(17)
 
-            return original(path, dying(), fsync=fsync)
+            return int(original(path, dying(), fsync=fsync))
 
-        storage.write = write  # type: ignore[method-assign]
+        storage.write = write
     torch.manual_seed(rank)
-    state = {"w": torch.randn(4 << 20) + rank, "mine": trainstate.PerRank(rank)}  # 16 MB per rank
+    state = {"mine": trainstate.PerRank(torch.randn(4 << 20))}  # 16 MB that each rank writes itself
     trainstate.save(url, state, storage=storage, timeout=30)
 
 
-def fail_while_uploading_s3(rank: int, world: int, url: str, endpoint: str) -> Any:
-    """Rank 1's upload fails (the store refuses it): every rank raises, nothing is committed, no file stays."""
-    storage = _s3(endpoint)
+def fail_while_uploading(rank: int, world: int, url: str, endpoint: str | None) -> Any:
+    """Rank 1's storage refuses its data file: every rank raises, nothing is committed."""
+    storage = storage_for(endpoint)
     if rank == 1:
         original = storage.write
 
         def write(path: str, views: Any, *, fsync: bool) -> int:
             if path.endswith(".safetensors"):
-                raise trainstate.StorageError(13, f"write {path} failed: AccessDenied (the test refuses it)")
-            return original(path, views, fsync=fsync)
+                raise trainstate.StorageError(13, f"write {path} failed: AccessDenied (refused by the test)")
+            return int(original(path, views, fsync=fsync))
 
-        storage.write = write  # type: ignore[method-assign]
-    state = {"w": torch.full((1000,), float(rank)), "mine": trainstate.PerRank(rank)}
-    trainstate.save(url, state, storage=storage, timeout=60)
+        storage.write = write
+    torch.manual_seed(rank)
+    trainstate.save(url, {"mine": trainstate.PerRank(torch.randn(1000))}, storage=storage, timeout=60)
