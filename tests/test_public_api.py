@@ -37,6 +37,7 @@ def test_internal_modules_are_private():
     # `trainstate.save` is the function, never shadowed by a submodule of the same name
     assert callable(trainstate.save) and not isinstance(trainstate.save, types.ModuleType)
     assert not isinstance(trainstate.load, types.ModuleType)
+    assert callable(trainstate.consolidate) and not isinstance(trainstate.consolidate, types.ModuleType)
 
 
 def test_backends_and_policies_are_public():

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+from trainstate._distributed.consolidate import consolidate
 from trainstate._format.manifest import FORMAT_VERSION
 from trainstate._manager import CheckpointInfo, CheckpointManager, SaveRecord
 from trainstate._manager.policies import (
@@ -110,6 +111,7 @@ __all__ = [
     "UnsupportedValueError",
     "__version__",
     "check_storage",
+    "consolidate",
     "load",
     "open",
     "save",

@@ -136,3 +136,23 @@ def test_the_fast_entry_check_agrees_with_the_full_one(tmp_path, training_state,
 def test_no_byte_costs_more_than_the_bound_that_lets_small_manifests_skip_counting(char):
     for text in (char * 999, b"\\u1234" + char * 999, "\u00e9".encode() + char * 999):
         assert manifest.parse_cost(text) <= manifest.MAX_COST_PER_BYTE * len(text)
+
+
+def test_world_size_is_recorded_as_format_1_2_only_when_several_ranks_saved():
+    """docs/format.md §3: ``world_size`` (1.2) is written for a collective save; one process omits it."""
+    import json
+
+    sharded = manifest.Manifest(tree=None, tensors={}, files=(), world_size=4).to_json_bytes()
+    body = json.loads(sharded)
+    assert body["world_size"] == 4 and body["format_version"] == "1.2"
+    assert manifest.parse(sharded).world_size == 4
+    single = manifest.Manifest(tree=None, tensors={}, files=()).to_json_bytes()
+    assert "world_size" not in json.loads(single) and json.loads(single)["format_version"] == "1.0"
+    assert manifest.parse(single).world_size == 1 and manifest.parse(single).extra == {}
+
+
+@pytest.mark.parametrize("bad", [0, -2, "4", 2.0, True, None, 1 << 40])
+def test_a_world_size_that_is_not_a_positive_integer_is_corrupt(bad):
+    raw = manifest.Manifest(tree=None, tensors={}, files=(), extra={"world_size": bad}).to_json_bytes()
+    with pytest.raises(trainstate.CorruptCheckpointError, match="world_size"):
+        manifest.parse(raw)

@@ -115,6 +115,9 @@ def read_manifest(raw: bytes) -> dict[str, Any]:
             raise SpecError(f"manifest field {field} is missing or mistyped")
     if not math.isfinite(m["created"]) or "tree" not in m or "metadata" not in m:
         raise SpecError("manifest fields created / tree / metadata")
+    world = m.get("world_size", 1)  # optional, 1.2: the ranks that saved it together
+    if type(world) is not int or world < 1:
+        raise SpecError(f"manifest field world_size {world!r}: not a positive integer")
     return m
 
 

@@ -3,8 +3,9 @@
 Commands::
 
     trainstate ls DIR|CKPT            checkpoints of a manager directory (complete, incomplete, corrupt)
-    trainstate inspect CKPT           metadata, plain values and the tensor table (--filter GLOB)
+    trainstate inspect CKPT           metadata, plain values and the tensor table (--filter GLOB, --chunks)
     trainstate verify CKPT            re-check every checksum
+    trainstate consolidate CKPT OUT   a checkpoint saved by many ranks rewritten as one process's (--rank N)
     trainstate diff A B               tensors and values added, removed or changed
     trainstate prune DIR --keep-...   apply retention policies now (--dry-run to only show the plan)
     trainstate pin DIR STEP           keep a checkpoint whatever the retention says; unpin undoes it
@@ -126,6 +127,16 @@ def _step(text: str) -> int:
     return value
 
 
+def _rank(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rank (0, 1, ...), got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative rank, got {value}")
+    return value
+
+
 def _keep_best(text: str) -> tuple[str, str, int]:
     """``METRIC:min|max[:K]`` (K defaults to 1)."""
     parts = text.rsplit(":", 2) if text.count(":") >= 2 else text.rsplit(":", 1)
@@ -165,9 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("inspect", "show a checkpoint's metadata, plain values and tensors")
     p.add_argument("path", metavar="CKPT")
     p.add_argument("--filter", metavar="GLOB", help="only names matching this glob, e.g. 'model.*'")
+    p.add_argument("--chunks", action="store_true", help="each tensor's chunks: box offset and shape, data file")
 
     p = command("verify", "re-check every checksum of a checkpoint")
     p.add_argument("path", metavar="CKPT")
+
+    p = command("consolidate", "rewrite a checkpoint saved by many ranks as one a single process loads")
+    p.add_argument("path", metavar="CKPT")
+    p.add_argument("out", metavar="OUT", help="the new checkpoint (a path or URL)")
+    p.add_argument(
+        "--rank", type=_rank, default=0, metavar="N", help="keep this rank's per-rank values (RNG, data position)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
 
     p = command("diff", "compare two checkpoints: tensors and plain values (exit 1 if they differ)")
     p.add_argument("a", metavar="A")
@@ -208,7 +228,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("ls", "inspect"):
         from trainstate._cli import _show
 
-        return _show.ls(out, args.path) if args.command == "ls" else _show.inspect(out, args.path, args.filter)
+        if args.command == "ls":
+            return _show.ls(out, args.path)
+        return _show.inspect(out, args.path, args.filter, chunks=args.chunks)
+    if args.command == "consolidate":
+        from trainstate._cli import _consolidate
+
+        return _consolidate.consolidate(out, args.path, args.out, rank=args.rank, overwrite=args.overwrite)
     if args.command == "verify":
         from trainstate._cli import _verify
 

@@ -12,6 +12,7 @@ from typing import Any
 from trainstate import open as open_checkpoint
 from trainstate._cli import UsageError, _values
 from trainstate._cli._output import Printer, Table, clip, local_time, metrics_text, short, size
+from trainstate._format.manifest import TensorEntry
 from trainstate._manager import CheckpointInfo, CheckpointManager
 from trainstate._manager.naming import step_of
 from trainstate._restore.checkpoint import Checkpoint
@@ -216,13 +217,22 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def inspect(out: Printer, path: str, pattern: str | None) -> int:
+def _boxes(t: TensorEntry) -> list[dict[str, Any]]:
+    return [
+        {"offset": list(c.offset), "shape": list(c.shape), "file": c.file, "byte_range": list(c.byte_range)}
+        for c in t.chunks
+    ]
+
+
+def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = False) -> int:
+    """The manifest's contents; ``chunks``: each tensor's chunks too (box and data file: who wrote what)."""
     with open_ckpt(path) as ck:
 
         def wanted(name: str) -> bool:
             return pattern is None or fnmatch.fnmatchcase(name, pattern)
 
         infos = [ck.info(n) for n in ck if wanted(n)]
+        boxes = {i.name: _boxes(ck.manifest.tensors[i.name]) for i in infos} if chunks else {}
         values = [(p, v) for p, v in _values.leaves(ck.manifest.tree) if wanted(p)]
         metadata = ck.metadata
         metadata_values = _values.leaves(ck.manifest.metadata)
@@ -232,6 +242,7 @@ def inspect(out: Printer, path: str, pattern: str | None) -> int:
             "writer": ck.manifest.writer,
             "created": ck.created,
             "created_iso": local_time(ck.created),
+            "world_size": ck.world_size,
             "files": len(ck.manifest.files),
             "nbytes": ck.nbytes,
             "tensor_count": len(ck.keys()),
@@ -252,6 +263,7 @@ def inspect(out: Printer, path: str, pattern: str | None) -> int:
                         "nbytes": i.nbytes,
                         "kind": i.kind,
                         "chunks": i.chunks,
+                        **({"boxes": boxes[i.name]} if chunks else {}),
                     }
                     for i in infos
                 ],
@@ -265,6 +277,7 @@ def inspect(out: Printer, path: str, pattern: str | None) -> int:
             ("format", f"trainstate {head['format_version']}"),
             ("writer", str(head["writer"])),
             ("created", str(head["created_iso"])),
+            ("saved by", f"{ck.world_size} ranks" if ck.world_size > 1 else "1 process"),
             ("on disk", f"{size(ck.nbytes)} in {head['files']} data file(s)"),
             ("tensors", str(head["tensor_count"])),
         ]
@@ -281,12 +294,28 @@ def inspect(out: Printer, path: str, pattern: str | None) -> int:
             vt.add(p, type(v).__name__, short(v, 80))
         out.line()
         out.table(vt)
-    t = Table(["tensor", "dtype", "shape", "bytes"], right=frozenset({"bytes"}))
+    sharded = any(i.chunks > 1 for i in infos)  # the chunk count only where some tensor has several
+    t = Table(
+        ["tensor", "dtype", "shape", "bytes", *(["chunks"] if sharded else [])], right=frozenset({"bytes", "chunks"})
+    )
     for i in infos:
-        t.add(i.name, i.dtype, _shape(i.shape), size(i.nbytes))
+        t.add(i.name, i.dtype, _shape(i.shape), size(i.nbytes), *([i.chunks] if sharded else []))
     out.line()
     if infos:
         out.table(t)
+    if boxes:
+        ct = Table(["tensor", "offset", "shape", "file", "bytes"], right=frozenset({"bytes"}))
+        for name, found in boxes.items():
+            for b in found:
+                ct.add(
+                    name,
+                    _shape(b["offset"]),
+                    _shape(b["shape"]),
+                    b["file"],
+                    size(b["byte_range"][1] - b["byte_range"][0]),
+                )
+        out.line()
+        out.table(ct)
     shown = f"{len(infos)} of {head['tensor_count']} tensors match {pattern!r}" if pattern else f"{len(infos)} tensors"
     out.line(f"{shown}, {size(tensor_bytes)} ({tensor_bytes} bytes)")
     return 0

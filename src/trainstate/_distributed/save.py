@@ -99,7 +99,11 @@ def write_collective(
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the save for every rank
         _remove(storage, tmp, names)
         result, error = Failure(rank, f"{type(e).__name__}: {e}"), e
-    written = coord.gather(result, "checkpoint save (writing)")
+    try:
+        written = coord.gather(result, "checkpoint save (writing)")
+    except DistributedError:  # a rank died or fell silent: nothing will be committed
+        _take_back(storage, tmp, names, rank)
+        raise
     outcome: Any = None
     if rank == 0:
         assert written is not None
@@ -167,7 +171,7 @@ def _commit(
         ordered = {e.name: tensors[e.name] for e in snapshot.entries if e.name in tensors}
         ordered.update(tensors)  # other ranks' own tensors (per-rank values) after rank 0's, in rank order
         nbytes, wrote = commit_manifest(
-            storage, tmp, root, full, files, ordered, names, overwrite=overwrite, fsync=fsync
+            storage, tmp, root, full, files, ordered, names, overwrite=overwrite, fsync=fsync, world_size=len(written)
         )
     except Exception as e:  # noqa: BLE001 - sent to every rank, which raises it
         storage.abort(tmp, names)
@@ -191,6 +195,18 @@ def _merge_tensors(per_rank_tensors: list[dict[str, manifest.TensorEntry]]) -> d
         name: t if len(chunks[name]) == 1 else t._replace_chunks(tuple(sorted(chunks[name], key=lambda c: c.offset)))
         for name, t in first.items()
     }
+
+
+def _take_back(storage: Storage, tmp: str, names: list[str], rank: int) -> None:
+    """A save that cannot commit: this rank deletes the files it wrote (on an object store the staging
+    location is the checkpoint's own prefix, which only its writers can clean), and rank 0 the staging
+    location where the backend has one of its own (a fresh directory, the dead rank's part files included)."""
+    _remove(storage, tmp, names)
+    if rank == 0:
+        try:
+            storage.abort(tmp, names)
+        except Exception:  # noqa: BLE001 - best effort: the sweep removes a staging leftover later
+            pass
 
 
 def _remove(storage: Storage, tmp: str, names: list[str]) -> None:

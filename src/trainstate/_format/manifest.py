@@ -31,6 +31,7 @@ from trainstate.errors import CorruptCheckpointError, FormatVersionError, Unsupp
 FORMAT_NAME = "trainstate"
 FORMAT_VERSION = "1.0"  # what a manifest without newer optional fields declares
 PIECES_VERSION = "1.1"  # the minor version that added per-piece checksums (Chunk.pieces)
+WORLD_SIZE_VERSION = "1.2"  # the minor version that added world_size (a collective save's number of ranks)
 MANIFEST_NAME = "manifest.json"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")  # in full: "$" would let a trailing newline in
 KNOWN_TRANSFORMS: frozenset[str] = frozenset()  # per-chunk byte transforms (compression, encryption) go here
@@ -97,6 +98,7 @@ class Manifest:
     writer: str = ""
     format_version: str = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)  # fields from a newer minor version, kept as-is
+    world_size: int = 1  # ranks that wrote it together (format 1.2; written only when more than one)
 
     def to_json_bytes(self) -> bytes:
         """The manifest file's bytes.
@@ -123,8 +125,13 @@ class Manifest:
         version = self.format_version
         if _older(version, PIECES_VERSION) and any(c.pieces for t in self.tensors.values() for c in t.chunks):
             version = PIECES_VERSION
+        sharded: dict[str, Any] = {}
+        if self.world_size > 1:
+            sharded["world_size"] = self.world_size
+            version = WORLD_SIZE_VERSION if _older(version, WORLD_SIZE_VERSION) else version
         return {
             **self.extra,
+            **sharded,
             "format": FORMAT_NAME,
             "format_version": version,
             "created": self.created,
@@ -277,7 +284,7 @@ def _check_version(version: object, what: str) -> None:
         )
 
 
-_KNOWN_FIELDS = {"format", "format_version", "created", "writer", "metadata", "files", "tensors", "tree"}
+_KNOWN_FIELDS = {"format", "format_version", "created", "writer", "metadata", "files", "tensors", "tree", "world_size"}
 
 
 def _build(body: dict[str, Any]) -> Manifest:
@@ -300,7 +307,15 @@ def _build(body: dict[str, Any]) -> Manifest:
         writer=_typed(body["writer"], str, "writer"),
         format_version=body["format_version"],
         extra={k: v for k, v in body.items() if k not in _KNOWN_FIELDS},
+        world_size=_world_size(body.get("world_size", 1)),
     )
+
+
+def _world_size(value: Any) -> int:
+    """The number of ranks that saved the checkpoint: a positive integer (absent: 1, one process)."""
+    if type(value) is not int or not 1 <= value <= MAX_WORLD_SIZE:
+        raise CorruptCheckpointError(f"manifest field world_size should be a positive integer, found {value!r:.40}")
+    return value
 
 
 class _LazyTensors(Mapping[str, TensorEntry]):
@@ -351,6 +366,7 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
 
 
 MAX_RANK = 32
+MAX_WORLD_SIZE = 1 << 24
 MAX_DIM = 1 << 48
 
 

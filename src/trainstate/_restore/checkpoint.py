@@ -78,6 +78,11 @@ class Checkpoint:
     def created(self) -> float:
         return self.manifest.created
 
+    @property
+    def world_size(self) -> int:
+        """How many ranks saved it together (1: one process); ``trainstate.consolidate`` makes it 1."""
+        return self.manifest.world_size
+
     def keys(self) -> list[str]:
         """Tensor names, in the order they appear in the saved state."""
         return list(dict.fromkeys(tree.tensor_names(self.manifest.tree)))

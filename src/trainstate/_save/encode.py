@@ -58,17 +58,24 @@ class TensorTable:
         ident = adapter.identity(value)
         if ident is not None and ident in self._by_identity:
             return self._by_identity[ident]
-        name = _tree.join(path) or "_"
-        base, n = name, 1
-        while name in self._names:  # e.g. {"a.b": x, "a": {"b": y}}
-            n += 1
-            name = f"{base}~{n}"
-        self._names.add(name)
+        name = tensor_name(path, self._names)
         nbytes = dtypes.BY_CODE[dtype].itemsize * math.prod(shape)
         self.entries.append(Entry(name, value, adapter, dtype, shape, kind, nbytes, offset, global_shape))
         if ident is not None:
             self._by_identity[ident] = name
         return name
+
+
+def tensor_name(path: tuple[str, ...], taken: set[str]) -> str:
+    """A tensor's name in the table (docs/format.md §4): its dotted path, ``~2``, ``~3``... when taken; added
+    to ``taken``."""
+    name = _tree.join(path) or "_"
+    base, n = name, 1
+    while name in taken:  # e.g. {"a.b": x, "a": {"b": y}}
+        n += 1
+        name = f"{base}~{n}"
+    taken.add(name)
+    return name
 
 
 @dataclass

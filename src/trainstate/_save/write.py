@@ -51,18 +51,22 @@ def write_checkpoint(
     fsync: bool = True,
     threads: int = DEFAULT_THREADS,
     start: float | None = None,
+    workers: int | None = None,
 ) -> SaveResult:
     """Write a snapshot as a checkpoint and commit it: the synchronous core of every single-process save.
 
     Data files first, the manifest last, then the backend's commit; on any failure the staging
-    location is thrown away and whatever was at ``final`` before is untouched.
+    location is thrown away and whatever was at ``final`` before is untouched. ``workers``: see
+    :func:`write_data`.
     """
     start = time.perf_counter() if start is None else start
     tmp = storage.begin(final, overwrite=overwrite)
     groups, names = plan_data(storage, snapshot.entries, threads)
     unnamed = names  # data files no manifest names yet: what a failure deletes
     try:
-        files, tensors = write_data(storage, tmp, snapshot.entries, groups, names, fsync=fsync, threads=threads)
+        files, tensors = write_data(
+            storage, tmp, snapshot.entries, groups, names, fsync=fsync, threads=threads, workers=workers
+        )
         unnamed = []  # a manifest write that failed may still have landed, naming them
         nbytes, written = commit_manifest(
             storage, tmp, final, snapshot, files, tensors, names, overwrite=overwrite, fsync=fsync
@@ -86,9 +90,11 @@ def commit_manifest(
     *,
     overwrite: bool,
     fsync: bool,
+    world_size: int = 1,
 ) -> tuple[int, float]:
     """Write the manifest naming ``files`` and ``tensors`` into ``tmp`` and commit it to ``final``.
 
+    ``world_size``: the ranks that wrote the files (a collective save), recorded in the manifest.
     Returns the checkpoint's bytes and the clock when the manifest was written (before the commit).
     """
     body = manifest.Manifest(
@@ -98,6 +104,7 @@ def commit_manifest(
         metadata=snapshot.metadata,
         created=time.time(),
         writer=f"trainstate {_version()}",
+        world_size=world_size,
     )
     raw = body.to_json_bytes()
     storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
@@ -136,11 +143,21 @@ def write_data(
     *,
     fsync: bool,
     threads: int,
+    workers: int | None = None,
 ) -> tuple[tuple[manifest.FileEntry, ...], dict[str, manifest.TensorEntry]]:
+    """Write each group of entries as its data file; the files' and the tensors' manifest entries.
+
+    ``workers``: files written at once; by default ``threads`` or the storage's ``write_parallelism``,
+    whichever is more. A writer that produces each tensor's bytes as it goes (``consolidate``) sets it,
+    since each file in flight holds one tensor.
+    """
+
     def write(name: str, group: list[Entry]) -> tuple[int, str, list[tuple[int, int]], _FileViews]:
         return _write_group(storage, storage.join(tmp, name), group, fsync)
 
-    workers = min(len(groups), max(threads, storage.capabilities.write_parallelism))
+    if workers is None:
+        workers = max(threads, storage.capabilities.write_parallelism)
+    workers = min(len(groups), workers)
     if workers <= 1:
         results = [write(name, group) for name, group in zip(names, groups)]
     else:
@@ -206,15 +223,23 @@ class _FileViews:
             if n <= PIECE_BYTES:
                 yield data
                 continue
-            whole, sums = checksum.Hasher(), []
-            for begin in range(0, n, PIECE_BYTES):
-                piece = data[begin : begin + PIECE_BYTES]
-                if hashing:
-                    sums.append(checksum.digest(piece))
-                    whole.update(piece)  # from cache: the piece was just hashed
-                yield piece
-            if hashing:
-                self.sums.append(whole.result())
-                self.pieces.append(manifest.Pieces(PIECE_BYTES, tuple(sums)))
+            yield from self._pieces(data, hashing)
+            # Let go of this tensor before the next one's bytes are made: where they are made as the writer
+            # goes (consolidate reads each tensor then), one large tensor is in memory at a time. The empty
+            # view makes the storage drop the last piece it was handed, which would keep this one alive.
+            del data
+            yield memoryview(b"")
         if gathered:
             yield memoryview(gathered)
+
+    def _pieces(self, data: memoryview, hashing: bool) -> Iterator[memoryview]:
+        whole, sums = checksum.Hasher(), []
+        for begin in range(0, data.nbytes, PIECE_BYTES):
+            piece = data[begin : begin + PIECE_BYTES]
+            if hashing:
+                sums.append(checksum.digest(piece))
+                whole.update(piece)  # from cache: the piece was just hashed
+            yield piece
+        if hashing:
+            self.sums.append(whole.result())
+            self.pieces.append(manifest.Pieces(PIECE_BYTES, tuple(sums)))
