@@ -24,10 +24,13 @@ def _state(rank: int, value: float) -> dict[str, Any]:
 def run_with_retention(rank: int, world: int, directory: str, async_save: bool) -> Any:
     """Steps 0..9, saving every 2 and keeping 2; returns what each rank saw."""
     saved = []
+    torch.manual_seed(1000 + rank)  # each rank its own RNG stream, captured by the manager
     with trainstate.CheckpointManager(directory, every_steps=2, keep_last=2, async_save=async_save) as mgr:
         for step in range(10):
             state = _state(rank, float(step))
             saved.append(mgr.save(step, state))
+            if step == 8:
+                expected_rng_next = float(torch.rand(1))  # the next draw after the last checkpoint
         mgr.wait()
         listed = [c.step for c in mgr.list()]
         history = [(h.step, h.error) for h in mgr.history()]
@@ -42,6 +45,7 @@ def run_with_retention(rank: int, world: int, directory: str, async_save: bool) 
         "weight": back["weight"].numpy(),
         "mine": back["mine"].value.numpy(),
         "rng_next": float(torch.rand(1)),  # the captured RNG came back: this rank's own stream
+        "expected_rng_next": expected_rng_next,
     }
 
 

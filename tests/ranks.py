@@ -12,8 +12,8 @@ trip over (managers closed, signal handlers put back), as a well-behaved trainin
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import queue
 import socket
@@ -110,11 +110,14 @@ class _Ranks:
 _live: dict[int, _Ranks] = {}
 
 
-@atexit.register
 def _close_all() -> None:
     for ranks in _live.values():
         ranks.close()
     _live.clear()
+
+
+# At exit, before multiprocessing joins its children (which would wait for these ranks' next task forever).
+mp_util.Finalize(None, _close_all, exitpriority=10)
 
 
 def run(world: int, fn: Any, *args: Any, timeout: float = TIMEOUT) -> list[Any]:

@@ -27,7 +27,8 @@ def test_policies_and_retention_are_the_same_on_every_rank_and_restore_latest_re
         assert got["start"] == 9
         assert np.array_equal(got["weight"], np.full((64, 64), 8.0, np.float32))
         assert np.array_equal(got["mine"], np.full(1024, rank + 8.0, np.float32))  # its own value
-    assert out[0]["rng_next"] != out[1]["rng_next"]  # each rank got its own RNG stream back
+        assert got["rng_next"] == got["expected_rng_next"]  # its own RNG stream came back
+    assert out[0]["rng_next"] != out[1]["rng_next"]
     assert sorted(os.listdir(tmp_path / "run")) == [".trainstate.lock", "step_00000006", "step_00000008"]
 
 
