@@ -26,7 +26,7 @@ def plans_of(held: list[dict[str, tuple[tuple[int, ...], Box]]], dtype: str = "F
 
 def writers(held: list[dict[str, tuple[tuple[int, ...], Box]]]) -> dict[tuple[str, Box], list[int]]:
     """Which ranks write each (tensor, box), from assign()'s answer."""
-    shares = assign(plans_of(held))
+    shares = assign(plans_of(held)).shares
     out: dict[tuple[str, Box], list[int]] = {}
     for rank, (mine, share) in enumerate(zip(held, shares)):
         names = list(mine)
@@ -151,3 +151,4 @@ def test_random_tilings_and_their_damaged_versions_are_judged_like_a_dense_count
     else:
         with pytest.raises(UnsupportedValueError):
             assign(plans_of(held))
+

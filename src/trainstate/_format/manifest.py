@@ -104,8 +104,11 @@ class Manifest:
         Raises:
             UnsupportedValueError: a reader would refuse them as too large or too costly to parse.
         """
-        trees = {"metadata": _tree.to_json(self.metadata), "tree": _tree.to_json(self.tree)}
-        text = _canonical(self._body(), trees)
+        body = self._body()
+        trees: dict[str, str | bytes] = {"metadata": _tree.to_json(self.metadata), "tree": _tree.to_json(self.tree)}
+        if isinstance(body["tensors"], bytes):  # rendered from columns already (a ChunkTable)
+            trees["tensors"] = body.pop("tensors")
+        text = _canonical(body, trees)
         # The checksum goes first, whatever other fields sort before it: a reader hashes the bytes after it
         # and never re-serializes (docs/format.md §5.1).
         raw = b'{"checksum":' + json.dumps(checksum.digest(text)).encode() + b"," + text[1:] + b"\n"
@@ -118,10 +121,17 @@ class Manifest:
         return raw
 
     def _body(self) -> dict[str, Any]:
-        with _gc.paused():
-            tensors = {name: _tensor_json(t) for name, t in self.tensors.items()}
+        from trainstate._format.chunk_table import ChunkTable  # it builds this module's entries on lookup
+
+        tensors: Any = None
+        if isinstance(self.tensors, ChunkTable):  # a million chunks of many ranks, rendered as columns
+            tensors, pieced = self.tensors.canonical_json(), bool(self.tensors.pieces)
+        if tensors is None:
+            with _gc.paused():
+                tensors = {name: _tensor_json(t) for name, t in self.tensors.items()}
+            pieced = any(c.pieces for t in self.tensors.values() for c in t.chunks)
         version = self.format_version
-        if _older(version, PIECES_VERSION) and any(c.pieces for t in self.tensors.values() for c in t.chunks):
+        if _older(version, PIECES_VERSION) and pieced:
             version = PIECES_VERSION
         return {
             **self.extra,
@@ -158,13 +168,13 @@ def _chunk_json(c: Chunk) -> dict[str, Any]:
     return out
 
 
-def _canonical(body: dict[str, Any], texts: Mapping[str, str] | None = None) -> bytes:
+def _canonical(body: dict[str, Any], texts: Mapping[str, str | bytes] | None = None) -> bytes:
     """The canonical JSON of ``body``, plus the fields in ``texts`` given as canonical JSON text already."""
     if not texts:
         return _dumps(body).encode()
-    fields = {k: _dumps(v) for k, v in body.items() if k not in texts}
-    fields.update(texts)
-    return ("{" + ",".join(f"{_dumps(k)}:{fields[k]}" for k in sorted(fields)) + "}").encode()
+    fields = {k: _dumps(v).encode() for k, v in body.items() if k not in texts}
+    fields.update({k: v if isinstance(v, bytes) else v.encode() for k, v in texts.items()})
+    return b"{" + b",".join(_dumps(k).encode() + b":" + fields[k] for k in sorted(fields)) + b"}"
 
 
 def _dumps(value: Any) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -81,7 +81,7 @@ def commit_manifest(
     final: str,
     snapshot: Snapshot,
     files: tuple[manifest.FileEntry, ...],
-    tensors: dict[str, manifest.TensorEntry],
+    tensors: Mapping[str, manifest.TensorEntry],
     names: list[str],
     *,
     overwrite: bool,
@@ -91,19 +91,25 @@ def commit_manifest(
 
     Returns the checkpoint's bytes and the clock when the manifest was written (before the commit).
     """
-    body = manifest.Manifest(
+    raw = manifest_bytes(snapshot, files, tensors)
+    storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
+    written = time.perf_counter()
+    storage.commit(tmp, final, [*names, manifest.MANIFEST_NAME], overwrite=overwrite, fsync=fsync)
+    return sum(f.size for f in files) + len(raw), written
+
+
+def manifest_bytes(
+    snapshot: Snapshot, files: tuple[manifest.FileEntry, ...], tensors: Mapping[str, manifest.TensorEntry]
+) -> bytes:
+    """The manifest file naming ``files`` and ``tensors``, for the state in ``snapshot``."""
+    return manifest.Manifest(
         tree=snapshot.tree,
         tensors=tensors,
         files=files,
         metadata=snapshot.metadata,
         created=time.time(),
         writer=f"trainstate {_version()}",
-    )
-    raw = body.to_json_bytes()
-    storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
-    written = time.perf_counter()
-    storage.commit(tmp, final, [*names, manifest.MANIFEST_NAME], overwrite=overwrite, fsync=fsync)
-    return sum(f.size for f in files) + len(raw), written
+    ).to_json_bytes()
 
 
 def _version() -> str:
