@@ -24,7 +24,7 @@ import heapq
 import math
 import operator
 from itertools import compress, count, repeat
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 import numpy as np
 
@@ -43,14 +43,16 @@ class Assignment(NamedTuple):
 
 
 class RankPlan(NamedTuple):
-    """What one rank holds: tensor ``names[i]`` with ``headers[i]``, and the box ``boxes[i]`` of it.
+    """What one rank holds: tensor ``names[i]`` with header ``kinds[kind[i]]``, and the box ``boxes[i]`` of it.
 
     ``boxes`` is an int64 array with one row per tensor: ``[ndim, offset (D), shape (D), nbytes]`` for some
-    D at least every tensor's rank (unused columns zero).
+    D at least every tensor's rank (unused columns zero). Headers are listed once each (``kinds``; a model
+    has a few distinct ones), so rank 0 compares them as integer arrays.
     """
 
     names: list[str]
-    headers: list[Header]
+    kinds: list[Header]
+    kind: np.ndarray
     boxes: np.ndarray
 
 
@@ -58,13 +60,16 @@ def rank_plan(items: list[tuple[str, Header, tuple[int, ...], tuple[int, ...], i
     """A rank's plan from ``(name, header, offset, shape, nbytes)`` per tensor."""
     width = max((len(h[2]) for _, h, _, _, _ in items), default=0)
     rows = np.zeros((len(items), 2 * width + 2), dtype=np.int64)
+    kinds: dict[Header, int] = {}
+    kind = np.zeros(len(items), dtype=np.int64)
     for i, (_, header, offset, shape, nbytes) in enumerate(items):
         d = len(header[2])
         rows[i, 0] = d
         rows[i, 1 : 1 + d] = offset
         rows[i, 1 + width : 1 + width + d] = shape
         rows[i, -1] = nbytes
-    return RankPlan([it[0] for it in items], [it[1] for it in items], rows)
+        kind[i] = kinds.setdefault(header, len(kinds))
+    return RankPlan([it[0] for it in items], list(kinds), kind, rows)
 
 
 def assign(plans: list[RankPlan]) -> Assignment:
@@ -119,10 +124,11 @@ def assign(plans: list[RankPlan]) -> Assignment:
         assigned[r] += int(nbytes[row])
         heapq.heappush(load, (assigned[r], r))
     written = table[writer]  # writer rows ascend: by tensor, then offset
-    by_rank = np.lexsort((written[:, -1], written[:, -2]))
-    cut = np.searchsorted(written[by_rank, -2], np.arange(len(plans) + 1))
+    rank_of = written[:, -2].astype(np.uint16 if len(plans) <= 1 << 16 else np.int64)  # 16 bits: a radix sort
+    by_rank = np.argsort(rank_of, kind="stable")
+    cut = np.searchsorted(rank_of[by_rank], np.arange(len(plans) + 1))
     picked = written[by_rank, -1].tolist()
-    out = [picked[cut[r] : cut[r + 1]] for r in range(len(plans))]
+    out = [sorted(picked[cut[r] : cut[r + 1]]) for r in range(len(plans))]  # mostly in order already
     return Assignment(out, headers, written, width)
 
 
@@ -156,35 +162,42 @@ def _rows(plan: RankPlan, ids: np.ndarray, rank: int, width: int) -> np.ndarray:
 def _agreed_headers(plans: list[RankPlan]) -> tuple[list[np.ndarray], list[tuple[str, Header]]]:
     """Tensor ids per rank, and (name, header) per id; every rank must agree on a tensor's header.
 
-    Names are looked up and headers compared a whole rank at a time (``map``, list equality: C loops); only
-    names seen for the first time — a rank's own per-rank tensors — are handled one by one.
+    Names are looked up a whole rank at a time (``map``: a C loop) and headers compared as integer arrays;
+    only names seen for the first time — a rank's own per-rank tensors — are handled one by one.
     """
     ids: dict[str, int] = {}
     headers: list[tuple[str, Header]] = []
-    known: list[Header] = []  # known[id] == headers[id][1]
-    where: list[int] = []
+    kinds: dict[Header, int] = {}  # every distinct header, numbered
+    known = np.zeros(64, dtype=np.int64)  # known[id]: the header number of tensor id (grown by doubling)
+    where: list[int] = []  # the rank that named each tensor first
     out: list[np.ndarray] = []
     for rank, plan in enumerate(plans):
-        if rank and plan.names == plans[0].names and plan.headers == plans[0].headers:
-            out.append(out[0])  # the common case (the same structure on every rank): compared at C speed
-            continue
-        looked = list(map(ids.get, plan.names))
-        if None in looked:  # names met for the first time: registered in this rank's order
-            for i in list(compress(count(), map(operator.is_, looked, repeat(None)))):
-                looked[i] = ids[plan.names[i]] = len(headers)
-                headers.append((plan.names[i], plan.headers[i]))
-                known.append(plan.headers[i])
-                where.append(rank)
-        found = cast(list[int], looked)
-        if list(map(known.__getitem__, found)) != plan.headers:
-            i = next(i for i, f in enumerate(found) if known[f] != plan.headers[i])
-            name, header, seen = plan.names[i], plan.headers[i], known[found[i]]
+        number = np.array([kinds.setdefault(h, len(kinds)) for h in plan.kinds], dtype=np.int64)
+        mine = number[plan.kind] if len(plan.kind) else np.zeros(0, np.int64)  # header number per row
+        if rank and plan.names == plans[0].names:
+            found = out[0]  # the common case (the same structure on every rank): compared at C speed
+        else:
+            looked = list(map(ids.get, plan.names))
+            if None in looked:  # names met for the first time: registered in this rank's order
+                for i in list(compress(count(), map(operator.is_, looked, repeat(None)))):
+                    looked[i] = ids[plan.names[i]] = len(headers)
+                    headers.append((plan.names[i], plan.kinds[plan.kind[i]]))
+                    where.append(rank)
+                    if len(headers) > len(known):
+                        known = np.concatenate([known, np.zeros_like(known)])
+                    known[len(headers) - 1] = mine[i]
+            found = np.array(looked, dtype=np.int64)
+        differ = np.flatnonzero(known[found] != mine)
+        if len(differ):
+            i = int(differ[0])
+            name, seen = headers[int(found[i])]
+            header = plan.kinds[plan.kind[i]]
             raise UnsupportedValueError(
-                f"tensor {name!r:.80} differs between ranks: rank {where[found[i]]} has {seen[0]}{list(seen[2])} "
-                f"({seen[1]}), rank {rank} has {header[0]}{list(header[2])} ({header[1]}). Every rank must save "
-                "the same state structure; values that differ by rank go in trainstate.PerRank"
+                f"tensor {name!r:.80} differs between ranks: rank {where[int(found[i])]} has {seen[0]}"
+                f"{list(seen[2])} ({seen[1]}), rank {rank} has {header[0]}{list(header[2])} ({header[1]}). Every "
+                "rank must save the same state structure; values that differ by rank go in trainstate.PerRank"
             )
-        out.append(np.array(found, dtype=np.int64))
+        out.append(found)
     return out, headers
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Iterator, Mapping
+from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -93,6 +94,11 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
     def canonical_json(self) -> bytes | None:
         """The ``tensors`` object of the manifest as canonical JSON, or None where a string in it would need
         escaping (the caller then takes the general path)."""
+        parts = self.canonical_json_parts()
+        return None if parts is None else b"".join(parts)
+
+    def canonical_json_parts(self) -> list[bytes | memoryview] | None:
+        """:meth:`canonical_json` in pieces, for a caller that joins it with more (one copy, not two)."""
         files = np.array(self.files, dtype="S") if self.files else np.zeros(0, "S1")
         if not (_plain(self.checksums) and _plain(files)) or (self.ranges < 0).any() or (self.offsets < 0).any():
             return None
@@ -118,20 +124,29 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
         pieced = sorted(self.pieces)
         places = (starts[pieced] + before[pieced]).tolist()
         out: list[bytes | memoryview] = [b"{"]
+        tails: dict[Header, bytes] = {}  # a model has a few distinct headers
         for j, name in enumerate(sorted(self._ids)):
             i = self._ids[name]
-            dtype, kind, shape = self.headers[i]
+            header = self.headers[i]
             first, last = self._rows.get(i, (0, 0))
             out.append(b"," if j else b"")
-            out.append(_dumps(name) + b':{"chunks":[')
+            out.append(encode_basestring_ascii(name).encode() + b':{"chunks":[')
             begin, end = int(starts[first]), int(starts[last]) - (last > first)  # the last row's "," dropped
             for k in range(bisect.bisect_left(places, begin), bisect.bisect_left(places, end)):
                 out += [text[begin : places[k]], _pieces_json(self.pieces[pieced[k]])]
                 begin = places[k]
             out.append(text[begin:end])
-            out.append(b'],"dtype":' + _dumps(dtype) + b',"kind":' + _dumps(kind) + b',"shape":' + _dumps(shape) + b"}")
+            tail = tails.get(header)
+            if tail is None:
+                dtype, kind, shape = header
+                tail = tails[header] = b'],"dtype":%s,"kind":%s,"shape":%s}' % (
+                    _dumps(dtype),
+                    _dumps(kind),
+                    _dumps(shape),
+                )
+            out.append(tail)
         out.append(b"}")
-        return b"".join(out)
+        return out
 
 
 class _Rows:
@@ -155,12 +170,14 @@ class _Rows:
 
     def digits(self, x: np.ndarray, keep: np.ndarray | None = None) -> None:
         """Non-negative integers in decimal; nothing for the rows where ``keep`` is False."""
-        width = len(str(int(x.max(initial=0))))
+        top = int(x.max(initial=0))
+        width = len(str(top))
         block = np.empty((width, self.n), dtype=np.uint8)
-        rest = x.astype(np.int64)
+        rest: np.ndarray = x.astype(np.uint32 if top < 1 << 32 else np.uint64)  # narrow, unsigned: fast division
         for i in range(width - 1, -1, -1):
-            rest, digit = np.divmod(rest, 10)
-            block[i] = digit
+            quotient: np.ndarray = rest // 10
+            block[i] = rest - quotient * 10
+            rest = quotient
         block += ord("0")
         count = np.ones(self.n, dtype=np.int64)
         for i in range(width - 1):  # a leading zero (never the last digit) is padding
