@@ -68,6 +68,11 @@ def test_per_rank_tensors_of_each_rank_are_written_by_it():
     assert all(got[(f"rng.{r}.state", ((0,), (5,)))] == [r] for r in range(3))
 
 
+def test_ranks_whose_tensors_have_different_ranks_of_dimension():
+    held = [{"a": ((4,), ((0,), (2,)))}, {"a": ((4,), ((2,), (2,))), "m": ((2, 3), ((0, 0), (2, 3)))}]
+    assert writers(held) == {("a", ((0,), (2,))): [0], ("a", ((2,), (2,))): [1], ("m", ((0, 0), (2, 3))): [1]}
+
+
 def test_scalars_and_a_rank_that_holds_nothing():
     held = [{"s": ((), ((), ()))}, {}]
     assert writers(held) == {("s", ((), ())): [0]}

@@ -81,8 +81,8 @@ def assign(plans: list[RankPlan]) -> Assignment:
     ids, headers = _agreed_headers(plans)
     width = max((p.boxes.shape[1] - 2) // 2 for p in plans) if plans else 0
     # One table of every box: [tensor id, offset (width), shape (width), nbytes, rank, index].
-    table = np.concatenate([_rows(p, i, r, width) for r, (p, i) in enumerate(zip(plans, ids))]) if plans else None
-    if table is None or not len(table):
+    table = _table(plans, ids, width)
+    if not len(table):
         return Assignment([[] for _ in plans], headers, np.zeros((0, 2 * width + 4), np.int64), width)
     key = _sort_key(table[:, : 1 + width])  # tensor and offset: which boxes are the same box
     order = np.argsort(key, kind="stable") if key.ndim == 1 else np.lexsort(key.T[::-1])
@@ -145,17 +145,31 @@ def _sort_key(key: np.ndarray) -> np.ndarray:
     return out
 
 
-def _rows(plan: RankPlan, ids: np.ndarray, rank: int, width: int) -> np.ndarray:
-    boxes = plan.boxes
-    n, have = len(boxes), (boxes.shape[1] - 2) // 2 if boxes.size else 0
-    out = np.zeros((n, 2 * width + 4), dtype=np.int64)
-    out[:, 0] = ids
-    if n:
-        out[:, 1 : 1 + have] = boxes[:, 1 : 1 + have]
-        out[:, 1 + width : 1 + width + have] = boxes[:, 1 + have : 1 + 2 * have]
-        out[:, -3] = boxes[:, -1]
-    out[:, -2] = rank
-    out[:, -1] = np.arange(n)
+def _table(plans: list[RankPlan], ids: list[np.ndarray], width: int) -> np.ndarray:
+    """Every rank's boxes in one table: [tensor id, offset (width), shape (width), nbytes, rank, index]."""
+    lengths = np.array([len(p.boxes) for p in plans], dtype=np.int64)
+    out = np.zeros((int(lengths.sum()), 2 * width + 4), dtype=np.int64)
+    if not len(out):
+        return out
+    same = [p for p in plans if len(p.boxes)]
+    if all(p.boxes.shape[1] == 2 * width + 2 for p in same):  # the common case: one copy
+        boxes = np.concatenate([p.boxes for p in same])
+    else:
+        boxes = np.zeros((len(out), 2 * width + 2), dtype=np.int64)
+        at = 0
+        for p in same:
+            have = (p.boxes.shape[1] - 2) // 2
+            part = boxes[at : at + len(p.boxes)]
+            part[:, : 1 + have], part[:, 1 + width : 1 + width + have] = (
+                p.boxes[:, : 1 + have],
+                p.boxes[:, 1 + have : -1],
+            )
+            part[:, -1] = p.boxes[:, -1]
+            at += len(p.boxes)
+    out[:, 0] = np.concatenate(ids)
+    out[:, 1 : 2 * width + 2] = boxes[:, 1:]
+    out[:, -2] = np.repeat(np.arange(len(plans)), lengths)
+    out[:, -1] = np.arange(len(out)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     return out
 
 
@@ -220,7 +234,8 @@ def _check_tiling(distinct: np.ndarray, headers: list[tuple[str, Header]], width
     for g, shape in enumerate(shapes):
         bound[g, : len(shape)] = shape
     used = np.arange(width) < np.array([len(s) for s in shapes], dtype=np.int64)[group][:, None]
-    off, ext = distinct[:, 1 : 1 + width], distinct[:, 1 + width : 1 + 2 * width]
+    off = np.ascontiguousarray(distinct[:, 1 : 1 + width])
+    ext = np.ascontiguousarray(distinct[:, 1 + width : 1 + 2 * width])
 
     outside = (((off < 0) | (ext < 0) | (off + ext > bound[group])) & used).any(axis=1)
     if outside.any():
@@ -232,11 +247,11 @@ def _check_tiling(distinct: np.ndarray, headers: list[tuple[str, Header]], width
     first = np.repeat(starts, counts)
     varying = np.logical_or.reduceat((off != off[first]) | (ext != ext[first]), starts, axis=0)
     slab = (varying.sum(axis=1) <= 1) & ~np.logical_or.reduceat((ext1 == 0).any(axis=1), starts)
-    axis = np.argmax(varying, axis=1)[group]  # the one dimension a slab tiling varies along (0 if none)
-    rows = np.arange(n)
-    end = off[rows, axis] + ext[rows, axis]
+    axis = np.argmax(varying, axis=1)[group][:, None]  # the one dimension a slab tiling varies along (0 if none)
+    begin = np.take_along_axis(off, axis, axis=1)[:, 0]
+    end = begin + np.take_along_axis(ext, axis, axis=1)[:, 0]
     clash = np.zeros(len(starts), dtype=bool)  # a slab box that begins before its neighbour ends
-    clash[group[1:][(group[1:] == group[:-1]) & (off[rows[1:], axis[1:]] < end[:-1])]] = True
+    clash[group[1:][(group[1:] == group[:-1]) & (begin[1:] < end[:-1])]] = True
     for g in np.flatnonzero((volume != whole) | (clash & slab) | ~slab).tolist():
         part, d = slice(starts[g], starts[g] + counts[g]), len(shapes[g])
         if volume[g] == whole[g] and not slab[g] and not (d and _overlap(off[part, :d], ext[part, :d])):

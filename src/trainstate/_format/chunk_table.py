@@ -29,6 +29,7 @@ _PLAIN = np.zeros(256, dtype=bool)
 _PLAIN[0x20:0x7F] = True
 _PLAIN[[0x22, 0x5C]] = False
 _PLAIN[0] = True  # padding, if only at the end (checked apart)
+_PLAIN_BYTES = bytes(np.flatnonzero(_PLAIN).astype(np.uint8))
 
 
 class ChunkTable(Mapping[str, "TensorEntry"]):
@@ -209,7 +210,7 @@ class _Rows:
         self.blocks = []
         flat = matrix.T.ravel()  # row after row
         del matrix
-        return memoryview(flat[flat != 0].tobytes()), np.r_[0, np.cumsum(self.lengths)]
+        return memoryview(flat[flat != 0]), np.r_[0, np.cumsum(self.lengths)]
 
 
 def _dumps(value: object) -> bytes:
@@ -224,9 +225,10 @@ def _plain(strings: np.ndarray) -> bool:
     """Whether fixed-width byte strings need no JSON escaping and hold no zero byte before their end."""
     if not strings.size:
         return True
-    b = _bytes(strings)
-    nonzero = b != 0
-    return bool(_PLAIN[b].all()) and not (nonzero[:, 1:] & ~nonzero[:, :-1]).any()
+    if strings.tobytes().translate(None, _PLAIN_BYTES):  # a byte outside the set is left
+        return False
+    nonzero = _bytes(strings) != 0
+    return not (nonzero[:, 1:] & ~nonzero[:, :-1]).any()
 
 
 def _bytes(strings: np.ndarray) -> np.ndarray:
