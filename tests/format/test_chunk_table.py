@@ -96,3 +96,26 @@ def test_a_checksum_that_needs_escaping_takes_the_general_path():
         _tree.NONE, table, (manifest.FileEntry("data-r00000-00000.safetensors", 8, "x"),)
     ).to_json_bytes()
     assert b'"checksum":"xx\\"h"' in raw
+
+
+def test_a_table_of_many_blocks_of_rows_renders_the_same_bytes():
+    rng = np.random.default_rng(0)
+    n, tensors = 40_000, 7  # rows cross several blocks, rendered on more than one thread
+    tensor = np.sort(rng.integers(0, tensors, n))
+    offsets = np.zeros((n, 2), np.int64)
+    offsets[:, 0] = rng.integers(0, 10**7, n)
+    begin = rng.integers(0, 10**11, n)
+    table = ChunkTable(
+        [f"t{i}" for i in range(tensors)],
+        [("BF16", "torch", (10**7, 4096))] * tensors,
+        tensor,
+        offsets,
+        np.tile([4, 4096], (n, 1)),
+        ["data-r00000-00000.safetensors", "data-r00001-00000.safetensors"],
+        rng.integers(0, 2, n),
+        np.stack([begin, begin + 32768], axis=1),
+        np.array([f"xxh3_64:{x:016x}" for x in rng.integers(0, 2**63, n).tolist()], dtype="S"),
+        {int(k): manifest.Pieces(4096, ("a", "b")) for k in rng.integers(0, n, 50)},
+    )
+    expected = manifest._dumps({name: manifest._tensor_json(table[name]) for name in table}).encode()
+    assert table.canonical_json() == expected

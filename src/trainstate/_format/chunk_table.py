@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING
 
@@ -200,17 +201,38 @@ class _Rows:
                 self.lengths += keep
             self.digits(columns[:, j], keep)
 
-    def squeezed(self) -> tuple[memoryview, np.ndarray]:
-        """Every row's text end to end, and where each row begins (then where the last one ends)."""
-        matrix = np.empty((sum(len(b) for b in self.blocks), self.n), dtype=np.uint8)
-        at = 0
-        for b in self.blocks:
-            matrix[at : at + len(b)] = b
-            at += len(b)
+    def squeezed(self, threads: int = 2) -> tuple[memoryview, np.ndarray]:
+        """Every row's text end to end, and where each row begins (then where the last one ends).
+
+        A block of rows at a time (the block's matrix stays in cache while it is turned row-major and
+        squeezed), on ``threads`` threads: NumPy lets go of the GIL for all of it, and on rank 0 of a
+        collective save every other rank is waiting for this.
+        """
+        starts = np.r_[0, np.cumsum(self.lengths)]
+        out = np.empty(int(starts[-1]), dtype=np.uint8)
+        height = sum(len(b) for b in self.blocks)
+
+        def block(begin: int) -> None:
+            end = min(begin + _BLOCK_ROWS, self.n)
+            matrix = np.empty((height, end - begin), dtype=np.uint8)
+            at = 0
+            for b in self.blocks:  # a literal is one column, the same for every row
+                matrix[at : at + len(b)] = b if b.shape[1] != self.n else b[:, begin:end]
+                at += len(b)
+            flat = matrix.T.ravel()  # row after row
+            out[starts[begin] : starts[end]] = flat[flat != 0]
+
+        if threads > 1 and self.n > _BLOCK_ROWS:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(block, range(0, self.n, _BLOCK_ROWS)))
+        else:
+            for begin in range(0, self.n, _BLOCK_ROWS):
+                block(begin)
         self.blocks = []
-        flat = matrix.T.ravel()  # row after row
-        del matrix
-        return memoryview(flat[flat != 0]), np.r_[0, np.cumsum(self.lengths)]
+        return out.data, starts
+
+
+_BLOCK_ROWS = 1 << 14
 
 
 def _dumps(value: object) -> bytes:
