@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import heapq
 import math
-import operator
-from itertools import compress, count, repeat
+from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -86,22 +85,22 @@ def assign(plans: list[RankPlan]) -> Assignment:
         return Assignment([[] for _ in plans], headers, np.zeros((0, 2 * width + 4), np.int64), width)
     key = _sort_key(table[:, : 1 + width])  # tensor and offset: which boxes are the same box
     order = np.argsort(key, kind="stable") if key.ndim == 1 else np.lexsort(key.T[::-1])
-    table, key = table[order], key[order]
+    key = key[order]
     new = np.ones(len(table), dtype=bool)
     new[1:] = key[1:] != key[:-1] if key.ndim == 1 else (key[1:] != key[:-1]).any(axis=1)
-    starts = np.flatnonzero(new)  # each distinct box's first row; its holders follow
+    starts = np.flatnonzero(new)  # each distinct box's first row (in sorted order); its holders follow
     counts = np.diff(np.append(starts, len(table)))
-    distinct = table[starts]
-    shapes = table[:, 1 + width : 1 + 2 * width]
-    if (shapes != np.repeat(shapes[starts], counts, axis=0)).any():
-        row = int(np.flatnonzero((shapes != np.repeat(shapes[starts], counts, axis=0)).any(axis=1))[0])
-        raise UnsupportedValueError(
-            f"tensor {headers[int(table[row, 0])][0]!r:.80}: two ranks hold different boxes at offset "
-            f"{table[row, 1 : 1 + width].tolist()}"
-        )
-    _check_tiling(distinct, headers, width)
+    if len(starts) < len(table):  # boxes held by several ranks: the same offset must mean the same shape
+        shapes = table[order, 1 + width : 1 + 2 * width]
+        differ = ~new[1:] & (shapes[1:] != shapes[:-1]).any(axis=1)
+        if differ.any():
+            row = order[int(np.argmax(differ)) + 1]
+            raise UnsupportedValueError(
+                f"tensor {headers[int(table[row, 0])][0]!r:.80}: two ranks hold different boxes at offset "
+                f"{table[row, 1 : 1 + width].tolist()}"
+            )
 
-    ranks, nbytes = table[:, -2], table[:, -3]
+    ranks, nbytes = table[order, -2], table[order, -3]
     writer = np.full(len(starts), -1, dtype=np.int64)
     single = counts == 1
     writer[single] = starts[single]
@@ -123,7 +122,8 @@ def assign(plans: list[RankPlan]) -> Assignment:
         r = int(ranks[row])
         assigned[r] += int(nbytes[row])
         heapq.heappush(load, (assigned[r], r))
-    written = table[writer]  # writer rows ascend: by tensor, then offset
+    written = table[order[writer]]  # one row per distinct box, by tensor then offset
+    _check_tiling(written, headers, width)
     rank_of = written[:, -2].astype(np.uint16 if len(plans) <= 1 << 16 else np.int64)  # 16 bits: a radix sort
     by_rank = np.argsort(rank_of, kind="stable")
     cut = np.searchsorted(rank_of[by_rank], np.arange(len(plans) + 1))
@@ -191,16 +191,14 @@ def _agreed_headers(plans: list[RankPlan]) -> tuple[list[np.ndarray], list[tuple
         if rank and plan.names == plans[0].names:
             found = out[0]  # the common case (the same structure on every rank): compared at C speed
         else:
-            looked = list(map(ids.get, plan.names))
-            if None in looked:  # names met for the first time: registered in this rank's order
-                for i in list(compress(count(), map(operator.is_, looked, repeat(None)))):
-                    looked[i] = ids[plan.names[i]] = len(headers)
-                    headers.append((plan.names[i], plan.kinds[plan.kind[i]]))
-                    where.append(rank)
-                    if len(headers) > len(known):
-                        known = np.concatenate([known, np.zeros_like(known)])
-                    known[len(headers) - 1] = mine[i]
-            found = np.array(looked, dtype=np.int64)
+            found = np.array(list(map(ids.get, plan.names, repeat(-1))), dtype=np.int64)
+            for i in np.flatnonzero(found < 0).tolist():  # names met for the first time, in this rank's order
+                found[i] = ids[plan.names[i]] = len(headers)
+                headers.append((plan.names[i], plan.kinds[plan.kind[i]]))
+                where.append(rank)
+                if len(headers) > len(known):
+                    known = np.concatenate([known, np.zeros_like(known)])
+                known[len(headers) - 1] = mine[i]
         differ = np.flatnonzero(known[found] != mine)
         if len(differ):
             i = int(differ[0])
