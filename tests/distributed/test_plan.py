@@ -156,4 +156,3 @@ def test_random_tilings_and_their_damaged_versions_are_judged_like_a_dense_count
     else:
         with pytest.raises(UnsupportedValueError):
             assign(plans_of(held))
-
