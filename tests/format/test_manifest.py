@@ -156,3 +156,77 @@ def test_a_world_size_that_is_not_a_positive_integer_is_corrupt(bad):
     raw = manifest.Manifest(tree=None, tensors={}, files=(), extra={"world_size": bad}).to_json_bytes()
     with pytest.raises(trainstate.CorruptCheckpointError, match="world_size"):
         manifest.parse(raw)
+
+
+def _sharded(rows: int, cols: int, ranks: int, pieced: bool) -> tuple[dict, dict[str, int]]:
+    """A raw entry of a (rows, cols) F32 tensor in ``ranks`` row shards, each in its rank's file."""
+    per = rows // ranks
+    chunks = []
+    for r in range(ranks):
+        nbytes = per * cols * 4
+        c = {"file": f"d{r}", "byte_range": [64, 64 + nbytes], "offset": [r * per, 0], "shape": [per, cols]}
+        c["checksum"] = f"xxh3_64:{r:016x}"
+        if pieced:
+            c["pieces"] = {"bytes": 256, "checksums": ["p"] * -(-nbytes // 256)}
+        chunks.append(c)
+    t = {"dtype": "F32", "kind": "torch", "shape": [rows, cols], "chunks": chunks}
+    return t, {f"d{r}": 64 + per * cols * 4 for r in range(ranks)}
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except trainstate.CheckpointError as e:
+        return type(e).__name__
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError):
+        return "CorruptCheckpointError"  # what malformed() turns it into
+
+
+DAMAGE = [
+    ("nothing", lambda t, s: None),
+    ("a gap", lambda t, s: t["chunks"].pop(1)),
+    ("an overlap", lambda t, s: t["chunks"][1]["offset"].__setitem__(0, t["chunks"][1]["offset"][0] - 1)),
+    ("a box outside", lambda t, s: t["chunks"][-1]["offset"].__setitem__(0, 10**6)),
+    ("a short range", lambda t, s: t["chunks"][0]["byte_range"].__setitem__(1, 65)),
+    ("a range past the file", lambda t, s: s.__setitem__("d0", 70)),
+    ("an unlisted file", lambda t, s: t["chunks"][2].__setitem__("file", "nope")),
+    ("a bool", lambda t, s: t["chunks"][2]["shape"].__setitem__(1, True)),
+    ("a float", lambda t, s: t["chunks"][2]["offset"].__setitem__(1, 0.0)),
+    ("a negative", lambda t, s: t["chunks"][0]["byte_range"].__setitem__(0, -1)),
+    ("a huge number", lambda t, s: t["chunks"][0]["byte_range"].__setitem__(1, 2**70)),
+    ("a wrong rank", lambda t, s: t["chunks"][0]["offset"].append(0)),
+    ("a transform", lambda t, s: t["chunks"][0].__setitem__("transforms", [])),
+    ("an unknown transform", lambda t, s: t["chunks"][0].__setitem__("transforms", [{"name": "zstd"}])),
+    ("a missing checksum", lambda t, s: t["chunks"][3].pop("checksum")),
+    ("a checksum number", lambda t, s: t["chunks"][3].__setitem__("checksum", 5)),
+    ("a chunk list", lambda t, s: t["chunks"].__setitem__(0, [])),
+    ("a bad dtype", lambda t, s: t.__setitem__("dtype", "F99")),
+    ("a shape of zero and huge", lambda t, s: t.__setitem__("shape", [0, 2**47, 2**47])),
+    ("bad pieces", lambda t, s: t["chunks"][0].__setitem__("pieces", {"bytes": 256, "checksums": []})),
+    (
+        "extra piece members",
+        lambda t, s: t["chunks"][0].__setitem__("pieces", {"bytes": 10**9, "checksums": ["p"], "x": 1}),
+    ),
+]
+
+
+@pytest.mark.parametrize("pieced", [False, True])
+@pytest.mark.parametrize("what, damage", DAMAGE, ids=[d[0] for d in DAMAGE])
+def test_the_column_check_of_sharded_entries_agrees_with_the_full_one(what, damage, pieced):
+    import copy
+
+    t, sizes = _sharded(16, 8, 8, pieced)
+    damage(t, sizes)
+    full = _outcome(manifest._checked_entry, "t", copy.deepcopy(t), sizes)
+    fast = _outcome(manifest._sharded_entry, copy.deepcopy(t), sizes)
+    assert fast is None or fast == full  # None: the general path decides
+    assert _outcome(manifest._tensor_entry, "t", t, sizes) == full
+    if what == "nothing":
+        assert fast is not None
+
+
+def test_byte_counts_of_a_large_manifest_match_bytes_count():
+    import random
+
+    raw = bytes(random.Random(0).choice(b'{}[],":ab\\u') for _ in range(3 << 20))
+    assert manifest._counts(raw, b'{[,":') == [raw.count(bytes([c])) for c in b'{[,":']

@@ -15,13 +15,16 @@ The protocol (docs/distributed.md), on the coordination group:
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from trainstate import _gc
 from trainstate._distributed import per_rank
 from trainstate._distributed.group import Coordinator, Failure
-from trainstate._distributed.plan import RankPlan, assign, rank_plan
+from trainstate._distributed.plan import Assignment, RankPlan, assign, rank_plan
 from trainstate._format import manifest
+from trainstate._format.chunk_table import ChunkTable
 from trainstate._save.encode import Snapshot, encode_state
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_data
 from trainstate._storage import Storage
@@ -40,17 +43,21 @@ def save_collective(
     storage: Storage,
     start: float,
 ) -> SaveResult:
-    """Encode this rank's ``state`` and write it with the other ranks' (:func:`write_collective`)."""
-    snapshot: Snapshot | None = None
-    error: Exception | None = None
-    try:
-        with _gc.paused():
+    """Encode this rank's ``state`` and write it with the other ranks' (:func:`write_collective`).
+
+    As a single-process save: the collector paused throughout. Rank 0 receives every rank's plan and
+    entries (millions of small objects at 1,024 ranks), none of them in a cycle.
+    """
+    with _gc.paused():
+        snapshot: Snapshot | None = None
+        error: Exception | None = None
+        try:
             snapshot = encode_state(state, metadata, rank=coord.rank)
-    except Exception as e:  # noqa: BLE001 - every rank still takes part, so the others hear why
-        error = e
-    return write_collective(
-        coord, root, snapshot, error, overwrite=overwrite, fsync=fsync, threads=threads, storage=storage, start=start
-    )
+        except Exception as e:  # noqa: BLE001 - every rank still takes part, so the others hear why
+            error = e
+        return write_collective(
+            coord, root, snapshot, error, overwrite=overwrite, fsync=fsync, threads=threads, storage=storage, start=start
+        )
 
 
 def write_collective(
@@ -72,8 +79,7 @@ def write_collective(
     if error is None:
         assert snapshot is not None
         try:
-            with _gc.paused():
-                digests, parts = per_rank.split(snapshot.tree)
+            digests, parts = per_rank.split(snapshot.tree)
             mine = (_plan_of(snapshot), digests)
         except Exception as e:  # noqa: BLE001 - every rank still takes part, so the others hear why
             error = e
@@ -81,9 +87,10 @@ def write_collective(
         mine = Failure(rank, f"{type(error).__name__}: {error}")
     sent = coord.gather(mine, "checkpoint save (planning)")
     reply: list[Any] | None = None
+    plan: Assignment | None = None
     if rank == 0:
         assert sent is not None
-        reply = _decide(sent, storage, root, overwrite)
+        reply, plan = _decide(sent, storage, root, overwrite)
     share = coord.scatter(reply, "checkpoint save (planning)")
     if isinstance(share, Failure):
         if error is not None:
@@ -95,7 +102,7 @@ def write_collective(
     groups, names = plan_data(storage, entries, threads, prefix=f"data-r{rank:05d}")
     try:
         files, tensors = write_data(storage, tmp, entries, groups, names, fsync=fsync, threads=threads)
-        result: Any = (files, tensors, names, parts)
+        result: Any = (_written(files, tensors), names, parts)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the save for every rank
         _remove(storage, tmp, names)
         result, error = Failure(rank, f"{type(e).__name__}: {e}"), e
@@ -107,7 +114,8 @@ def write_collective(
     outcome: Any = None
     if rank == 0:
         assert written is not None
-        outcome = _commit(written, snapshot, storage, tmp, root, overwrite=overwrite, fsync=fsync, start=start)
+        assert plan is not None
+        outcome = _commit(written, plan, snapshot, storage, tmp, root, overwrite=overwrite, fsync=fsync, start=start)
     outcome = coord.broadcast(outcome, "checkpoint save (commit)")
     if isinstance(outcome, Failure):
         if error is not None:
@@ -122,8 +130,9 @@ def _plan_of(snapshot: Snapshot) -> RankPlan:
     )
 
 
-def _decide(sent: list[Any], storage: Storage, root: str, overwrite: bool) -> list[Any]:
-    """Rank 0: every rank's share (the staging location and the boxes it writes), or a Failure for all."""
+def _decide(sent: list[Any], storage: Storage, root: str, overwrite: bool) -> tuple[list[Any], Assignment | None]:
+    """Rank 0: every rank's share (the staging location and the boxes it writes), or a Failure for all;
+    and the plan, which the commit reads the manifest's boxes from."""
     failed = next((s for s in sent if isinstance(s, Failure)), None)
     if failed is None:
         differ = per_rank.differing_keys([s[1] for s in sent])
@@ -137,17 +146,18 @@ def _decide(sent: list[Any], storage: Storage, root: str, overwrite: bool) -> li
             )
     if failed is None:
         try:
-            shares = assign([s[0] for s in sent])
+            plan = assign([s[0] for s in sent])
             tmp = storage.begin(root, overwrite=overwrite)
         except Exception as e:  # noqa: BLE001 - sent to every rank, which raises it
             failed = Failure(0, f"{type(e).__name__}: {e}")
     if failed is not None:
-        return [failed] * len(sent)
-    return [(tmp, share) for share in shares]
+        return [failed] * len(sent), None
+    return [(tmp, share) for share in plan.shares], plan
 
 
 def _commit(
     written: list[Any],
+    plan: Assignment,
     snapshot: Snapshot | None,
     storage: Storage,
     tmp: str,
@@ -158,20 +168,16 @@ def _commit(
     start: float,
 ) -> Any:
     """Rank 0: merge every rank's entries into one manifest and commit; (bytes, seconds...) or a Failure."""
-    names = [n for w in written if not isinstance(w, Failure) for n in w[2]]
+    names = [n for w in written if not isinstance(w, Failure) for n in w[1]]
     failed = next((w for w in written if isinstance(w, Failure)), None)
     if failed is not None:
         storage.abort(tmp, names)
         return failed
     assert snapshot is not None
     try:
-        files = tuple(f for w in written for f in w[0])
-        tensors = _merge_tensors([w[1] for w in written])
-        full = Snapshot(per_rank.merge(snapshot.tree, [w[3] for w in written], tensors), snapshot.metadata, [])
-        ordered = {e.name: tensors[e.name] for e in snapshot.entries if e.name in tensors}
-        ordered.update(tensors)  # other ranks' own tensors (per-rank values) after rank 0's, in rank order
+        full, files, tensors = merge(written, plan, snapshot)
         nbytes, wrote = commit_manifest(
-            storage, tmp, root, full, files, ordered, names, overwrite=overwrite, fsync=fsync, world_size=len(written)
+            storage, tmp, root, full, files, tensors, names, overwrite=overwrite, fsync=fsync, world_size=len(written)
         )
     except Exception as e:  # noqa: BLE001 - sent to every rank, which raises it
         storage.abort(tmp, names)
@@ -180,21 +186,66 @@ def _commit(
     return nbytes, end - start, wrote - start, end - wrote
 
 
-def _merge_tensors(per_rank_tensors: list[dict[str, manifest.TensorEntry]]) -> dict[str, manifest.TensorEntry]:
-    """One entry per tensor, its chunks from every rank that wrote a part of it (ordered by offset)."""
-    first: dict[str, manifest.TensorEntry] = {}
-    chunks: dict[str, list[manifest.Chunk]] = {}
-    for tensors in per_rank_tensors:
-        for name, t in tensors.items():
-            if name not in first:
-                first[name] = t
-                chunks[name] = list(t.chunks)
-            else:
-                chunks[name].extend(t.chunks)
-    return {
-        name: t if len(chunks[name]) == 1 else t._replace_chunks(tuple(sorted(chunks[name], key=lambda c: c.offset)))
-        for name, t in first.items()
-    }
+class Written(NamedTuple):
+    """What a rank wrote, as columns (a row per box of its share, in share order): its data files, and
+    where each box lies in them — the message a rank sends rank 0 after writing."""
+
+    files: tuple[manifest.FileEntry, ...]
+    file: np.ndarray  # index into files
+    ranges: np.ndarray  # (n, 2) byte ranges
+    checksums: np.ndarray  # fixed-width bytes
+    pieces: dict[int, manifest.Pieces]  # for the rows of chunks larger than a piece
+
+
+def _written(files: tuple[manifest.FileEntry, ...], tensors: dict[str, manifest.TensorEntry]) -> Written:
+    chunks = [t.chunks[0] for t in tensors.values()]  # one each, in share order (write_data keeps it)
+    where = {f.path: i for i, f in enumerate(files)}
+    return Written(
+        files,
+        np.array([where[c.file] for c in chunks], dtype=np.int64),
+        np.array([c.byte_range for c in chunks], dtype=np.int64).reshape(len(chunks), 2),
+        np.array([c.checksum for c in chunks], dtype="S") if chunks else np.zeros(0, "S1"),
+        {i: c.pieces for i, c in enumerate(chunks) if c.pieces is not None},
+    )
+
+
+def merge(
+    written: list[Any], plan: Assignment, snapshot: Snapshot
+) -> tuple[Snapshot, tuple[manifest.FileEntry, ...], ChunkTable]:
+    """Rank 0: the merged tree (every rank's per-rank values), the data files and the tensor table.
+
+    ``written[rank]`` is ``(Written, file names, per-rank values)``. The boxes come from the plan, already in
+    manifest order (by tensor, then offset); each rank's columns are put in that order with one permutation.
+    """
+    cols: list[Written] = [w[0] for w in written]
+    if [len(c.file) for c in cols] != [len(s) for s in plan.shares]:
+        raise RuntimeError("a rank reported a different number of written boxes than it was assigned")
+    rows = plan.written
+    by_rank = np.lexsort((rows[:, -1], rows[:, -2]))  # manifest row of each rank's k-th box, rank after rank
+    order = np.empty(len(rows), dtype=np.int64)
+    order[by_rank] = np.arange(len(rows))  # each manifest row's place in the ranks' columns, end to end
+    base = np.cumsum([0] + [len(c.files) for c in cols])[:-1]
+    first = np.cumsum([0] + [len(c.file) for c in cols])[:-1]
+    file = np.concatenate([c.file + b for c, b in zip(cols, base)]) if cols else np.zeros(0, np.int64)
+    ranges = np.concatenate([c.ranges for c in cols]) if cols else np.zeros((0, 2), np.int64)
+    checksums = np.concatenate([c.checksums for c in cols]) if cols else np.zeros(0, "S1")
+    pieces = {int(by_rank[f + k]): p for c, f in zip(cols, first.tolist()) for k, p in c.pieces.items()}
+    files = tuple(f for c in cols for f in c.files)
+    width = plan.width
+    table = ChunkTable(
+        [name for name, _ in plan.headers],
+        [header for _, header in plan.headers],
+        rows[:, 0],
+        rows[:, 1 : 1 + width],
+        rows[:, 1 + width : 1 + 2 * width],
+        [f.path for f in files],
+        file[order],
+        ranges[order],
+        checksums[order],
+        pieces,
+    )
+    tree = per_rank.merge(snapshot.tree, [w[2] for w in written], table)
+    return Snapshot(tree, snapshot.metadata, []), files, table
 
 
 def _take_back(storage: Storage, tmp: str, names: list[str], rank: int) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -85,7 +85,7 @@ def commit_manifest(
     final: str,
     snapshot: Snapshot,
     files: tuple[manifest.FileEntry, ...],
-    tensors: dict[str, manifest.TensorEntry],
+    tensors: Mapping[str, manifest.TensorEntry],
     names: list[str],
     *,
     overwrite: bool,
@@ -97,7 +97,22 @@ def commit_manifest(
     ``world_size``: the ranks that wrote the files (a collective save), recorded in the manifest.
     Returns the checkpoint's bytes and the clock when the manifest was written (before the commit).
     """
-    body = manifest.Manifest(
+    raw = manifest_bytes(snapshot, files, tensors, world_size)
+    storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
+    written = time.perf_counter()
+    storage.commit(tmp, final, [*names, manifest.MANIFEST_NAME], overwrite=overwrite, fsync=fsync)
+    return sum(f.size for f in files) + len(raw), written
+
+
+def manifest_bytes(
+    snapshot: Snapshot,
+    files: tuple[manifest.FileEntry, ...],
+    tensors: Mapping[str, manifest.TensorEntry],
+    world_size: int = 1,
+) -> bytes:
+    """The manifest file naming ``files`` and ``tensors``, for the state in ``snapshot`` (saved by
+    ``world_size`` ranks, when a collective save wrote it)."""
+    return manifest.Manifest(
         tree=snapshot.tree,
         tensors=tensors,
         files=files,
@@ -105,12 +120,7 @@ def commit_manifest(
         created=time.time(),
         writer=f"trainstate {_version()}",
         world_size=world_size,
-    )
-    raw = body.to_json_bytes()
-    storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
-    written = time.perf_counter()
-    storage.commit(tmp, final, [*names, manifest.MANIFEST_NAME], overwrite=overwrite, fsync=fsync)
-    return sum(f.size for f in files) + len(raw), written
+    ).to_json_bytes()
 
 
 def _version() -> str:
