@@ -86,10 +86,10 @@ def test_a_state_that_does_not_fit_on_one_rank_raises_on_every_rank(tmp_path):
 
 
 def test_two_rank_ddp_killed_mid_epoch_resumes_bit_identical(tmp_path):
-    """Two DDP ranks with a shuffling loader (augmenting in a worker process), async saves every 4 steps,
-    SIGKILLed after step 9 (mid-epoch); the resumed run ends bit-identical to one that never stopped:
-    weights, AdamW moments and each rank's RNG."""
-    steps, kill_at, workers_per_rank = 16, 9, 1
+    """Two DDP ranks with a shuffling, augmenting loader, async saves every 4 steps, SIGKILLed after step 9
+    (mid-epoch); the resumed run ends bit-identical to one that never stopped: weights, AdamW moments and
+    each rank's RNG. (Augmentation in loader worker processes: tests/test_worker_randomness.py.)"""
+    steps, kill_at, workers_per_rank = 16, 9, 0
     args = (steps, -1, True, workers_per_rank)
     ref = ranks.ok(ranks.run(2, workers.ddp_train, str(tmp_path / "ref"), *args, timeout=240))
     killed = ranks.run(2, workers.ddp_train, str(tmp_path / "run"), steps, kill_at, True, workers_per_rank, timeout=240)

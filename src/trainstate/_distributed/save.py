@@ -56,7 +56,15 @@ def save_collective(
         except Exception as e:  # noqa: BLE001 - every rank still takes part, so the others hear why
             error = e
         return write_collective(
-            coord, root, snapshot, error, overwrite=overwrite, fsync=fsync, threads=threads, storage=storage, start=start
+            coord,
+            root,
+            snapshot,
+            error,
+            overwrite=overwrite,
+            fsync=fsync,
+            threads=threads,
+            storage=storage,
+            start=start,
         )
 
 
