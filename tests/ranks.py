@@ -13,7 +13,6 @@ trip over (managers closed, signal handlers put back), as a well-behaved trainin
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
 import multiprocessing.util  # noqa: F401 - its exit hook must be registered before ours
 import os
 import queue
@@ -21,6 +20,8 @@ import socket
 import time
 import traceback
 from typing import Any
+
+import forked
 
 TIMEOUT = 180
 
@@ -60,20 +61,11 @@ class RankError:
         return f"RankError({self.kind}: {self.message[:300]})"
 
 
-def _context() -> Any:
-    """Rank processes forked from a server that imported torch once: a new rank starts in a fraction of a
-    second instead of importing torch again (seconds of CPU on a 2-core machine). The server only imports;
-    it starts no threads, so forking it is safe."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "trainstate", "numpy"])
-    return ctx
-
-
 class _Ranks:
     """``world`` live rank processes in one process group, each taking functions from its own queue."""
 
     def __init__(self, world: int) -> None:
-        ctx = _context()
+        ctx = forked.context()
         self.world = world
         self.out = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
