@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from trainstate.errors import (
@@ -97,14 +98,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _integer(minimum: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``minimum``, or a usage error saying ``what`` was expected."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+_positive = _integer(1, "a positive integer")
+_step = _integer(0, "a step number (0, 1, ...)")
+_rank = _integer(0, "a rank (0, 1, ...)")
 
 
 def _minutes(text: str) -> float:
@@ -114,26 +125,6 @@ def _minutes(text: str) -> float:
         value = float("nan")
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number of minutes, got {text!r}")
-    return value
-
-
-def _step(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a step number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative step, got {value}")
-    return value
-
-
-def _rank(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a rank (0, 1, ...), got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative rank, got {value}")
     return value
 
 
