@@ -67,7 +67,10 @@ def _kill_and_resume(tmp_path: Path, flags: list[str], kill_at: int) -> tuple[An
     return trainstate.load(tmp_path / "ref" / "final"), trainstate.load(tmp_path / "run" / "final")
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(
+    "workers",
+    [pytest.param(0, marks=pytest.mark.slow), 2],  # in-process with a sampler: the DDP resume test too
+)
 @pytest.mark.parametrize("loader_kind", LOADERS)
 def test_augmentation_in_workers_resumes_bit_identically_after_sigkill(tmp_path, loader_kind, workers):
     """Dropout plus a dataset drawing from random, np.random and torch in ``__getitem__``, killed at step 8
@@ -78,6 +81,7 @@ def test_augmentation_in_workers_resumes_bit_identically_after_sigkill(tmp_path,
 
 
 @pytest.mark.skipif(not HAS_TORCHDATA, reason="torchdata not installed")
+@pytest.mark.slow  # the control experiment for the test above
 def test_without_per_sample_seeding_augmenting_workers_diverge(tmp_path):
     """The failure is real: a StatefulDataLoader left to torch's per-worker seeds diverges after a resume."""
     flags = [
