@@ -1,0 +1,1 @@
+"""After training: checkpoints turned into other tools' formats and back (export, import, average, ONNX)."""
