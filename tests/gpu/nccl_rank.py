@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,16 +13,20 @@ from torch.distributed.fsdp import fully_shard
 import trainstate
 
 
-def main(root: str) -> None:
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
-    torch.manual_seed(0)
+def _fsdp(mesh: Any, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 16)).cuda()
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def main(root: str) -> None:
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    model, opt = _fsdp(mesh, seed=0)
     state = {"model": model, "optim": opt, "step": 0}
     with trainstate.CheckpointManager(root, every_steps=2, async_save=True, keep_last=2) as mgr:
         for step in range(1, 7):
@@ -34,6 +39,12 @@ def main(root: str) -> None:
             mgr.save(step, state)
     full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     torch.save(full, f"{root}/../expected.pt")
+
+    fresh, fresh_opt = _fsdp(mesh, seed=1)  # the newest checkpoint back into CUDA shards
+    with trainstate.CheckpointManager(root) as mgr:
+        assert mgr.restore_latest({"model": fresh, "optim": fresh_opt, "step": 0}) == 7
+    for k, v in fresh.state_dict().items():
+        assert v.device.type == "cuda" and torch.equal(v.full_tensor().cpu(), full[k]), k
     dist.destroy_process_group()
 
 

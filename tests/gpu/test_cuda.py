@@ -77,6 +77,21 @@ def test_cuda_state_restores_onto_cuda_and_onto_cpu(tmp_path: Path) -> None:
     _assert_equal(_tensors(on_cpu), want)
 
 
+def test_restore_onto_cuda_in_rounds_through_a_small_host_buffer(tmp_path: Path, monkeypatch: Any) -> None:
+    """Host staging smaller than the state: many rounds, one tensor larger than the buffer, odd sizes."""
+    from trainstate._restore import read
+
+    monkeypatch.setattr(read, "STAGE_BYTES", 1 << 20)
+    torch.manual_seed(0)
+    saved = {f"t{i}": torch.randn(n, device="cuda") for i, n in enumerate([3, 70_000, 1_000_000, 5, 262_145, 1])}
+    saved["bf16"] = torch.randn(123_457, device="cuda").to(torch.bfloat16)
+    trainstate.save(tmp_path / "c", saved)
+    target = {k: torch.zeros_like(v) for k, v in saved.items()}
+    trainstate.load(tmp_path / "c", target)
+    for k, v in saved.items():
+        assert target[k].device.type == "cuda" and torch.equal(target[k].cpu(), v.cpu()), k
+
+
 def test_cpu_checkpoint_restores_onto_cuda(tmp_path: Path) -> None:
     state = _trained("cpu")
     trainstate.save(tmp_path / "c", state)

@@ -47,6 +47,16 @@ class Adapter(Protocol):
     def writable_view(self, target: Any) -> memoryview | None:
         """The memory of a live array to read straight into, or None when its layout does not allow it."""
 
+    def on_accelerator(self, value: Any) -> bool:
+        """Whether ``value`` lives in accelerator memory: reads reach it through host staging."""
+
+    def staging(self, nbytes: int, like: Any) -> np.ndarray:
+        """``nbytes`` of host memory (uint8) to stage reads for accelerator arrays like ``like``: page-locked
+        where the framework can make it, since copies from it run several times faster."""
+
+    def copy_in(self, pairs: list[tuple[Any, np.ndarray]]) -> None:
+        """Copy each flat host byte array into its live accelerator array; returns once all have landed."""
+
     def finish(self, array: Any, kind: str) -> Any:
         """A freshly read host array turned into what the saver held (``kind`` from the manifest)."""
 

@@ -62,6 +62,19 @@ def writable_view(target: Any) -> memoryview | None:
     return None
 
 
+def on_accelerator(value: Any) -> bool:
+    return False  # NumPy arrays live in host memory
+
+
+def staging(nbytes: int, like: Any) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def copy_in(pairs: list[tuple[Any, np.ndarray]]) -> None:
+    for target, host in pairs:
+        np.copyto(target, host.view(target.dtype).reshape(target.shape))
+
+
 def finish(array: np.ndarray, kind: str) -> Any:
     """Turn a freshly read array into what the saver held (a scalar stays a scalar)."""
     return array[()] if kind == "numpy-scalar" else array

@@ -478,6 +478,7 @@ def fill(
     through a host buffer (absent targets, accelerator tensors, non-contiguous ones, casts)."""
     tensors = ck.manifest.tensors
     reads: list[tuple[str, memoryview, Box | None]] = []
+    on_device: list[_Staged] = []
     with _gc.paused():
         for name, job in jobs:
             entry = tensors[name]
@@ -487,6 +488,12 @@ def fill(
             local, box = (target, None) if part is None else (part[0], (part[1], tuple(part[0].shape)))
             view = None
             if live is not None and _code(live, target) == entry.dtype:
+                if live.on_accelerator(local):
+                    on_device.append(
+                        _Staged(name, live, local, box, math.prod(local.shape) * dtypes.from_code(entry.dtype).itemsize)
+                    )
+                    job.value = target
+                    continue
                 view = live.writable_view(local)
             if view is not None:
                 job.value = target
@@ -499,6 +506,7 @@ def fill(
             reads.append((name, view if view.format == "B" else view.cast("B"), box))
         try:
             read_views(ck, reads, verify=verify, threads=threads)
+            _read_to_device(ck, on_device, verify=verify, threads=threads)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(
                 f"{e}\nThe target is partly restored, and no byte that failed its checksum was written: tensors "
@@ -516,6 +524,48 @@ def fill(
                     job.value = job.target
                 else:
                     job.value = _adapter(job.target).assign(job.target, host)
+
+
+STAGE_BYTES = 64 << 20  # host staging for accelerator targets: at least this, at most the largest tensor
+
+
+class _Staged(NamedTuple):
+    """A read into a live accelerator array (or its local shard), which goes through host staging."""
+
+    name: str
+    adapter: Adapter
+    local: Any  # the accelerator array the bytes land in
+    box: Box | None
+    nbytes: int
+
+
+def _read_to_device(ck: Checkpoint, staged: list[_Staged], *, verify: bool, threads: int) -> None:
+    """Read accelerator targets through one reused host buffer, in rounds that fill it.
+
+    Host memory stays near :data:`STAGE_BYTES` (or the largest tensor) instead of the state's size -- a
+    model restored onto GPUs needs no host copy of itself -- and the buffer is allocated once, page-locked
+    where the framework can (bench/bench_gpu.py: a fresh host array per tensor cost more in page faults
+    than the whole read). Each round is read (and checked) before any of it is copied to the device.
+    """
+    if not staged:
+        return
+    largest = max(s.nbytes for s in staged)
+    size = max(largest, min(STAGE_BYTES, sum(s.nbytes + 63 for s in staged)))
+    buffer = staged[0].adapter.staging(size, like=staged[0].local)
+    start = 0
+    while start < len(staged):
+        used, end = 0, start
+        while end < len(staged) and (end == start or used + staged[end].nbytes <= size):
+            used += -(-staged[end].nbytes // 64) * 64  # cache-line aligned
+            end += 1
+        batch, offset, views = staged[start:end], 0, []
+        for s in batch:
+            views.append(buffer[offset : offset + s.nbytes])
+            offset += -(-s.nbytes // 64) * 64
+        read_views(ck, [(s.name, v.data, s.box) for s, v in zip(batch, views)], verify=verify, threads=threads)
+        for adapter in {id(s.adapter): s.adapter for s in batch}.values():
+            adapter.copy_in([(s.local, v) for s, v in zip(batch, views) if s.adapter is adapter])
+        start = end
 
 
 def _adapter(value: Any) -> Adapter:
