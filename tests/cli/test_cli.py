@@ -1,8 +1,12 @@
-"""The ``trainstate`` command, run as a user would: in a subprocess, on checkpoints the library wrote."""
+"""The ``trainstate`` command on checkpoints the library wrote: through ``main()`` in this process, and in a
+subprocess where the process matters (the entry point, signals, environment, broken pipes)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,18 +21,42 @@ ENV = {**os.environ, "COLUMNS": "200"}
 
 
 def cli(*args: str, env: dict[str, str] | None = None, code: int | None = 0) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainstate", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env or ENV,
-        timeout=60,
-    )
+    """``trainstate ARGS``: in a subprocess where ``env`` is given, else in this process through the same
+    ``main()`` the console script calls (a subprocess costs a second of interpreter start per call; the
+    entry point itself is tested by the subprocess calls)."""
+    if env is not None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "trainstate", *args], capture_output=True, text=True, env=env, timeout=60
+        )
+    else:
+        proc = _in_process(list(args))
     assert "Traceback" not in proc.stderr, proc.stderr
     if code is not None:
         assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
     return proc
+
+
+def _in_process(args: list[str]) -> subprocess.CompletedProcess[str]:
+    from trainstate._cli import main
+
+    logger = logging.getLogger("trainstate")  # main() points the library's logger at stderr: put it back
+    saved = (logger.handlers[:], logger.level, logger.propagate, os.environ.get("COLUMNS"))
+    out, err = io.StringIO(), io.StringIO()
+    logger.handlers.clear()
+    os.environ["COLUMNS"] = "200"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+        if saved[3] is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved[3]
+    return subprocess.CompletedProcess(["trainstate", *args], code, out.getvalue(), err.getvalue())
 
 
 def cli_json(*args: str, code: int = 0) -> object:
@@ -113,7 +141,7 @@ def test_help_works_without_docstrings(args: list[str]) -> None:
 
 
 def test_ls_table_shows_complete_and_incomplete(run_dir: Path) -> None:
-    out = cli("ls", str(run_dir)).stdout
+    out = cli("ls", str(run_dir), env=ENV).stdout  # a real process: the entry point and its exit code
     for name in ("step_00000000", "step_00000010", "step_00000020", "step_00000030", ".step_00000040.tmp-0123abcd"):
         assert name in out
     assert "val_loss=1" in out and "incomplete" in out
@@ -173,7 +201,7 @@ def flip_byte(path: Path, tensor: str) -> None:
 def test_verify_ok_and_corrupt(ckpt: Path) -> None:
     assert "OK: 2 tensors" in cli("verify", str(ckpt)).stdout
     flip_byte(ckpt, "model.w")
-    proc = cli("verify", str(ckpt), code=5)
+    proc = cli("verify", str(ckpt), code=5, env=ENV)
     assert "model.w" in proc.stderr and len(proc.stderr.splitlines()) == 1
     doc = cli_json("verify", str(ckpt), code=5)
     assert doc["ok"] is False and [e["tensor"] for e in doc["errors"]] == ["model.w"]
