@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,3 +68,42 @@ def reseal_manifest(path: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     body["checksum"] = checksum.digest(raw)
     (path / "manifest.json").write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def cli(*args: str, env: dict[str, str] | None = None, code: int | None = 0) -> subprocess.CompletedProcess[str]:
+    """``trainstate ARGS``: in a subprocess where ``env`` is given, else in this process through the same
+    ``main()`` the console script calls (a subprocess costs a second of interpreter start per call; the
+    entry point itself is tested by the subprocess calls)."""
+    if env is not None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "trainstate", *args], capture_output=True, text=True, env=env, timeout=120
+        )
+    else:
+        proc = _in_process(list(args))
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if code is not None:
+        assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    return proc
+
+
+def _in_process(args: list[str]) -> subprocess.CompletedProcess[str]:
+    from trainstate._cli import main
+
+    logger = logging.getLogger("trainstate")  # main() points the library's logger at stderr: put it back
+    saved = (logger.handlers[:], logger.level, logger.propagate, os.environ.get("COLUMNS"))
+    out, err = io.StringIO(), io.StringIO()
+    logger.handlers.clear()
+    os.environ["COLUMNS"] = "200"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+        if saved[3] is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved[3]
+    return subprocess.CompletedProcess(["trainstate", *args], code, out.getvalue(), err.getvalue())

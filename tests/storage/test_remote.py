@@ -299,25 +299,17 @@ def test_s3_url_without_storage_uses_the_environment(s3_from_environment: MotoSe
 def test_the_command_line_works_on_s3_urls(s3_from_environment: MotoServer) -> None:
     """trainstate ls / inspect / verify / diff take s3:// URLs, with credentials from the environment."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from helpers import cli
 
     run = f"s3://{BUCKET}/cli-{uuid.uuid4().hex[:8]}"
     with trainstate.CheckpointManager(run, every_steps=1, capture_rng=False, save_on_preemption=False) as mgr:
         for step in (1, 2):
             mgr.save(step, {"w": np.full(16, step, dtype=np.float32)}, metrics={"loss": 1.0 / step})
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "trainstate", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=dict(os.environ),
-        )
+    import os
 
-    listing = cli("ls", run, "--json")
+    listing = cli("ls", run, "--json", env=dict(os.environ))  # a fresh process: credentials from its environment
     assert listing.returncode == 0, listing.stderr
     rows = json.loads(listing.stdout)["checkpoints"]
     assert [(r["step"], r["status"], r["metrics"]) for r in rows] == [
@@ -326,7 +318,7 @@ def test_the_command_line_works_on_s3_urls(s3_from_environment: MotoServer) -> N
     ]
     assert cli("inspect", f"{run}/step_00000002", "--json").returncode == 0
     assert cli("verify", f"{run}/step_00000002").returncode == 0
-    diff = cli("diff", f"{run}/step_00000001", f"{run}/step_00000002", "--json")
+    diff = cli("diff", f"{run}/step_00000001", f"{run}/step_00000002", "--json", code=None)
     assert diff.returncode == 1 and "w" in diff.stdout
-    missing = cli("ls", f"{run}-nope")
+    missing = cli("ls", f"{run}-nope", code=None)
     assert missing.returncode == 3 and "Traceback" not in missing.stderr
