@@ -76,9 +76,13 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
             "stateful",
             17,
             False,
-            marks=pytest.mark.skipif(
-                pytest.importorskip("importlib").util.find_spec("torchdata") is None, reason="torchdata not installed"
-            ),
+            marks=[
+                pytest.mark.skipif(
+                    pytest.importorskip("importlib").util.find_spec("torchdata") is None,
+                    reason="torchdata not installed",
+                ),
+                pytest.mark.slow,  # its path (StatefulDataLoader, SIGKILL, resume) runs in test_worker_randomness
+            ],
         ),
     ],
 )
