@@ -111,19 +111,22 @@ class DataFiles:
         begin, end = c.byte_range
         if begin == end:
             return memoryview(b"")
-        mm = self.map(c.file)
+        return self._checked(c.file, begin, end, _chunk_spans(c, None, what) if verify else [])
+
+    def _checked(self, file: str, lo: int, hi: int, spans: list[Span]) -> memoryview:
+        """Bytes ``[lo, hi)`` of ``file`` (mapped, or read into a buffer), each of ``spans`` checked."""
+        mm = self.map(file)
         if mm is not None:
-            view = self.mapped(mm, c.file, begin, end)
+            view = self.mapped(mm, file, lo, hi)
         else:
-            view = memoryview(bytearray(end - begin))
-            self.pread(c.file, view, begin)
-        if verify:
-            try:
-                for span in _chunk_spans(c, None, what):
-                    _check(view[span.begin - begin : span.end - begin], span)
-            except BaseException:
-                view.release()
-                raise
+            view = memoryview(bytearray(hi - lo))
+            self.pread(file, view, lo)
+        try:
+            for span in spans:
+                _check(view[span.begin - lo : span.end - lo], span)
+        except BaseException:
+            view.release()
+            raise
         return view
 
     def rows(self, c: manifest.Chunk, rows: tuple[int, int], verify: bool, what: str) -> memoryview:
@@ -141,21 +144,8 @@ class DataFiles:
                 return whole[lo - begin : hi - begin]
         first, last = (lo - begin) // p.size, (hi - begin - 1) // p.size
         span_lo, span_hi = begin + first * p.size, min(end, begin + (last + 1) * p.size)
-        mm = self.map(c.file)
-        if mm is not None:
-            view = self.mapped(mm, c.file, span_lo, span_hi)
-        else:
-            view = memoryview(bytearray(span_hi - span_lo))
-            self.pread(c.file, view, span_lo)
-        if verify:
-            spans = _chunk_spans(c, None, what)[first : last + 1]
-            try:
-                for span in spans:
-                    _check(view[span.begin - span_lo : span.end - span_lo], span)
-            except BaseException:
-                view.release()
-                raise
-        return view[lo - span_lo : hi - span_lo]
+        spans = _chunk_spans(c, None, what)[first : last + 1] if verify else []
+        return self._checked(c.file, span_lo, span_hi, spans)[lo - span_lo : hi - span_lo]
 
     def close(self) -> None:
         with self._lock:
