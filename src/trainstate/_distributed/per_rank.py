@@ -10,7 +10,7 @@ values, in tree order. Rank 0 fills each per-rank node of its own tree with ever
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from trainstate import _tree as tree
@@ -25,20 +25,12 @@ def split(root: tree.Node) -> tuple[dict[str, str], list[str]]:
     """Digests of the skeleton per top-level key, and this rank's per-rank values (JSON text, tree order)."""
     parts: list[str] = []
 
-    def skeleton(node: tree.Node) -> tree.Node:
-        if _is_per_rank(node):
-            assert isinstance(node, tree.StatefulNode) and isinstance(node.state, tree.DictNode)
-            parts.append(tree.to_json(node.state.values[0]))
-            return tree.StatefulNode(tree.PER_RANK_TYPE, tree.DictNode((), ()))
-        if isinstance(node, tree.DictNode):
-            return tree.DictNode(node.keys, tuple(skeleton(v) for v in node.values))
-        if isinstance(node, tree.SeqNode):
-            return tree.SeqNode(tuple(skeleton(v) for v in node.items), node.is_tuple)
-        if isinstance(node, tree.StatefulNode):
-            return tree.StatefulNode(node.type, skeleton(node.state))
-        return node
+    def leave_out(node: tree.StatefulNode) -> tree.Node:
+        assert isinstance(node.state, tree.DictNode)
+        parts.append(tree.to_json(node.state.values[0]))
+        return tree.StatefulNode(tree.PER_RANK_TYPE, tree.DictNode((), ()))
 
-    bare = skeleton(root)
+    bare = _replace_per_rank(root, leave_out)
     if isinstance(bare, tree.DictNode):
         digests = {str(k): checksum.digest(tree.to_json(v).encode()) for k, v in bare.items()}
     else:
@@ -61,22 +53,25 @@ def merge(root: tree.Node, parts: list[list[str]], tensors: Collection[str]) -> 
     """Rank 0's tree with each per-rank node holding every rank's value (``parts[rank][k]`` for the k-th)."""
     position = iter(range(len(parts[0]) if parts else 0))
 
-    def fill(node: tree.Node) -> tree.Node:
-        if _is_per_rank(node):
-            k = next(position)
-            values = tuple(tree.parse(json.loads(p[k]), tensors, "per-rank value") for p in parts)
-            return tree.StatefulNode(
-                tree.PER_RANK_TYPE, tree.DictNode(tuple(str(r) for r in range(len(parts))), values)
-            )
-        if isinstance(node, tree.DictNode):
-            return tree.DictNode(node.keys, tuple(fill(v) for v in node.values))
-        if isinstance(node, tree.SeqNode):
-            return tree.SeqNode(tuple(fill(v) for v in node.items), node.is_tuple)
-        if isinstance(node, tree.StatefulNode):
-            return tree.StatefulNode(node.type, fill(node.state))
-        return node
+    def every_ranks(node: tree.StatefulNode) -> tree.Node:
+        k = next(position)
+        values = tuple(tree.parse(json.loads(p[k]), tensors, "per-rank value") for p in parts)
+        return tree.StatefulNode(tree.PER_RANK_TYPE, tree.DictNode(tuple(str(r) for r in range(len(parts))), values))
 
-    return fill(root)
+    return _replace_per_rank(root, every_ranks)
+
+
+def _replace_per_rank(node: tree.Node, replace: Callable[[tree.StatefulNode], tree.Node]) -> tree.Node:
+    """``node`` rebuilt with each per-rank node, in tree order, replaced by ``replace(it)``."""
+    if isinstance(node, tree.StatefulNode) and node.type == tree.PER_RANK_TYPE:
+        return replace(node)
+    if isinstance(node, tree.DictNode):
+        return tree.DictNode(node.keys, tuple(_replace_per_rank(v, replace) for v in node.values))
+    if isinstance(node, tree.SeqNode):
+        return tree.SeqNode(tuple(_replace_per_rank(v, replace) for v in node.items), node.is_tuple)
+    if isinstance(node, tree.StatefulNode):
+        return tree.StatefulNode(node.type, _replace_per_rank(node.state, replace))
+    return node
 
 
 def entry(node: tree.StatefulNode, rank: int, world: int) -> tree.Node | None:
