@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from trainstate import _arguments as arguments
 from trainstate import _gc
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
@@ -76,8 +77,7 @@ def consolidate(
         >>> trainstate.load("ckpt/step_1200-single", plain_state)    # one process, no process group
     """
     start = time.perf_counter()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r:.40}")
+    threads = arguments.positive_int(threads, "threads")
     backend, root = resolve(dst, dst_storage)
     with Checkpoint(src, storage) as ck, _gc.paused():
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ck.world_size:

@@ -18,9 +18,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from trainstate import _arguments as arguments
 from trainstate._distributed.group import Failure
 from trainstate._format.manifest import MANIFEST_NAME
-from trainstate._manager import arguments, naming
+from trainstate._manager import naming
 from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, ensure_directory, facts
 from trainstate._manager.committer import Committer, SaveRecord, Settings, raise_background

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from trainstate._manager import arguments
+from trainstate import _arguments as arguments
 
 
 def saved_order(c: CheckpointInfo) -> tuple[int, int]:

@@ -6,6 +6,7 @@ import fnmatch
 import os
 from typing import Any
 
+from trainstate import _arguments as arguments
 from trainstate import _gc, _tree
 from trainstate._distributed import rank_and_world
 from trainstate._frameworks import after_restore, bind
@@ -142,8 +143,7 @@ def load(
     """
     if framework not in ("numpy", "torch"):
         raise InvalidArgumentError(f"framework must be 'numpy' or 'torch', got {framework!r:.40}")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise InvalidArgumentError(f"threads must be a positive int, got {threads!r:.40}")
+    threads = arguments.positive_int(threads, "threads")
     return load_from(
         path,
         ABSENT if target is _NO_TARGET else target,

@@ -6,13 +6,13 @@ import os
 import time
 from typing import Any
 
+from trainstate import _arguments as arguments
 from trainstate import _gc
 from trainstate._distributed import coordinator
 from trainstate._save.encode import Snapshot, TensorTable, encode_state
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
 from trainstate._save.write import DEFAULT_THREADS, SaveResult, write_checkpoint
 from trainstate._storage import Storage, resolve
-from trainstate.errors import InvalidArgumentError
 
 __all__ = [
     "DEFAULT_THREADS",
@@ -64,8 +64,7 @@ def save(
         >>> trainstate.save("ckpt/step_1200", {"model": model, "step": 1200}, metadata={"run": "exp1"})
     """
     start = time.perf_counter()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise InvalidArgumentError(f"threads must be a positive int, got {threads!r:.40}")
+    threads = arguments.positive_int(threads, "threads")
     backend, root = resolve(path, storage)
     coord = coordinator(timeout=timeout) if collective is not False else None
     if coord is not None:

@@ -1,4 +1,4 @@
-"""Checks and conversions for what users pass to a manager: steps, epochs, metrics, policy settings.
+"""Checks and conversions for what users pass: steps, epochs, metrics, counts, policy settings.
 
 Users pass NumPy scalars (``np.int64`` steps from a counter array, ``np.float32`` losses) and 0-d torch
 tensors (``loss.detach()``) where plain numbers are expected; these are accepted and turned into plain
