@@ -1,0 +1,188 @@
+"""A packed checkpoint as a storage: read-only, each file a view of one buffer (docs/format.md §10).
+
+``trainstate.open`` and ``trainstate.load`` take a packed checkpoint where they take a path, so the reader
+(manifest checks, checksums, partial restores) is the one every checkpoint goes through: this backend only
+answers its questions from the archive. It declares ``memory_map``, and ``map`` returns a read-only
+memoryview of the member, so tensors are hashed and copied straight from the caller's buffer and
+``Checkpoint.read`` returns arrays that are views of it (no copy).
+
+What counts as a packed checkpoint (:data:`Packed`):
+
+- bytes-like objects: ``bytes``, ``bytearray``, ``memoryview``, ``mmap.mmap``, or anything else with the
+  buffer protocol whose memory is contiguous (a NumPy ``uint8`` array). The buffer is borrowed, not copied,
+  while the checkpoint is open: a ``bytearray`` cannot be resized meanwhile, and changing its bytes is
+  caught by the checksums like any other damage;
+- binary file objects open for reading (``open(path, "rb")``, ``io.BytesIO``, a member of a zip file): the
+  archive is read from the current position to the end. A regular file is memory-mapped, a ``BytesIO``
+  lent through ``getbuffer()``; any other stream (a pipe, a zip member) is read into memory;
+- the path of a regular file that starts with the archive's magic bytes (``resolve_source`` checks), which
+  is memory-mapped: ``trainstate inspect model.tsar`` works as for a directory.
+
+Saving into any of these is refused: the write methods raise :class:`InvalidArgumentError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import mmap
+import os
+import stat
+from collections.abc import Iterable, Sequence
+from typing import BinaryIO, NoReturn
+
+from trainstate._format import archive
+from trainstate._storage.base import Capabilities, FileInfo, Storage
+from trainstate.errors import InvalidArgumentError, StorageError
+
+Packed = bytes | bytearray | memoryview | mmap.mmap | BinaryIO
+BUFFER_NAME = "<packed checkpoint>"  # the checkpoint's path in messages, for one that has no file name
+_CAPABILITIES = Capabilities(memory_map=True)
+
+
+class PackedStorage(Storage):
+    """One packed checkpoint, read from ``data``; its checkpoint directory is ``root``.
+
+    The archive's header, index and padding are checked here, before anything is read; the files inside
+    are checked by the reader, as for a directory.
+    """
+
+    def __init__(self, data: memoryview, root: str = BUFFER_NAME) -> None:
+        self.root = root
+        members, total = archive.read_index(data, root)
+        data = data[:total]
+        self._files = {m.name: data[m.offset : m.offset + m.length] for m in members}
+
+    @classmethod
+    def from_source(cls, source: Packed) -> PackedStorage:
+        """The archive in bytes, a buffer or a binary file object (see the module docstring)."""
+        if isinstance(source, (bytes, bytearray, memoryview, mmap.mmap)):
+            view = memoryview(source)
+        elif hasattr(source, "read"):
+            return cls(_file_view(source))
+        else:
+            try:
+                view = memoryview(source)  # type: ignore[arg-type] # other buffers, e.g. a NumPy array
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"expected a checkpoint path, or a packed checkpoint as bytes, a buffer or a binary file open "
+                    f"for reading; got {type(source).__name__}"
+                ) from None
+        if not view.c_contiguous:
+            raise InvalidArgumentError("a packed checkpoint's buffer must be contiguous memory")
+        return cls(_bytes(view))
+
+    @classmethod
+    def from_file(cls, path: str) -> PackedStorage:
+        """The packed checkpoint file at ``path``, memory-mapped; ``path`` names it in messages."""
+        try:
+            with open(path, "rb") as f:
+                return cls(_file_view(f), path)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot read the packed checkpoint {path}: {e.strerror or e}") from e
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return _CAPABILITIES
+
+    # -- reading -------------------------------------------------------------------------------------
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> int:
+        src = self._file(path)[offset : offset + out.nbytes]
+        out[: src.nbytes] = src
+        return src.nbytes
+
+    def stat(self, path: str) -> FileInfo | None:
+        if path.rstrip("/") == self.root:
+            return FileInfo(0, is_dir=True, regular=True)
+        name = self._name_of(path)
+        return FileInfo(self._files[name].nbytes, is_dir=False, regular=True) if name else None
+
+    def list(self, path: str) -> list[str]:
+        return sorted(self._files) if path.rstrip("/") == self.root else []
+
+    def map(self, path: str) -> memoryview:
+        return self._file(path)
+
+    def strip(self, url: str) -> str:
+        return url
+
+    # -- writing: refused ------------------------------------------------------------------------------
+
+    def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
+        _read_only(path)
+
+    def delete(self, path: str) -> None:
+        _read_only(path)
+
+    def begin(self, final: str, *, overwrite: bool) -> str:
+        _read_only(final)
+
+    def commit(self, staging: str, final: str, files: Sequence[str], *, overwrite: bool, fsync: bool) -> None:
+        _read_only(final)
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _name_of(self, path: str) -> str | None:
+        parent, _, name = path.rpartition("/")
+        return name if parent == self.root.rstrip("/") and name in self._files else None
+
+    def _file(self, path: str) -> memoryview:
+        name = self._name_of(path)
+        if name is None:
+            raise StorageError(errno.ENOENT, f"{path}: no such file in the packed checkpoint")
+        return self._files[name]
+
+
+def _read_only(path: str) -> NoReturn:
+    raise InvalidArgumentError(
+        f"{path} is a packed checkpoint, which is read-only: save to a directory, then trainstate.pack it"
+    )
+
+
+def _bytes(view: memoryview) -> memoryview:
+    """``view`` as flat, read-only bytes."""
+    view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return view.toreadonly()
+
+
+def _file_view(f: BinaryIO) -> memoryview:
+    """What a binary file object holds from its current position: mapped, lent or read (module docstring)."""
+    if isinstance(f, io.TextIOBase) or not getattr(f, "readable", lambda: True)():
+        raise InvalidArgumentError(
+            f"a packed checkpoint's file must be open for reading in binary mode ('rb'), got {f!r:.80}"
+        )
+    if isinstance(f, io.BytesIO):
+        return _bytes(f.getbuffer()[f.tell() :])
+    fd = _regular_fd(f)
+    if fd is not None:
+        start = f.tell()
+        try:
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file
+            return memoryview(b"")
+        return _bytes(memoryview(mm)[start:])
+    data = f.read()
+    if not isinstance(data, (bytes, bytearray)):
+        raise InvalidArgumentError(f"reading a packed checkpoint's file gave {type(data).__name__}, not bytes")
+    return _bytes(memoryview(data))
+
+
+def _regular_fd(f: BinaryIO) -> int | None:
+    """The descriptor of a regular file under ``f`` (one that can be mapped), else None."""
+    try:
+        fd = f.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (OSError, AttributeError, ValueError):  # io.UnsupportedOperation is both
+        return None
+
+
+def is_packed_file(path: str) -> bool:
+    """Whether ``path`` is a regular file (not a FIFO, which would block) that starts with the magic bytes."""
+    try:
+        if not os.path.isfile(path):
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(archive.MAGIC)) == archive.MAGIC
+    except OSError:
+        return False
