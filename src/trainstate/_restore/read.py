@@ -161,8 +161,8 @@ class DataFiles:
         with self._lock:
             for mm in self._maps.values():
                 try:
-                    if isinstance(mm, mmap.mmap):  # a view of memory needs nothing: its owner frees it
-                        mm.close()
+                    if mm is not None:  # a view lent by the storage: released, its owner is free again
+                        mm.close() if isinstance(mm, mmap.mmap) else mm.release()
                 except BufferError:
                     pass  # arrays handed out still use it; it closes when they go
             self._maps.clear()

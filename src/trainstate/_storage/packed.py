@@ -35,49 +35,44 @@ from trainstate._format import archive
 from trainstate._storage.base import Capabilities, FileInfo, Storage
 from trainstate.errors import InvalidArgumentError, StorageError
 
-Packed = bytes | bytearray | memoryview | mmap.mmap | BinaryIO
+Buffer = bytes | bytearray | memoryview | mmap.mmap  # or anything else with the buffer protocol
+Packed = Buffer | BinaryIO
 BUFFER_NAME = "<packed checkpoint>"  # the checkpoint's path in messages, for one that has no file name
 _CAPABILITIES = Capabilities(memory_map=True)
 
 
 class PackedStorage(Storage):
-    """One packed checkpoint, read from ``data``; its checkpoint directory is ``root``.
+    """One packed checkpoint: the archive in ``source`` (anything with the buffer protocol) from byte ``start``.
 
     The archive's header, index and padding are checked here, before anything is read; the files inside
-    are checked by the reader, as for a directory.
+    are checked by the reader, as for a directory (``root`` names it in messages). No view of ``source`` is
+    kept between calls: ``map`` lends a new one, which the reader releases when the checkpoint is closed, so
+    the caller's buffer is free again (resizable, closable) once the checkpoint and the arrays read from it
+    are gone.
     """
 
-    def __init__(self, data: memoryview, root: str = BUFFER_NAME) -> None:
+    def __init__(self, source: Buffer, start: int = 0, root: str = BUFFER_NAME) -> None:
         self.root = root
-        members, total = archive.read_index(data, root)
-        data = data[:total]
-        self._files = {m.name: data[m.offset : m.offset + m.length] for m in members}
+        self._source = source
+        with _flat(source) as whole:
+            members, _ = archive.read_index(whole[start:], root)
+        self._files = {m.name: (start + m.offset, m.length) for m in members}
 
     @classmethod
     def from_source(cls, source: Packed) -> PackedStorage:
         """The archive in bytes, a buffer or a binary file object (see the module docstring)."""
         if isinstance(source, (bytes, bytearray, memoryview, mmap.mmap)):
-            view = memoryview(source)
-        elif hasattr(source, "read"):
-            return cls(_file_view(source))
-        else:
-            try:
-                view = memoryview(source)  # type: ignore[arg-type] # other buffers, e.g. a NumPy array
-            except TypeError:
-                raise InvalidArgumentError(
-                    f"expected a checkpoint path, or a packed checkpoint as bytes, a buffer or a binary file open "
-                    f"for reading; got {type(source).__name__}"
-                ) from None
-        if not view.c_contiguous:
-            raise InvalidArgumentError("a packed checkpoint's buffer must be contiguous memory")
-        return cls(_bytes(view))
+            return cls(source)
+        if hasattr(source, "read"):
+            return cls(*_file_source(source))
+        return cls(source)  # type: ignore[arg-type] # other buffers (a NumPy array); _flat refuses the rest
 
     @classmethod
     def from_file(cls, path: str) -> PackedStorage:
         """The packed checkpoint file at ``path``, memory-mapped; ``path`` names it in messages."""
         try:
             with open(path, "rb") as f:
-                return cls(_file_view(f), path)
+                return cls(*_file_source(f), root=path)
         except OSError as e:
             raise StorageError(e.errno, f"cannot read the packed checkpoint {path}: {e.strerror or e}") from e
 
@@ -88,21 +83,24 @@ class PackedStorage(Storage):
     # -- reading -------------------------------------------------------------------------------------
 
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
-        src = self._file(path)[offset : offset + out.nbytes]
-        out[: src.nbytes] = src
-        return src.nbytes
+        begin, length = self._place(path)
+        with _flat(self._source) as whole:
+            src = whole[begin + min(offset, length) : begin + min(offset + out.nbytes, length)]
+            out[: src.nbytes] = src
+            return src.nbytes
 
     def stat(self, path: str) -> FileInfo | None:
         if path.rstrip("/") == self.root:
             return FileInfo(0, is_dir=True, regular=True)
         name = self._name_of(path)
-        return FileInfo(self._files[name].nbytes, is_dir=False, regular=True) if name else None
+        return FileInfo(self._files[name][1], is_dir=False, regular=True) if name else None
 
     def list(self, path: str) -> list[str]:
         return sorted(self._files) if path.rstrip("/") == self.root else []
 
     def map(self, path: str) -> memoryview:
-        return self._file(path)
+        begin, length = self._place(path)
+        return _flat(self._source)[begin : begin + length]
 
     def strip(self, url: str) -> str:
         return url
@@ -127,7 +125,8 @@ class PackedStorage(Storage):
         parent, _, name = path.rpartition("/")
         return name if parent == self.root.rstrip("/") and name in self._files else None
 
-    def _file(self, path: str) -> memoryview:
+    def _place(self, path: str) -> tuple[int, int]:
+        """Where the file ``path`` is in the source: its first byte and its length."""
         name = self._name_of(path)
         if name is None:
             raise StorageError(errno.ENOENT, f"{path}: no such file in the packed checkpoint")
@@ -140,32 +139,42 @@ def _read_only(path: str) -> NoReturn:
     )
 
 
-def _bytes(view: memoryview) -> memoryview:
-    """``view`` as flat, read-only bytes."""
-    view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
-    return view.toreadonly()
+def _flat(source: Buffer) -> memoryview:
+    """A new read-only view of ``source`` as flat bytes."""
+    try:
+        view = memoryview(source)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"expected a checkpoint path, or a packed checkpoint as bytes, a buffer or a binary file open for "
+            f"reading; got {type(source).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgumentError("a packed checkpoint's buffer must be contiguous memory")
+    return (view if view.format == "B" and view.ndim == 1 else view.cast("B")).toreadonly()
 
 
-def _file_view(f: BinaryIO) -> memoryview:
-    """What a binary file object holds from its current position: mapped, lent or read (module docstring)."""
+def _file_source(f: BinaryIO) -> tuple[Buffer, int]:
+    """What holds a binary file object's bytes, and where its current position is in it (module docstring).
+
+    A ``BytesIO`` gives its bytes without a copy (``getvalue`` hands over its buffer until it is written to).
+    """
     if isinstance(f, io.TextIOBase) or not getattr(f, "readable", lambda: True)():
         raise InvalidArgumentError(
             f"a packed checkpoint's file must be open for reading in binary mode ('rb'), got {f!r:.80}"
         )
     if isinstance(f, io.BytesIO):
-        return _bytes(f.getbuffer()[f.tell() :])
+        return f.getvalue(), f.tell()
     fd = _regular_fd(f)
     if fd is not None:
         start = f.tell()
         try:
-            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ), start
         except ValueError:  # an empty file
-            return memoryview(b"")
-        return _bytes(memoryview(mm)[start:])
+            return b"", 0
     data = f.read()
     if not isinstance(data, (bytes, bytearray)):
         raise InvalidArgumentError(f"reading a packed checkpoint's file gave {type(data).__name__}, not bytes")
-    return _bytes(memoryview(data))
+    return data, 0
 
 
 def _regular_fd(f: BinaryIO) -> int | None:
