@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from test_golden import FIXTURE as V1_BASIC
 from test_golden import golden_state
 
@@ -83,6 +84,34 @@ def test_the_packed_fixture_still_loads_and_verifies():
     with trainstate.open(data) as ck:
         ck.verify()
         assert ck.metadata == {"run": "golden"}
+
+
+def unpack_from_spec(data: bytes) -> dict[str, bytes]:
+    """docs/format.md §10, read with nothing from trainstate: the archive's files by name."""
+    magic, major, _minor, n, total, summed = struct.unpack("<8sHHIQQ", data[:32])
+    assert magic == b"\x89TSPACK\n" and major == 1 and len(data) >= 32 + n and len(data) >= total
+    assert xxhash.xxh3_64_intdigest(data[:24] + data[32 : 32 + n]) == summed
+    files, at = {}, 32 + n
+    for entry in json.loads(data[32 : 32 + n])["files"]:
+        assert entry["offset"] == -(-at // 4096) * 4096 and not any(data[at : entry["offset"]])
+        at = entry["offset"] + entry["length"]
+        files[entry["name"]] = data[entry["offset"] : at]
+    assert at == total and "manifest.json" in files
+    return files
+
+
+def test_a_reader_written_from_the_spec_reads_the_packed_fixture(tmp_path):
+    """§10 is enough: unpacked by the function above, the fixture is tests/fixtures/v1.0/basic, file for file,
+    and the spec-only checkpoint reader (test_spec_reader.py) verifies and decodes it."""
+    from test_spec_reader import SpecReader, assert_exact, basic_values
+
+    files = unpack_from_spec(PACKED_FIXTURE.read_bytes())
+    assert files == {p.name: p.read_bytes() for p in V1_BASIC.iterdir()}
+    for name, raw in files.items():
+        (tmp_path / name).write_bytes(raw)
+    reader = SpecReader(tmp_path)
+    reader.verify()
+    assert_exact(basic_values(), reader.load())
 
 
 def test_an_archive_may_be_followed_by_other_bytes(tiny):
