@@ -43,7 +43,15 @@ def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> tup
     (e.g. ``FsspecStorage.from_url(url, **options)``) for explicit options.
     """
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise InvalidArgumentError(f"a checkpoint location is a non-empty path or URL, got {path!r:.60}")
+        packed = isinstance(path, (bytes, bytearray, memoryview)) and bool(path)
+        raise InvalidArgumentError(
+            f"a checkpoint location is a non-empty path or URL, got {path!r:.60}"
+            + (
+                "; a packed checkpoint in memory is read-only: save to a directory, then trainstate.pack it"
+                if packed
+                else ""
+            )
+        )
     text = os.fspath(path)
     if isinstance(text, bytes):
         raise InvalidArgumentError(f"a checkpoint location is a str path or URL, got {path!r:.60}")
