@@ -14,11 +14,16 @@ What counts as a packed checkpoint (:data:`Packed`):
   caught by the checksums like any other damage;
 - binary file objects open for reading (``open(path, "rb")``, ``io.BytesIO``, a member of a zip file): the
   archive is read from the current position to the end. A regular file is memory-mapped, a ``BytesIO``
-  lent through ``getbuffer()``; any other stream (a pipe, a zip member) is read into memory;
+  read through ``getvalue()`` (CPython hands over its buffer: no copy); any other stream (a pipe, a zip
+  member) is read into memory;
 - the path of a regular file that starts with the archive's magic bytes (``resolve_source`` checks), which
   is memory-mapped: ``trainstate inspect model.tsar`` works as for a directory.
 
 Saving into any of these is refused: the write methods raise :class:`InvalidArgumentError`.
+
+A mapped file truncated while a checkpoint reads it is a CorruptCheckpointError, not a SIGBUS: the reader
+checks the file's current size through the view's owner (``read._backed``). For an ``mmap`` the caller
+made with a non-zero ``offset`` that check cannot know the offset; do not truncate such a file meanwhile.
 """
 
 from __future__ import annotations
