@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+from trainstate._convert.pack import pack
 from trainstate._distributed.consolidate import consolidate
 from trainstate._format.manifest import FORMAT_VERSION
 from trainstate._manager import CheckpointInfo, CheckpointManager, SaveRecord
@@ -114,6 +115,7 @@ __all__ = [
     "consolidate",
     "load",
     "open",
+    "pack",
     "save",
     "seed_per_sample",
 ]

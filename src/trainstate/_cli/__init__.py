@@ -7,6 +7,7 @@ Commands::
     trainstate verify CKPT            re-check every checksum
     trainstate consolidate CKPT OUT   a checkpoint saved by many ranks rewritten as one process's (--rank N)
     trainstate diff A B               tensors and values added, removed or changed
+    trainstate pack CKPT OUT          one file holding the checkpoint (CKPT arguments accept it too)
     trainstate prune DIR --keep-...   apply retention policies now (--dry-run to only show the plan)
     trainstate pin DIR STEP           keep a checkpoint whatever the retention says; unpin undoes it
     trainstate demo                   train, get killed, resume, check the result is bit-identical
@@ -184,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
 
+    p = command("pack", "pack a checkpoint into one file that CKPT arguments and trainstate.load accept")
+    p.add_argument("path", metavar="CKPT")
+    p.add_argument("out", metavar="OUT", help="the file to write (e.g. model.tsar)")
+    p.add_argument("--overwrite", action="store_true", help="replace a file at OUT")
+
     p = command("prune", "apply retention policies to a manager directory now")
     p.add_argument("path", metavar="DIR")
     p.add_argument("--keep-last", type=_positive, metavar="N", help="keep the newest N")
@@ -234,6 +240,10 @@ def _run(args: argparse.Namespace) -> int:
         from trainstate._cli import _diff
 
         return _diff.diff(out, args.a, args.b)
+    if args.command == "pack":
+        from trainstate._cli import _pack
+
+        return _pack.pack(out, args.path, args.out, overwrite=args.overwrite)
     from trainstate._cli import _retention
 
     if args.command == "prune":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import os
 from typing import Any
 
 from trainstate import _arguments as arguments
@@ -12,7 +11,7 @@ from trainstate._distributed import rank_and_world
 from trainstate._frameworks import after_restore, bind
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector
-from trainstate._storage import Storage
+from trainstate._storage import Source, Storage
 from trainstate.errors import InvalidArgumentError
 
 __all__ = ["ABSENT", "Restorer", "load", "load_from", "restore", "selector"]
@@ -71,7 +70,7 @@ def restore(
 
 
 def load_from(
-    path: str | os.PathLike[str],
+    path: Source,
     target: Any = _ABSENT,
     *,
     storage: Storage | None = None,
@@ -106,7 +105,7 @@ _NO_TARGET = object()
 
 
 def load(
-    path: str | os.PathLike[str],
+    path: Source,
     target: Any = _NO_TARGET,
     *,
     strict: bool = True,
@@ -120,7 +119,8 @@ def load(
     """Load a checkpoint: into ``target`` in place, or as a fresh nested structure.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or a packed checkpoint (``trainstate.pack``): bytes, a buffer, a
+            binary file open for reading, or a packed file's path.
         target: live state to fill (the same shape of dict you saved). Tensors are overwritten in place
             and keep their device; stateful objects get ``load_state_dict``; plain values are replaced
             in their containers. Omit it to get plain values and arrays back.
@@ -140,6 +140,7 @@ def load(
     Example:
         >>> trainstate.load("ckpt/step_1200", state)              # in place
         >>> tree = trainstate.load("ckpt/step_1200")              # NumPy arrays and plain values
+        >>> trainstate.load(packed_bytes, state)                    # from memory (trainstate.pack)
     """
     if framework not in ("numpy", "torch"):
         raise InvalidArgumentError(f"framework must be 'numpy' or 'torch', got {framework!r:.40}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import errno
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -22,7 +21,7 @@ from trainstate import _tree as tree
 from trainstate._format import checksum, datafile, manifest
 from trainstate._frameworks import adapter_for
 from trainstate._restore import read as engine
-from trainstate._storage import Storage, resolve
+from trainstate._storage import Source, Storage, resolve_source
 from trainstate.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -55,8 +54,8 @@ class Checkpoint:
         ...     w = ck.read("model.fc.weight")
     """
 
-    def __init__(self, path: str | os.PathLike[str], storage: Storage | None = None) -> None:
-        self.storage, self.path = resolve(path, storage)
+    def __init__(self, path: Source, storage: Storage | None = None) -> None:
+        self.storage, self.path = resolve_source(path, storage)
         self.files = engine.DataFiles(self.storage, self.path)
         try:
             self.manifest = _read_manifest(self.storage, self.path)
@@ -281,11 +280,15 @@ def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
     return manifest.parse(raw, mpath)  # no copy: a refused manifest costs its size, once
 
 
-def open_checkpoint(path: str | os.PathLike[str], storage: Storage | None = None) -> Checkpoint:
+def open_checkpoint(path: Source, storage: Storage | None = None) -> Checkpoint:
     """Open a checkpoint lazily: reads the manifest now, tensors when asked.
+
+    ``path`` is a checkpoint directory or URL, or a packed checkpoint (``trainstate.pack``): bytes, a buffer,
+    a binary file open for reading, or a packed file's path. A buffer is read in place, not copied.
 
     Example:
         >>> with trainstate.open("ckpt/step_1200") as ck:
         ...     print(ck.metadata, ck.keys()[:3], ck.info("model.fc.weight"))
+        >>> ck = trainstate.open(trainstate.pack("ckpt/step_1200"))  # from bytes
     """
     return Checkpoint(path, storage)

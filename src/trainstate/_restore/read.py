@@ -62,10 +62,10 @@ class DataFiles:
 
     def __init__(self, storage: Storage, path: str) -> None:
         self.storage, self.path = storage, path
-        self._maps: dict[str, mmap.mmap | None] = {}
+        self._maps: dict[str, mmap.mmap | memoryview | None] = {}
         self._lock = threading.Lock()
 
-    def map(self, file: str) -> mmap.mmap | None:
+    def map(self, file: str) -> mmap.mmap | memoryview | None:
         maps = self._maps
         if file in maps:
             return maps[file]
@@ -75,9 +75,9 @@ class DataFiles:
                 maps[file] = self.storage.map(self.storage.join(self.path, file)) if mappable else None
             return maps[file]
 
-    def mapped(self, mm: mmap.mmap, file: str, begin: int, end: int) -> memoryview:
+    def mapped(self, mm: mmap.mmap | memoryview, file: str, begin: int, end: int) -> memoryview:
         """Bytes ``[begin, end)`` of a mapped file, once the file is known to still hold them."""
-        size = mm.size()  # the file's size now, not the map's length
+        size = _backed(mm)  # the file's size now, not the map's length
         if end > size:
             raise CorruptCheckpointError(
                 f"data file {file} of {self.path} now has {size} bytes, but the manifest needs bytes up to "
@@ -151,11 +151,26 @@ class DataFiles:
         with self._lock:
             for mm in self._maps.values():
                 try:
-                    if mm is not None:
-                        mm.close()
+                    if mm is not None:  # a view lent by the storage: released, its owner is free again
+                        mm.close() if isinstance(mm, mmap.mmap) else mm.release()
                 except BufferError:
                     pass  # arrays handed out still use it; it closes when they go
             self._maps.clear()
+
+
+def _backed(mm: mmap.mmap | memoryview) -> int:
+    """How many bytes of a map the file under it still holds (all of a view of plain memory).
+
+    A view may be part of a mapped file (a packed checkpoint's member): then it is the file's size now,
+    less where the view starts in the map, that counts.
+    """
+    if isinstance(mm, mmap.mmap):
+        return mm.size()
+    owner = mm.obj
+    if not isinstance(owner, mmap.mmap) or not mm.nbytes:
+        return mm.nbytes
+    start = np.frombuffer(mm, np.uint8).ctypes.data - np.frombuffer(owner, np.uint8).ctypes.data
+    return max(0, min(mm.nbytes, owner.size() - start))
 
 
 # -- spans and batches ------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Where checkpoints live: the storage interface and its backends.
 
 ``resolve`` picks the backend for a path: plain paths and ``file://`` URLs are the local filesystem.
+``resolve_source`` is its reading twin: it also takes a packed checkpoint (bytes, a buffer, a binary file,
+or a packed file's path) and reads it through ``packed.PackedStorage``; writers never get one.
 The contract a backend meets (abstract methods, named capabilities, the commit protocol) is in base.py.
 """
 
@@ -12,21 +14,25 @@ import uuid
 
 from trainstate._storage.base import PROBE_PREFIX, Capabilities, FileInfo, Storage, is_staging_name
 from trainstate._storage.local import LocalStorage
+from trainstate._storage.packed import Packed, PackedStorage, is_packed_file
 from trainstate.errors import InvalidArgumentError
 
 __all__ = [
     "Capabilities",
     "FileInfo",
     "LocalStorage",
+    "Source",
     "Storage",
     "check",
     "is_staging_name",
     "resolve",
+    "resolve_source",
 ]  # FsspecStorage: .fsspec
 
 _LOCAL = LocalStorage()
 _PROBE = "probe"
 _REMOTE: dict[str, Storage] = {}
+Source = str | os.PathLike[str] | Packed  # what a reader opens: a checkpoint's location, or a packed one
 
 
 def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> tuple[Storage, str]:
@@ -37,7 +43,15 @@ def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> tup
     (e.g. ``FsspecStorage.from_url(url, **options)``) for explicit options.
     """
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise InvalidArgumentError(f"a checkpoint location is a non-empty path or URL, got {path!r:.60}")
+        packed = isinstance(path, (bytes, bytearray, memoryview)) and bool(path)
+        raise InvalidArgumentError(
+            f"a checkpoint location is a non-empty path or URL, got {path!r:.60}"
+            + (
+                "; a packed checkpoint in memory is read-only: save to a directory, then trainstate.pack it"
+                if packed
+                else ""
+            )
+        )
     text = os.fspath(path)
     if isinstance(text, bytes):
         raise InvalidArgumentError(f"a checkpoint location is a str path or URL, got {path!r:.60}")
@@ -54,6 +68,27 @@ def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> tup
         backend = _REMOTE[protocol]
         return backend, backend.strip(text)
     return _LOCAL, text
+
+
+def resolve_source(source: Source, storage: Storage | None = None) -> tuple[Storage, str]:
+    """:func:`resolve` for readers: a packed checkpoint in memory, in a binary file object or in a local file
+    (one that starts with the archive's magic bytes) is read through a :class:`PackedStorage`."""
+    if not isinstance(source, (str, os.PathLike)):
+        if storage is not None:
+            raise InvalidArgumentError("storage= is for checkpoint paths; a packed checkpoint is read from itself")
+        backend = PackedStorage.from_source(source)
+        return backend, backend.root
+    text = os.fspath(source)
+    if storage is None and isinstance(text, str) and (local := _local_path(text)) and is_packed_file(local):
+        backend = PackedStorage.from_file(local)
+        return backend, backend.root
+    return resolve(source, storage)
+
+
+def _local_path(text: str) -> str | None:
+    if text.startswith("file://"):
+        return text[len("file://") :]
+    return None if "://" in text else text
 
 
 def check(location: str | os.PathLike[str], storage: Storage | None = None) -> None:

@@ -66,7 +66,8 @@ class Capabilities:
         in_place: ``begin`` may return the final location itself, so data files land where readers look
             while an older checkpoint is still committed there: the saver names them uniquely per save.
             True by default: unique names are correct for every backend, fixed names only for staging.
-        memory_map: ``map`` returns read-only memory maps; readers then read tensors through them.
+        memory_map: ``map`` returns read-only memory maps (or views of memory); readers then read
+            tensors through them.
         symlinks: a user's path may be a symlink (their ``latest -> step_00000100``): ``stat_followed``
             follows it and the real path names the checkpoint and its siblings.
         makedirs: directories are real and must exist before files go in them: the manager creates its
@@ -166,8 +167,11 @@ class Storage(ABC):
         for name in files:
             self.delete(self.join(staging, name))
 
-    def map(self, path: str) -> mmap.mmap | None:
-        """A read-only memory map of the file (``memory_map`` backends); None where there is none."""
+    def map(self, path: str) -> mmap.mmap | memoryview | None:
+        """A read-only memory map of the file (``memory_map`` backends); None where there is none.
+
+        A backend whose files are already in memory (a packed checkpoint) returns a read-only memoryview.
+        """
         return None
 
     def age(self, path: str) -> float:

@@ -1,0 +1,31 @@
+"""``trainstate pack CKPT OUT``: a checkpoint as one file (docs/format.md §10), for an application to embed.
+
+The file opens wherever a checkpoint does: ``trainstate inspect|verify|diff OUT``, ``trainstate.load(OUT)``,
+or its bytes with ``trainstate.load(data)``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from trainstate import pack as pack_checkpoint
+from trainstate._cli._output import Printer, size
+from trainstate._cli._show import open_ckpt
+from trainstate.errors import CheckpointExistsError
+
+
+def pack(out: Printer, path: str, dst: str, *, overwrite: bool) -> int:
+    start = time.perf_counter()
+    with open_ckpt(path) as ck:  # a manager's directory given as CKPT is a usage error, as for inspect
+        tensors, files = len(ck.manifest.tensors), len(ck.manifest.files)
+    try:
+        nbytes = pack_checkpoint(path, dst, overwrite=overwrite)
+    except CheckpointExistsError as e:  # the library names its argument; here it is a flag
+        raise CheckpointExistsError(str(e).replace("pass overwrite=True", "pass --overwrite")) from None
+    seconds = time.perf_counter() - start
+    report = {"path": dst, "source": path, "tensors": tensors, "files": files, "nbytes": nbytes}
+    if out.json_mode:
+        out.json({**report, "seconds": round(seconds, 3)})
+        return 0
+    out.line(f"packed {path} ({tensors} tensors, {files} data file(s)) into {dst}: {size(nbytes)} in {seconds:.2f} s")
+    return 0
