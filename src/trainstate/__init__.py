@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+from trainstate._convert.onnx import export_onnx
 from trainstate._distributed.consolidate import consolidate
 from trainstate._format.manifest import FORMAT_VERSION
 from trainstate._manager import CheckpointInfo, CheckpointManager, SaveRecord
@@ -42,6 +43,7 @@ from trainstate.errors import (
     IncompleteCheckpointError,
     InvalidArgumentError,
     MissingDependencyError,
+    OnnxExportError,
     StateMismatchError,
     StorageError,
     UnknownKeyError,
@@ -94,6 +96,7 @@ __all__ = [
     "KeepLast",
     "LocalStorage",
     "MissingDependencyError",
+    "OnnxExportError",
     "PerRank",
     "RNGState",
     "ResumableSampler",
@@ -112,6 +115,7 @@ __all__ = [
     "__version__",
     "check_storage",
     "consolidate",
+    "export_onnx",
     "load",
     "open",
     "save",
