@@ -108,19 +108,30 @@ def test_forward_that_the_export_does_not_reproduce_is_a_mismatch(tmp_path: Path
     assert not (tmp_path / "model.onnx").exists() and leftovers(tmp_path) == []  # nothing half-checked stays
 
 
-def test_select_and_strip_prefix_export_the_ema_weights(tmp_path: Path, training_state: dict[str, Any]) -> None:
+def test_select_and_strip_prefix_export_the_ema_weights_for_any_batch_size(
+    tmp_path: Path, training_state: dict[str, Any]
+) -> None:
     model = training_state["model"]
     ema = {k: v.detach().clone() * 0.5 for k, v in model.state_dict().items()}  # a plain dict of tensors
     trainstate.save(tmp_path / "ckpt", {**training_state, "ema": ema})
     x = torch.randn(3, 6)
 
-    out = trainstate.export_onnx(tmp_path / "ckpt", net, x, tmp_path / "ema.onnx", select="ema.*", strip_prefix="ema.")
+    out = trainstate.export_onnx(
+        tmp_path / "ckpt",
+        net,
+        x,
+        tmp_path / "ema.onnx",
+        select="ema.*",
+        strip_prefix="ema.",
+        dynamic_shapes=({0: "batch"},),  # the graph takes any batch size
+    )
 
     reference = net().eval()
     reference.load_state_dict(ema)
+    other_batch = torch.randn(7, 6)
     with torch.no_grad():
-        want = reference(x).numpy()
-    np.testing.assert_allclose(run_onnx(out, x)[0], want, rtol=1e-5, atol=1e-6)
+        want = reference(other_batch).numpy()
+    np.testing.assert_allclose(run_onnx(out, other_batch)[0], want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_checkpoint_without_a_module_needs_select(tmp_path: Path) -> None:

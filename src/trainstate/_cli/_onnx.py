@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,20 +74,23 @@ def export_onnx(out: Printer, args: argparse.Namespace) -> int:
     factory = function(args.factory, "--factory")
     inputs = function(args.inputs, "--inputs")()
     start = time.perf_counter()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed", once per op
     try:
-        path = export(
-            args.path,
-            factory,
-            inputs,
-            args.out,
-            select=args.select,
-            strip_prefix=args.strip_prefix,
-            opset=args.opset,
-            rtol=args.rtol,
-            atol=args.atol,
-            external_data=args.external_data,
-            overwrite=args.overwrite,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations, met inside torch.export
+            path = export(
+                args.path,
+                factory,
+                inputs,
+                args.out,
+                select=args.select,
+                strip_prefix=args.strip_prefix,
+                opset=args.opset,
+                rtol=args.rtol,
+                atol=args.atol,
+                external_data=args.external_data,
+                overwrite=args.overwrite,
+            )
     except CheckpointExistsError as e:  # the library names its argument; here it is a flag
         raise CheckpointExistsError(str(e).replace("pass overwrite=True", "pass --overwrite")) from None
     seconds = time.perf_counter() - start

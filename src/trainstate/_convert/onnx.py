@@ -52,6 +52,7 @@ def export_onnx(
     opset: int | None = None,
     rtol: float = 1e-3,
     atol: float = 1e-4,
+    dynamic_shapes: Any = None,
     external_data: bool = False,
     overwrite: bool = False,
 ) -> Path:
@@ -68,7 +69,8 @@ def export_onnx(
         model_factory: builds the untrained model, e.g. ``lambda: Net(**config)``; its ``state_dict()``
             names are what the checkpoint's (stripped) names must match.
         example_inputs: the forward's inputs: a tensor, a tuple of positional arguments, or a dict of
-            keyword arguments. Their shapes are fixed in the exported graph.
+            keyword arguments. Their shapes are fixed in the exported graph unless ``dynamic_shapes``
+            says otherwise.
         out: the ``.onnx`` file to write.
         select: glob patterns over the checkpoint's dotted keys naming the model's tensors
             (default: the first module in the saved state).
@@ -76,6 +78,9 @@ def export_onnx(
             prefix when ``select`` is not given, else nothing).
         opset: the ONNX opset to target (default: torch's recommended one).
         rtol, atol: the tolerances of the onnxruntime check.
+        dynamic_shapes: which input dimensions stay variable in the graph, as ``torch.onnx.export`` takes
+            them (``({0: "batch"},)``: the first argument's first dimension); the check runs at the
+            example's sizes.
         external_data: write the weights to ``<out>.data`` beside the graph (models over 2 GB always do).
         overwrite: replace an existing ``out``.
 
@@ -124,7 +129,9 @@ def export_onnx(
     with torch.no_grad():
         expected = _tensors(model(*args, **kwargs))
     try:
-        program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True, opset_version=opset, verbose=False)
+        program = torch.onnx.export(
+            model, args, kwargs=kwargs, dynamo=True, opset_version=opset, dynamic_shapes=dynamic_shapes, verbose=False
+        )
     except Exception as e:  # torch.export / onnxscript raise many kinds; the user gets one, with the cause
         raise OnnxExportError(f"torch.onnx.export could not export {type(model).__name__}: {e}") from e
     if program is None:  # only the TorchScript exporter returns None
