@@ -67,6 +67,6 @@ def test_export_onnx_command(tmp_path: Path) -> None:
     assert "pass --overwrite" in again.stderr
     bad = run(tmp_path, "ckpt", "x.onnx", "--factory", "mynet", "--inputs", "mynet:example", code=2)
     assert "--factory must be MODULE:FUNCTION" in bad.stderr
-    missing = run(tmp_path, "ckpt", "x.onnx", "--factory", "mynet:make", "--inputs", "mynet:example", code=2)
-    assert "mynet has no 'make'" in missing.stderr
+    missing = run(tmp_path, "ckpt", "x.onnx", "--factory", "json:build", "--inputs", "mynet:example", code=2)
+    assert "json has no 'build'" in missing.stderr
     assert not (tmp_path / "x.onnx").exists()

@@ -71,6 +71,8 @@ def function(ref: str, what: str) -> Callable[..., Any]:
 def export_onnx(out: Printer, args: argparse.Namespace) -> int:
     from trainstate import export_onnx as export
 
+    if Path(args.out).exists() and not args.overwrite:  # before importing the user's code and torch
+        raise CheckpointExistsError(f"{args.out} already exists: pass --overwrite to replace it")
     factory = function(args.factory, "--factory")
     inputs = function(args.inputs, "--inputs")()
     start = time.perf_counter()
