@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+from trainstate._convert.onnx import export_onnx
 from trainstate._convert.pack import pack
 from trainstate._distributed.consolidate import consolidate
 from trainstate._format.manifest import FORMAT_VERSION
@@ -43,6 +44,7 @@ from trainstate.errors import (
     IncompleteCheckpointError,
     InvalidArgumentError,
     MissingDependencyError,
+    OnnxExportError,
     StateMismatchError,
     StorageError,
     UnknownKeyError,
@@ -95,6 +97,7 @@ __all__ = [
     "KeepLast",
     "LocalStorage",
     "MissingDependencyError",
+    "OnnxExportError",
     "PerRank",
     "RNGState",
     "ResumableSampler",
@@ -113,6 +116,7 @@ __all__ = [
     "__version__",
     "check_storage",
     "consolidate",
+    "export_onnx",
     "load",
     "open",
     "pack",

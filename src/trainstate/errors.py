@@ -14,6 +14,7 @@ fit — comes out as one of these, never as a traceback from deep inside a depen
     ├── StorageError                 (also OSError) disk full, I/O error, permission denied
     ├── MissingDependencyError       (also ImportError) an optional extra is not installed
     ├── DistributedError             a collective save / load failed on another rank, or a rank fell silent
+    ├── OnnxExportError              torch.onnx failed, or onnxruntime's outputs differ from torch's
     └── InvalidArgumentError         (also ValueError and TypeError) a call's argument is wrong
         └── UnknownKeyError          (also KeyError) no tensor of that name in the checkpoint
 """
@@ -32,6 +33,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "InvalidArgumentError",
     "MissingDependencyError",
+    "OnnxExportError",
     "StateMismatchError",
     "StorageError",
     "UnknownKeyError",
@@ -112,6 +114,23 @@ class MissingDependencyError(CheckpointError, ImportError):
 class DistributedError(CheckpointError):
     """A collective save or load did not complete on every rank: another rank failed (its message is
     included) or did not answer within the timeout. A save that raises this committed nothing."""
+
+
+class OnnxExportError(CheckpointError):
+    """``export_onnx`` could not produce a faithful ONNX file: torch.onnx failed to export the model, or
+    the file run in onnxruntime gives outputs that differ from the torch model's beyond the tolerances.
+    Nothing was written to the output path.
+
+    Attributes:
+        max_abs_diff: the largest absolute difference of the output that differs (None if the export
+            itself failed or the outputs do not even have the same count or shape).
+        output: the ONNX name of that output (None likewise).
+    """
+
+    def __init__(self, message: str, *, max_abs_diff: float | None = None, output: str | None = None) -> None:
+        super().__init__(message)
+        self.max_abs_diff = max_abs_diff
+        self.output = output
 
 
 class InvalidArgumentError(CheckpointError, ValueError, TypeError):

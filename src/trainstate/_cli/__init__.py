@@ -6,6 +6,7 @@ Commands::
     trainstate inspect CKPT           metadata, plain values and the tensor table (--filter GLOB, --chunks)
     trainstate verify CKPT            re-check every checksum
     trainstate consolidate CKPT OUT   a checkpoint saved by many ranks rewritten as one process's (--rank N)
+    trainstate export-onnx CKPT OUT   the model as an ONNX file checked in onnxruntime (--factory, --inputs)
     trainstate diff A B               tensors and values added, removed or changed
     trainstate pack CKPT OUT          one file holding the checkpoint (CKPT arguments accept it too)
     trainstate prune DIR --keep-...   apply retention policies now (--dry-run to only show the plan)
@@ -181,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
 
+    from trainstate._cli import _onnx
+
+    _onnx.add_parser(command)
+
     p = command("diff", "compare two checkpoints: tensors and plain values (exit 1 if they differ)")
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
@@ -232,6 +237,10 @@ def _run(args: argparse.Namespace) -> int:
         from trainstate._cli import _consolidate
 
         return _consolidate.consolidate(out, args.path, args.out, rank=args.rank, overwrite=args.overwrite)
+    if args.command == "export-onnx":
+        from trainstate._cli import _onnx
+
+        return _onnx.export_onnx(out, args)
     if args.command == "verify":
         from trainstate._cli import _verify
 
