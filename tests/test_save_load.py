@@ -264,3 +264,36 @@ def test_tied_in_the_checkpoint_but_separate_in_the_target(tmp_path):
     assert target["a"] is x and target["b"] is y and (x == w).all() and (y == w).all()
     with pytest.raises(trainstate.StateMismatchError, match="b"):
         trainstate.load(tmp_path / "c", {"a": np.zeros(4, np.float32), "b": np.zeros((2, 2))})
+
+
+@pytest.mark.parametrize("wrap", ["DataParallel", "compile"])
+def test_a_wrapped_model_is_saved_as_the_model_and_loads_into_either(tmp_path, wrap):
+    """DDP / DataParallel add ``module.`` and torch.compile ``_orig_mod.`` to state_dict names; the optimizer's
+    names (from torch's helpers) never had them. A checkpoint of a wrapped run must load into the bare model
+    (single-process evaluation of a DDP run) and the other way round, and the state keeps its wrapper."""
+
+    def wrapped(m: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.DataParallel(m) if wrap == "DataParallel" else torch.compile(m)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    state = {"model": wrapped(model), "optim": optim}
+    trainstate.save(tmp_path / "w", state)
+    with trainstate.open(tmp_path / "w") as ck:
+        names = set(ck.keys())
+    assert "model.0.weight" in names and not any("module." in n or "_orig_mod" in n for n in names), names
+
+    bare = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    bare_optim = torch.optim.AdamW(bare.parameters(), lr=0.1)
+    trainstate.load(tmp_path / "w", {"model": bare, "optim": bare_optim})  # strict: every name matches
+    assert torch.equal(bare[0].weight, model[0].weight)
+    assert torch.equal(bare_optim.state[bare[0].weight]["exp_avg"], optim.state[model[0].weight]["exp_avg"])
+
+    trainstate.save(tmp_path / "b", {"model": bare, "optim": bare_optim})
+    again = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    target = {"model": wrapped(again), "optim": torch.optim.AdamW(again.parameters(), lr=0.1)}
+    out = trainstate.load(tmp_path / "b", target)
+    assert out["model"] is target["model"] and torch.equal(again[1].bias, model[1].bias)

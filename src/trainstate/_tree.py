@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, Generic, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checkable
 
-from trainstate._frameworks import adapter_for, rebuilt_from_checkpoint
+from trainstate._frameworks import adapter_for, rebuilt_from_checkpoint, unwrapped
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 
 MAX_DEPTH = 200
@@ -318,6 +318,7 @@ def encode(
                 f"{join(at) or 'the state'}: dict key {value!r:.40} of type {type(value).__qualname__} cannot be stored"
             )
         if is_stateful(value):
+            value = unwrapped(value)
             cls = type(value)
             source = bound.get(id(value), value)
             return Branch(
@@ -363,7 +364,7 @@ def stateful_objects(state: Any) -> list[tuple[tuple[str, ...], Any]]:
         if isinstance(value, PerRank):
             return Branch([(value.value, at, False)], _nothing)
         if hasattr(type(value), "load_state_dict") and is_stateful(value):  # the type test first: it is cheap
-            found.append((at, value))
+            found.append((at, unwrapped(value)))
             return None
         if isinstance(value, Mapping):
             return Branch([(v, at + (str(k),), False) for k, v in value.items()], _nothing)

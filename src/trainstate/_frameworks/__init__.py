@@ -132,6 +132,18 @@ def adapter_named(kind: str) -> Adapter:
     return _torch() if kind == "torch" else NUMPY
 
 
+def unwrapped(obj: Any) -> Any:
+    """The module a wrapper holds (DDP's and DataParallel's ``.module``, ``torch.compile``'s
+    ``._orig_mod``), else ``obj``: a wrapped model is saved and restored as the model itself, so its names
+    carry no ``module.`` prefix -- as the optimizer's names, from torch's own helpers, never do -- and a
+    checkpoint of a DDP run loads into the bare model."""
+    if "torch" not in sys.modules or not type(obj).__module__.startswith("torch"):
+        return obj
+    from trainstate._frameworks import torch as torch_adapter
+
+    return torch_adapter.unwrap(obj)
+
+
 def load_takes_strict(obj: Any) -> bool:
     """See :meth:`Adapter.load_takes_strict`; False for objects of no framework."""
     return any(a.load_takes_strict(obj) for a in _loaded())

@@ -203,6 +203,17 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(flat).view(dtype).reshape(array.shape)
 
 
+def unwrap(obj: Any) -> Any:
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while True:
+        if isinstance(obj, wrappers):
+            obj = obj.module
+        elif type(obj).__name__ == "OptimizedModule" and isinstance(getattr(obj, "_orig_mod", None), torch.nn.Module):
+            obj = obj._orig_mod
+        else:
+            return obj
+
+
 def load_takes_strict(obj: Any) -> bool:
     return isinstance(obj, torch.nn.Module)
 

@@ -26,7 +26,7 @@ from typing import Any, TypeAlias
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
 from trainstate._format.added_keys import declared_keys
-from trainstate._frameworks import Bound, adapter_for, load_takes_strict, rebuilt_from_checkpoint
+from trainstate._frameworks import Bound, adapter_for, load_takes_strict, rebuilt_from_checkpoint, unwrapped
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.read import Job as _Job
 from trainstate._restore.read import fill
@@ -236,6 +236,7 @@ class Restorer:
         if not tree.is_stateful(target):
             self.mismatched.append((key, _describe(target), f"state of {node.type}"))
             return lambda: target
+        held, target = target, unwrapped(target)  # the container keeps the wrapper; the model is filled
         module = load_takes_strict(target)  # an nn.Module: its own keys are the truth
         bound = self.bound.get(id(target))
         if bound is not None:
@@ -259,7 +260,7 @@ class Restorer:
                     target.load_state_dict(state)
             except Exception as e:
                 raise CheckpointError(f"{key}: {type(target).__name__}.load_state_dict failed: {e}") from e
-            return target
+            return held
 
         return tree.Branch([(node.state, current, path, not module)], _then(finish))
 
