@@ -83,14 +83,25 @@ def test_a_stateful_chain_counts_levels_like_containers(tmp_path):
         trainstate.save(tmp_path / "c", value)
 
 
-def test_include_that_matches_nothing_says_so(tmp_path):
+def test_include_or_exclude_that_matches_nothing_says_so(tmp_path):
     trainstate.save(tmp_path / "c", {"model": {"w": np.ones(3)}, "step": 1})
-    for patterns in ("model", "nomatch.*", ["x", "y"]):
-        with pytest.raises(trainstate.InvalidArgumentError, match="matches no key"):
-            trainstate.load(tmp_path / "c", include=patterns)
+    for what in ("include", "exclude"):
+        for patterns in ("nomatch", "nomatch.*", ["model", "y"]):  # a typo in a list is caught too
+            with pytest.raises(trainstate.InvalidArgumentError, match=f"{what} pattern.*matches no key"):
+                trainstate.load(tmp_path / "c", **{what: patterns})
     with pytest.raises(trainstate.InvalidArgumentError, match="glob pattern"):
         trainstate.load(tmp_path / "c", include=3)
     assert trainstate.load(tmp_path / "c", exclude="*") == {}
+
+
+def test_a_pattern_naming_a_key_takes_everything_under_it(tmp_path):
+    """``exclude=["rng"]`` (as docs/distributed.md says) skips the RNG state; it used to match only a leaf
+    called "rng" and silently skip nothing -- and ``exclude="model"`` restored the model anyway."""
+    trainstate.save(tmp_path / "c", {"model": {"w": np.ones(3)}, "rng": {"torch": np.arange(4)}, "step": 1})
+    mine = {"model": {"w": np.zeros(3)}, "rng": {"torch": np.zeros(4, dtype=np.int64)}, "step": 0}
+    out = trainstate.load(tmp_path / "c", mine, exclude=["rng", "model"])
+    assert out["step"] == 1 and not mine["model"]["w"].any() and not mine["rng"]["torch"].any()
+    assert set(trainstate.load(tmp_path / "c", include="model")) == {"model"}
 
 
 def test_reading_an_unknown_tensor_is_a_checkpoint_error_and_a_key_error(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 from trainstate import _arguments as arguments
@@ -10,7 +9,7 @@ from trainstate import _gc, _tree
 from trainstate._distributed import rank_and_world
 from trainstate._frameworks import after_restore, bind
 from trainstate._restore.checkpoint import Checkpoint
-from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector
+from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector, unmatched
 from trainstate._storage import Source, Storage
 from trainstate.errors import InvalidArgumentError
 
@@ -45,15 +44,17 @@ def restore(
         rank=rank_and_world(),
         bound=bind(_tree.stateful_objects(target)) if target is not _ABSENT else None,
     )
-    if include is not None:
+    if include is not None or exclude is not None:
         keys = r._leaves(ck.manifest.tree, ())
-        patterns = [include] if isinstance(include, str) else list(include)
-        unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(k, p) for k in keys)]
-        if unmatched or not patterns:  # a typo in one pattern of a list would silently skip a part
-            raise InvalidArgumentError(
-                f"include pattern(s) {unmatched or patterns!r:.80}: matches no key of the checkpoint (keys look like "
-                f"{keys[:3]}); patterns match whole dotted keys: 'model.*' selects everything under 'model'"
-            )
+        for what, given in (("include", include), ("exclude", exclude)):
+            patterns = [] if given is None else [given] if isinstance(given, str) else list(given)
+            missed = unmatched(patterns, keys)
+            if missed or (given is not None and not patterns):
+                raise InvalidArgumentError(
+                    f"{what} pattern(s) {missed or patterns!r:.80}: matches no key of the checkpoint (keys look like "
+                    f"{keys[:3]}); a pattern takes a whole dotted key and everything under it ('model' or "
+                    "'model.*': every key under 'model')"
+                )
     try:
         finish = r.plan(target, ck.manifest.tree, (), free=False)
         r.check()

@@ -54,11 +54,22 @@ def selector(include: str | list[str] | None, exclude: str | list[str] | None) -
         return None
 
     def selected(key: str) -> bool:
-        if inc and not any(fnmatch.fnmatchcase(key, p) for p in inc):
+        if inc and not any(matches(key, p) for p in inc):
             return False
-        return not any(fnmatch.fnmatchcase(key, p) for p in exc)
+        return not any(matches(key, p) for p in exc)
 
     return selected
+
+
+def matches(key: str, pattern: str) -> bool:
+    """Whether a glob pattern takes a dotted key: the key itself, or anything under what it names
+    (``"rng"`` takes ``"rng.torch"``, as ``"rng.*"`` does)."""
+    return fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(key, pattern + ".*")
+
+
+def unmatched(patterns: list[str], keys: list[str]) -> list[str]:
+    """The patterns that take no key: a typo in one would silently restore (or skip) a part."""
+    return [p for p in patterns if not any(matches(k, p) for k in keys)]
 
 
 def _patterns(value: Any, what: str) -> list[str]:
