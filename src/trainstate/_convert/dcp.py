@@ -1,0 +1,191 @@
+"""torch.distributed.checkpoint directories, read a tensor at a time without unpickling code.
+
+DCP keeps its metadata (``.metadata``) as a plain pickle, which ``FileSystemReader.read_metadata`` loads
+with ``pickle.load``: a hostile directory would run code. Here it is unpickled by a restricted unpickler
+that builds only DCP's own metadata classes, ``torch.Size``, dtypes, layouts and paths (Python's
+"restricting globals" recipe), and non-tensor values are loaded with ``torch.load(weights_only=True)``
+instead of DCP's ``weights_only=False``. Tensors are loaded through DCP's own ``dcp.load`` (no process
+group: ``no_dist=True``), one tensor per call, into a fresh tensor of its saved shape and dtype, so the
+importer holds one tensor at a time. The nesting DCP flattened away (``model.layer.weight`` from
+``{"model": {"layer.weight": ...}}``) comes back from the metadata's ``planner_data``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import pickle
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from trainstate._convert.source import SourceTensor
+from trainstate._format import dtypes
+from trainstate._optional import optional
+from trainstate._tree import MAX_DEPTH
+from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
+
+METADATA = ".metadata"
+_DCP = "torch.distributed.checkpoint"
+_ALLOWED = {  # module -> names the metadata pickle may build
+    f"{_DCP}.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    f"{_DCP}.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch":  # a dtype (torch.float32) is pickled as a global
+            import torch
+
+            found = getattr(torch, name, None)
+            if isinstance(found, torch.dtype):
+                return found
+        raise UnsupportedValueError(
+            f"the DCP metadata asks to build {module}.{name}, which is not part of DCP's metadata; trainstate "
+            "never unpickles code"
+        )
+
+
+def metadata(path: Path) -> Any:
+    """The DCP ``Metadata`` of directory ``path``, unpickled with only DCP's own classes allowed."""
+    with optional("torch", extra="torch", needed_for="importing a torch.distributed.checkpoint directory"):
+        import torch.distributed.checkpoint  # noqa: F401 - the classes the unpickler allows
+    try:
+        with open(path / METADATA, "rb") as f:
+            return _Unpickler(f).load()
+    except UnsupportedValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - what a damaged pickle raises is anyone's guess
+        raise CorruptCheckpointError(f"{path / METADATA} is not readable DCP metadata ({e!s:.120})") from None
+
+
+def read(path: Path) -> Any:
+    """The state a DCP directory holds: nested dicts / lists of :class:`SourceTensor` s (each loaded when
+    the writer reaches it) and plain values (loaded now, with ``weights_only=True``)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = metadata(path)
+    paths: dict[str, tuple[Any, ...]] = getattr(md, "planner_data", None) or {}
+    root: dict[Any, Any] = {}
+    plain: list[str] = []
+    for fqn, entry in md.state_dict_metadata.items():
+        where = tuple(paths.get(fqn) or (fqn,))
+        if not 0 < len(where) <= MAX_DEPTH:
+            raise CorruptCheckpointError(f"{path / METADATA}: {fqn!r:.80} is nested {len(where)} levels deep")
+        if isinstance(entry, TensorStorageMetadata):
+            code = dtypes.BY_TORCH_NAME[str(entry.properties.dtype).removeprefix("torch.")].code
+            shape = tuple(int(n) for n in entry.size)
+            nbytes = dtypes.from_code(code).itemsize * int(np.prod(shape))
+            value: Any = SourceTensor(code, shape, nbytes, partial(_tensor, path, md, fqn, code, shape))
+        else:
+            value = _Plain(fqn)
+            plain.append(fqn)
+        _put(root, where, value)
+    values = _load(path, md, {fqn: None for fqn in plain})
+    return _lists(root, values)
+
+
+class _Plain(NamedTuple):
+    """Where a non-tensor value goes, until it is loaded."""
+
+    fqn: str
+
+
+def _tensor(path: Path, md: Any, fqn: str, code: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor of the directory, loaded by ``dcp.load`` into a fresh tensor of its dtype and shape."""
+    from trainstate._frameworks import torch as adapter
+
+    out = adapter.empty(code, shape)
+    _load(path, md, {fqn: out})
+    return np.frombuffer(adapter.byte_view(out), np.uint8)
+
+
+def _load(path: Path, md: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``dcp.load`` of the keys of ``state`` (tensors filled in place); returns the non-tensor values."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    reader_class, planner_class = _classes()
+    planner = planner_class(path)
+    try:
+        load(state, storage_reader=reader_class(path, md), planner=planner, no_dist=True)
+    except UnsupportedValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP's own errors: a damaged or truncated directory
+        raise CorruptCheckpointError(f"reading {path} (a DCP directory) failed: {e!s:.200}") from None
+    loaded: dict[str, Any] = planner.loaded
+    return loaded
+
+
+@functools.cache
+def _classes() -> tuple[Any, Any]:
+    """DCP's reader and planner with the two changes the module docstring describes (made on first use:
+    defining them imports torch)."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def __init__(self, path: Path, md: Any) -> None:
+            super().__init__(path)
+            self.md = md
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return self.md
+
+    class Planner(DefaultLoadPlanner):
+        def __init__(self, path: Path) -> None:
+            super().__init__(flatten_state_dict=False)
+            self.path = path
+            self.loaded: dict[str, Any] = {}
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                self.loaded[fqn] = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError:
+                raise UnsupportedValueError(
+                    f"{self.path}: {fqn} holds a pickled object other than tensors and plain values; trainstate "
+                    "never unpickles code"
+                ) from None
+
+    return Reader, Planner
+
+
+def _put(root: dict[Any, Any], where: tuple[Any, ...], value: Any) -> None:
+    node = root
+    for key in where[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise CorruptCheckpointError(f"DCP metadata nests a value under {'.'.join(map(str, where))}")
+    node[where[-1]] = value
+
+
+def _lists(node: Any, values: dict[str, Any]) -> Any:
+    """Dicts keyed 0..n-1 by ints back into lists (DCP flattens list items by index); plain values in."""
+    if isinstance(node, _Plain):
+        return values.get(node.fqn)
+    if not isinstance(node, dict):
+        return node
+    items = {k: _lists(v, values) for k, v in node.items()}
+    if items and all(type(k) is int for k in items) and sorted(items) == list(range(len(items))):
+        return [items[i] for i in range(len(items))]
+    return items
