@@ -9,6 +9,9 @@ Example:
 
 from __future__ import annotations
 
+from trainstate._convert.average import average
+from trainstate._convert.export import ExportResult, export
+from trainstate._convert.import_ import import_checkpoint
 from trainstate._distributed.consolidate import consolidate
 from trainstate._format.manifest import FORMAT_VERSION
 from trainstate._manager import CheckpointInfo, CheckpointManager, SaveRecord
@@ -82,6 +85,7 @@ __all__ = [
     "DistributedError",
     "EverySeconds",
     "EverySteps",
+    "ExportResult",
     "FORMAT_VERSION",
     "FileInfo",
     "FormatVersionError",
@@ -110,8 +114,11 @@ __all__ = [
     "UnknownKeyError",
     "UnsupportedValueError",
     "__version__",
+    "average",
     "check_storage",
     "consolidate",
+    "export",
+    "import_checkpoint",
     "load",
     "open",
     "save",

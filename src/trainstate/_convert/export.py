@@ -200,7 +200,7 @@ def _write_safetensors(
 ) -> list[str]:
     files = []
     weight_map: dict[str, str] = {}
-    total = 0
+    total = parameters = 0
     for i, group in enumerate(groups):
         name = tmp.name if single else _shard_name(i, len(groups))
         meta = {"format": "pt"}  # what from_pretrained checks
@@ -214,10 +214,12 @@ def _write_safetensors(
             outs.append(safetensors_file.Out(w.name, t.dtype, t.shape, t.nbytes, partial(_produce, ck, t)))
             weight_map[w.name] = name
             total += t.nbytes
+            parameters += int(np.prod(t.shape))
         safetensors_file.write(tmp if single else tmp / name, outs, meta)
         files.append(name)
     if len(groups) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        metadata = {"total_parameters": parameters, "total_size": total}  # as save_pretrained writes it
+        index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         fsync_path(tmp / INDEX_NAME)
         files.append(INDEX_NAME)

@@ -38,7 +38,7 @@ def _refuse_existing(out: Path, overwrite: bool, *, directory: bool) -> None:
     if directory and not any(out.iterdir()):
         return  # an empty directory: nothing to lose
     if not overwrite:
-        raise CheckpointExistsError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
+        raise CheckpointExistsError(f"{out} already exists; pass overwrite=True to replace it")
 
 
 @contextmanager
