@@ -33,7 +33,7 @@ import numpy as np
 
 from trainstate import _gc
 from trainstate._convert import safetensors_file, torch_file
-from trainstate._convert.output import copy_beside, fsync_path, parse_size, staged
+from trainstate._convert.output import copy_beside, fsync_path, model_folder, parse_size, staged
 from trainstate._convert.select import Weight, weights
 from trainstate._format import dtypes
 from trainstate._restore.checkpoint import Checkpoint
@@ -117,6 +117,8 @@ def export(
     single = _single_file(target, format)
     if single and copy_from is not None:
         raise InvalidArgumentError(f"copy_from needs a folder to copy into; {target} is a file: give a folder as OUT")
+    if copy_from is not None:
+        model_folder(copy_from)
     with Checkpoint(ckpt) as ck, _gc.paused():
         ck.verify_headers()
         picked = weights(ck, select, strip_prefix)

@@ -18,7 +18,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trainstate._format.manifest import MANIFEST_NAME
-from trainstate.errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError
+from trainstate.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    StorageError,
+)
 
 # Files --copy-from leaves behind: weights (the export writes its own) and what a hub cache keeps beside them.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
@@ -77,7 +83,7 @@ def staged(out: str | os.PathLike[str], *, overwrite: bool, directory: bool) -> 
             shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         _remove(tmp)
-        if isinstance(e, StorageError):
+        if isinstance(e, CheckpointError):  # already trainstate's (a StorageError, a missing folder)
             raise
         raise StorageError(e.errno, f"writing {final} failed: {e.strerror or e}") from e
     except BaseException:
@@ -99,6 +105,16 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def model_folder(src: str | os.PathLike[str]) -> Path:
+    """``src`` as a folder to copy from, checked before anything is written."""
+    root = Path(src)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(
+            f"copy_from: {root} is not a directory (expected a model folder with config.json)"
+        )
+    return root
 
 
 def copy_beside(src: str | os.PathLike[str], dst: Path) -> list[str]:
@@ -127,7 +143,7 @@ def copy_beside(src: str | os.PathLike[str], dst: Path) -> list[str]:
             copied.append(rel.as_posix())
     for d in {Path(c).parent for c in copied if "/" in c}:
         fsync_path(dst / d)
-    return copied
+    return sorted(copied)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
