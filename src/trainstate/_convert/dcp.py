@@ -124,13 +124,17 @@ def _load(path: Path, md: Any, state: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import load
 
     reader_class, planner_class = _classes()
-    planner = planner_class(path)
+    planner = planner_class()
     try:
         load(state, storage_reader=reader_class(path, md), planner=planner, no_dist=True)
-    except UnsupportedValueError:
-        raise
     except Exception as e:  # noqa: BLE001 - DCP's own errors: a damaged or truncated directory
-        raise CorruptCheckpointError(f"reading {path} (a DCP directory) failed: {e!s:.200}") from None
+        if planner.refused is None:
+            raise CorruptCheckpointError(f"reading {path} (a DCP directory) failed: {e!s:.200}") from None
+    if planner.refused is not None:  # raised here: DCP wraps what a planner raises in its own error
+        raise UnsupportedValueError(
+            f"{path}: {planner.refused} holds a pickled object other than tensors and plain values; trainstate "
+            "never unpickles code"
+        )
     loaded: dict[str, Any] = planner.loaded
     return loaded
 
@@ -152,20 +156,17 @@ def _classes() -> tuple[Any, Any]:
             return self.md
 
     class Planner(DefaultLoadPlanner):
-        def __init__(self, path: Path) -> None:
+        def __init__(self) -> None:
             super().__init__(flatten_state_dict=False)
-            self.path = path
             self.loaded: dict[str, Any] = {}
+            self.refused: str | None = None
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
             try:
                 self.loaded[fqn] = torch.load(value, weights_only=True)
             except pickle.UnpicklingError:
-                raise UnsupportedValueError(
-                    f"{self.path}: {fqn} holds a pickled object other than tensors and plain values; trainstate "
-                    "never unpickles code"
-                ) from None
+                self.refused = self.refused or fqn
 
     return Reader, Planner
 

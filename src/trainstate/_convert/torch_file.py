@@ -147,14 +147,14 @@ def read(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)  # the legacy format: cannot be mapped
     except pickle.UnpicklingError as e:
         said = str(e)
-        if "Weights only load failed" not in said:
-            raise CorruptCheckpointError(f"{path} is not a torch.save file ({said:.120})") from None
         found = re.search(r"GLOBAL ([\w.]+)", said)
-        what = f" (a {found.group(1)})" if found else ""
+        if found is None:  # torch's restricted unpickler met bytes that are no pickle it knows
+            reason = said.split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
+            raise CorruptCheckpointError(f"{path} is not a torch.save file ({' '.join(reason.split()):.120})") from None
         raise UnsupportedValueError(
-            f"{path} holds a pickled object other than tensors, containers and plain values{what}; trainstate "
-            "never unpickles code. Save the weights as tensors (torch.save(model.state_dict(), ...)) or as "
-            "safetensors, and import that"
+            f"{path} holds a pickled object other than tensors, containers and plain values (a "
+            f"{found.group(1)}); trainstate never unpickles code. Save the weights as tensors "
+            "(torch.save(model.state_dict(), ...)) or as safetensors, and import that"
         ) from None
     except OSError as e:
         raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
