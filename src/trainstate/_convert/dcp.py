@@ -28,6 +28,7 @@ from trainstate._tree import MAX_DEPTH
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 
 METADATA = ".metadata"
+BATCH_BYTES = 16 << 20  # small tensors loaded together, up to this many bytes
 _DCP = "torch.distributed.checkpoint"
 _ALLOWED = {  # module -> names the metadata pickle may build
     f"{_DCP}.metadata": {
@@ -87,6 +88,7 @@ def read(path: Path) -> Any:
     paths: dict[str, tuple[Any, ...]] = getattr(md, "planner_data", None) or {}
     root: dict[Any, Any] = {}
     plain: list[str] = []
+    batches = _Batches(path, md)
     for fqn, entry in md.state_dict_metadata.items():
         where = tuple(paths.get(fqn) or (fqn,))
         if not 0 < len(where) <= MAX_DEPTH:
@@ -95,12 +97,15 @@ def read(path: Path) -> Any:
             code = dtypes.BY_TORCH_NAME[str(entry.properties.dtype).removeprefix("torch.")].code
             shape = tuple(int(n) for n in entry.size)
             nbytes = dtypes.from_code(code).itemsize * int(np.prod(shape))
-            value: Any = SourceTensor(code, shape, nbytes, partial(_tensor, path, md, fqn, code, shape))
+            value: Any = SourceTensor(code, shape, nbytes, partial(batches.get, fqn))
+            batches.tensors[fqn] = value
         else:
             value = _Plain(fqn)
             plain.append(fqn)
         _put(root, where, value)
     values = _load(path, md, {fqn: None for fqn in plain})
+    fqn_of = {id(t): fqn for fqn, t in batches.tensors.items()}
+    batches.set_order([fqn_of[id(t)] for t in _leaves(root)])
     return _lists(root, values)
 
 
@@ -110,13 +115,52 @@ class _Plain(NamedTuple):
     fqn: str
 
 
-def _tensor(path: Path, md: Any, fqn: str, code: str, shape: tuple[int, ...]) -> np.ndarray:
-    """One tensor of the directory, loaded by ``dcp.load`` into a fresh tensor of its dtype and shape."""
-    from trainstate._frameworks import torch as adapter
+class _Batches:
+    """Tensors loaded a few at a time, in the order the writer asks for them (tree order).
 
-    out = adapter.empty(code, shape)
-    _load(path, md, {fqn: out})
-    return np.frombuffer(adapter.byte_view(out), np.uint8)
+    Each ``dcp.load`` call plans, reads the plan and copies: a few milliseconds whatever its size, so
+    small tensors are loaded together, up to :data:`BATCH_BYTES` at once; a tensor the writer has not
+    reached yet waits in ``ready``. A large tensor is loaded alone.
+    """
+
+    def __init__(self, path: Path, md: Any) -> None:
+        self.path, self.md = path, md
+        self.tensors: dict[str, SourceTensor] = {}
+        self.order: list[str] = []
+        self.position: dict[str, int] = {}
+        self.ready: dict[str, np.ndarray] = {}
+
+    def set_order(self, order: list[str]) -> None:
+        self.order, self.position = order, {fqn: i for i, fqn in enumerate(order)}
+
+    def get(self, fqn: str) -> np.ndarray:
+        found = self.ready.pop(fqn, None)
+        if found is not None:
+            return found
+        from trainstate._frameworks import torch as adapter
+
+        group, total = [fqn], self.tensors[fqn].nbytes
+        at = self.position.get(fqn, len(self.order)) + 1
+        for later in self.order[at:]:
+            n = self.tensors[later].nbytes
+            if total + n > BATCH_BYTES or later in self.ready:
+                break
+            group.append(later)
+            total += n
+        outs = {f: adapter.empty(self.tensors[f].dtype, self.tensors[f].shape) for f in group}
+        _load(self.path, self.md, dict(outs))
+        for f in group[1:]:
+            self.ready[f] = np.frombuffer(adapter.byte_view(outs[f]), np.uint8)
+        return np.frombuffer(adapter.byte_view(outs[fqn]), np.uint8)
+
+
+def _leaves(node: Any) -> list[SourceTensor]:
+    """The tensors of a nested dict built by :func:`_put`, in order."""
+    if isinstance(node, SourceTensor):
+        return [node]
+    if isinstance(node, dict):
+        return [leaf for child in node.values() for leaf in _leaves(child)]
+    return []
 
 
 def _load(path: Path, md: Any, state: dict[str, Any]) -> dict[str, Any]:

@@ -5,13 +5,15 @@ N, N bytes of JSON (each tensor's ``dtype``, ``shape`` and ``data_offsets`` rela
 header, and an optional ``__metadata__`` of strings), then the tensors' bytes back to back. The header
 names every tensor before any byte of them, so a writer that knows dtypes and shapes up front (a manifest
 does) can write the header, then each tensor as it is produced, and drop it: memory peaks near one
-tensor. ``safetensors.torch.save_file`` needs the whole state in memory first. The header is built by the
+tensor. ``safetensors.torch.save_file`` needs the whole state in memory first. Reading maps the file, as
+``safetensors.safe_open`` does: a tensor's bytes go from the page cache to the writer without a copy. The header is built by the
 same code as trainstate's own data files (``_format/datafile.py``), which ``safe_open`` already reads.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -68,13 +70,14 @@ def read(path: Path) -> tuple[dict[str, SourceTensor], dict[str, str]]:
     """
     what = f"{path} (a safetensors file)"
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             n = datafile.header_length(prefix) if len(prefix) == 8 else 0
             if not 8 < n <= min(size, datafile.MAX_HEADER + 8):
                 raise CorruptCheckpointError(f"{what}: no safetensors header (a header length of {n - 8} bytes)")
             blob = prefix + f.read(n - 8)
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # the bytes stay the page cache's
     except OSError as e:
         raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
     header = datafile.parse_header(blob, size, what)
@@ -91,7 +94,7 @@ def read(path: Path) -> tuple[dict[str, SourceTensor], dict[str, str]]:
                 f"{what}: tensor {name!r:.80} ({code}{list(shape)}, {nbytes} bytes) has data_offsets "
                 f"[{begin}, {end}] in a data section of {data_size} bytes"
             )
-        found.append((begin, name, SourceTensor(code, shape, nbytes, partial(_pread, path, n + begin, nbytes))))
+        found.append((begin, name, SourceTensor(code, shape, nbytes, partial(_view, mapped, path, n + begin, nbytes))))
     found.sort(key=lambda x: x[0])
     return {name: t for _, name, t in found}, meta
 
@@ -112,17 +115,11 @@ def _entry(entry: object, name: str, what: str) -> tuple[str, tuple[int, ...], t
     raise CorruptCheckpointError(f"{what}: malformed header entry for {name!r:.80}: {entry!r:.120}")
 
 
-def _pread(path: Path, offset: int, nbytes: int) -> np.ndarray:
-    out = np.empty(nbytes, dtype=np.uint8)
-    view = out.data
-    try:
-        with open(path, "rb", buffering=0) as f:
-            fd, pos = f.fileno(), 0
-            while pos < nbytes:
-                got = os.preadv(fd, [view[pos : pos + (1 << 30)]], offset + pos)
-                if got == 0:
-                    raise CorruptCheckpointError(f"{path} ended before byte {offset + nbytes}: it was truncated")
-                pos += got
-    except OSError as e:
-        raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
-    return out
+def _view(mapped: mmap.mmap, path: Path, offset: int, nbytes: int) -> np.ndarray:
+    """Bytes of the mapped file, once the file is known to still hold them: touching a page past the end of
+    a file truncated since it was mapped would kill the process (SIGBUS) instead of raising."""
+    if mapped.size() < offset + nbytes:  # the file's size now, not the map's
+        raise CorruptCheckpointError(
+            f"{path} was truncated while it was read: it no longer holds byte {offset + nbytes}"
+        )
+    return np.frombuffer(mapped, np.uint8, count=nbytes, offset=offset)
