@@ -134,6 +134,11 @@ def test_select_and_strip_prefix_pick_any_part(tmp_path):
     with pytest.raises(trainstate.InvalidArgumentError, match="hold no tensors"):
         trainstate.export(tmp_path / "ckpt", tmp_path / "x", select="step")
     assert not (tmp_path / "x").exists()
+    wrapped = torch.nn.Module()  # how DDP holds a model: its names start with "module."
+    wrapped.module = student
+    trainstate.save(tmp_path / "ddp", {"model": wrapped})
+    trainstate.export(tmp_path / "ddp", tmp_path / "bare", strip_prefix="module.")
+    assert same_tensors(load_file(tmp_path / "bare" / "model.safetensors"), student.state_dict())
 
 
 def test_a_state_without_a_module_asks_for_select(tmp_path):
