@@ -203,6 +203,8 @@ def test_out_is_replaced_only_when_asked_and_never_half_written(mixed_ckpt, tmp_
     assert same_tensors(load_file(out / "model.safetensors"), model.state_dict())
     with pytest.raises(trainstate.CheckpointExistsError, match="is a trainstate checkpoint"):
         trainstate.export(ckpt, ckpt, overwrite=True)  # never onto a checkpoint, least of all its own source
+    with pytest.raises(trainstate.CheckpointExistsError, match="holds trainstate checkpoints"):
+        trainstate.export(ckpt, tmp_path, overwrite=True)  # nor onto the run's directory
     assert trainstate.load(ckpt)["step"] == 3
 
 

@@ -4,7 +4,7 @@ An export is a directory (a Hugging Face folder) or one file (``model.safetensor
 Either is written under a hidden sibling name (``.OUT.tmp-<random>``), every file fsynced, then renamed to
 OUT and the parent directory fsynced: a crash leaves OUT as it was, never half written. Replacing an
 existing OUT needs ``overwrite=True``; a trainstate checkpoint is never replaced by an export (exporting
-onto the checkpoint being read is a typo that would destroy it).
+onto the checkpoint being read, or onto the run's directory, is a typo that would destroy them).
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ def _refuse_existing(out: Path, overwrite: bool, *, directory: bool) -> None:
     if directory and (out / MANIFEST_NAME).exists():
         raise CheckpointExistsError(
             f"{out} is a trainstate checkpoint; an export never replaces one: choose another OUT"
+        )
+    if directory and any((child / MANIFEST_NAME).exists() for child in out.iterdir() if child.is_dir()):
+        raise CheckpointExistsError(
+            f"{out} holds trainstate checkpoints (a run's directory?); an export never replaces it: choose another OUT"
         )
     if directory and not any(out.iterdir()):
         return  # an empty directory: nothing to lose
