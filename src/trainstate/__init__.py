@@ -9,6 +9,9 @@ Example:
 
 from __future__ import annotations
 
+from trainstate._convert.average import average
+from trainstate._convert.export import ExportResult, export
+from trainstate._convert.import_ import import_checkpoint
 from trainstate._convert.onnx import export_onnx
 from trainstate._convert.pack import pack
 from trainstate._distributed.consolidate import consolidate
@@ -85,6 +88,7 @@ __all__ = [
     "DistributedError",
     "EverySeconds",
     "EverySteps",
+    "ExportResult",
     "FORMAT_VERSION",
     "FileInfo",
     "FormatVersionError",
@@ -114,9 +118,12 @@ __all__ = [
     "UnknownKeyError",
     "UnsupportedValueError",
     "__version__",
+    "average",
     "check_storage",
     "consolidate",
     "export_onnx",
+    "export",
+    "import_checkpoint",
     "load",
     "open",
     "pack",

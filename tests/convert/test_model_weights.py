@@ -10,13 +10,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import trainstate  # noqa: E402
-from trainstate._convert.model_weights import model_weights  # noqa: E402
+from trainstate._convert.select import weights as model_weights  # noqa: E402
 
 
 def weights(tmp_path: Path, state: Any, **options: Any) -> dict[str, str]:
     trainstate.save(tmp_path / "ckpt", state)
     with trainstate.open(tmp_path / "ckpt") as ck:
-        return model_weights(ck, **options)
+        return {w.name: w.stored for w in model_weights(ck, **options)}
 
 
 def test_the_first_module_is_found_past_rng_scheduler_and_optimizer(tmp_path: Path) -> None:

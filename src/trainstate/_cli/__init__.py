@@ -7,6 +7,9 @@ Commands::
     trainstate verify CKPT            re-check every checksum
     trainstate consolidate CKPT OUT   a checkpoint saved by many ranks rewritten as one process's (--rank N)
     trainstate export-onnx CKPT OUT   the model as an ONNX file checked in onnxruntime (--factory, --inputs)
+    trainstate export CKPT OUT        the model's weights as a Hugging Face folder, safetensors or torch.save file
+    trainstate import SRC CKPT        safetensors, torch.save, Hugging Face or DCP weights as a checkpoint
+    trainstate average CKPT... -o OUT the mean of several checkpoints (weight averaging after the fact)
     trainstate diff A B               tensors and values added, removed or changed
     trainstate pack CKPT OUT          one file holding the checkpoint (CKPT arguments accept it too)
     trainstate prune DIR --keep-...   apply retention policies now (--dry-run to only show the plan)
@@ -185,6 +188,31 @@ def build_parser() -> argparse.ArgumentParser:
     from trainstate._cli import _onnx
 
     _onnx.add_parser(command)
+    p = command("export", "write a checkpoint's model weights for inference tools (Hugging Face, safetensors, torch)")
+    p.add_argument("path", metavar="CKPT")
+    p.add_argument("out", metavar="OUT", help="a folder (hf), or a file or folder (safetensors, torch)")
+    p.add_argument(
+        "--select", action="append", metavar="GLOB", help="tensors whose keys match (repeatable); default: the model"
+    )
+    p.add_argument("--strip-prefix", metavar="PREFIX", help="removed from every selected name, e.g. 'model.'")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="hf: the most bytes per shard, e.g. 2GB (default 5GB)")
+    p.add_argument("--copy-from", metavar="DIR", help="copy config and tokenizer files from this model folder")
+    p.add_argument("--format", choices=["hf", "safetensors", "torch"], default="hf", help="default: hf")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT")
+
+    p = command("import", "write safetensors, torch.save, Hugging Face or DCP weights as a trainstate checkpoint")
+    p.add_argument(
+        "src", metavar="SRC", help="a .safetensors / torch.save file, a Hugging Face folder, a DCP directory"
+    )
+    p.add_argument("out", metavar="CKPT", help="the new checkpoint (a path or URL)")
+    p.add_argument("--prefix", metavar="KEY", help="put the weights under this key, e.g. 'model'")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at CKPT")
+
+    p = command("average", "write the mean of several checkpoints of one run (floating tensors; the rest: newest)")
+    p.add_argument("paths", metavar="CKPT", nargs="+")
+    p.add_argument("-o", "--out", metavar="OUT", required=True, help="the new checkpoint (a path or URL)")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
 
     p = command("diff", "compare two checkpoints: tensors and plain values (exit 1 if they differ)")
     p.add_argument("a", metavar="A")
@@ -241,6 +269,25 @@ def _run(args: argparse.Namespace) -> int:
         from trainstate._cli import _onnx
 
         return _onnx.export_onnx(out, args)
+    if args.command in ("export", "import", "average"):
+        from trainstate._cli import _convert
+
+        if args.command == "export":
+            return _convert.export(
+                out,
+                args.path,
+                args.out,
+                select=args.select,
+                strip_prefix=args.strip_prefix,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                copy_from=args.copy_from,
+                format=args.format,
+                overwrite=args.overwrite,
+            )
+        if args.command == "import":
+            return _convert.import_(out, args.src, args.out, prefix=args.prefix, overwrite=args.overwrite)
+        return _convert.average(out, args.paths, args.out, overwrite=args.overwrite)
     if args.command == "verify":
         from trainstate._cli import _verify
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainstate._convert.model_weights import model_weights
+from trainstate._convert.select import weights
 from trainstate._optional import optional
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import Source
@@ -118,7 +118,7 @@ def export_onnx(
 
     ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
     try:
-        names = model_weights(ck, select=select, strip_prefix=strip_prefix)
+        names = {w.name: w.stored for w in weights(ck, select, strip_prefix)}
         model = model_factory()
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(f"model_factory() must return a torch.nn.Module, got {type(model).__name__}")

@@ -21,16 +21,13 @@ import time
 from functools import partial
 from typing import Any
 
-import numpy as np
-
 from trainstate import _arguments as arguments
 from trainstate import _gc
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
-from trainstate._frameworks import NUMPY
 from trainstate._restore.checkpoint import Checkpoint
-from trainstate._restore.read import read_views
-from trainstate._save.encode import Entry, Snapshot, tensor_name
+from trainstate._save.encode import Snapshot, tensor_name
+from trainstate._save.lazy import stored_entry
 from trainstate._save.write import SaveResult, write_checkpoint
 from trainstate._storage import Storage, resolve
 from trainstate.errors import CorruptCheckpointError, InvalidArgumentError
@@ -91,7 +88,7 @@ def consolidate(
             )
         ck.verify_headers()
         root_node, names = one_process_tree(ck.manifest.tree, rank)
-        entries = [_lazy_entry(ck, new, old) for old, new in names.items()]
+        entries = [stored_entry(ck, new, old) for old, new in names.items()]
         snapshot = Snapshot(root_node, ck.manifest.metadata, entries)
         return write_checkpoint(
             root,
@@ -168,25 +165,3 @@ def _stateful(kind: str, state: list[tree.Node]) -> tree.Node:
 
 def _too_deep(item: Any) -> Exception:  # cannot happen: the source passed the same rule, and this tree is no deeper
     return CorruptCheckpointError(f"tree nests deeper than {tree.MAX_DEPTH} levels")
-
-
-class _Stored:
-    """A tensor of the source checkpoint, read when the writer asks for its bytes.
-
-    The NumPy adapter turns a value into bytes with ``np.asarray``, which calls ``__array__``: the tensor
-    is read then (each chunk checked, assembled), handed over as flat bytes, and dropped once written.
-    A storage that retries an upload iterates the bytes again, which reads the tensor again.
-    """
-
-    def __init__(self, ck: Checkpoint, name: str) -> None:
-        self.ck, self.name = ck, name
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = np.empty(self.ck.manifest.tensors[self.name].nbytes, dtype=np.uint8)
-        read_views(self.ck, [(self.name, out.data, None)], verify=True, threads=1)
-        return out
-
-
-def _lazy_entry(ck: Checkpoint, new: str, old: str) -> Entry:
-    t = ck.manifest.tensors[old]
-    return Entry(new, _Stored(ck, old), NUMPY, t.dtype, t.shape, t.kind, t.nbytes)

@@ -1,0 +1,160 @@
+"""import_checkpoint(): another tool's weights written as a trainstate checkpoint, a tensor at a time.
+
+Sources, told apart by what they are (not only by their names):
+
+- a ``.safetensors`` file (header read, each tensor read when written);
+- a ``torch.save`` file (``.pt`` / ``.bin`` / anything else that is not safetensors), loaded with
+  ``weights_only=True`` and memory-mapped: never unpickled as code;
+- a Hugging Face folder: ``model.safetensors``, or shards listed by ``model.safetensors.index.json``,
+  else ``pytorch_model.bin`` or its ``pytorch_model.bin.index.json`` (``from_pretrained``'s order);
+- a ``torch.distributed.checkpoint`` directory (it has ``.metadata``), read with DCP's own loader.
+
+The result goes through the save pipeline (``write_checkpoint``: checksums, the atomic commit) with lazy
+entries, so one tensor is in memory at a time. How the tree is shaped (a state dict becomes a module's
+state, so ``load(ckpt, {"model": model})`` works) is in ``source.py``. Safetensors files that
+``trainstate.export`` wrote list the names of tied tensors it wrote once; they come back tied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from trainstate import _gc
+from trainstate._convert import dcp, safetensors_file, source, torch_file
+from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._save.write import SaveResult, write_checkpoint
+from trainstate._storage import resolve
+from trainstate.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, StorageError
+
+TIED_KEY = "trainstate.tied"  # export.py writes it: JSON {alias: name written}
+_HF_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def import_checkpoint(
+    src: str | os.PathLike[str],
+    ckpt: str | os.PathLike[str],
+    *,
+    prefix: str | None = None,
+    overwrite: bool = False,
+) -> SaveResult:
+    """Write the weights (or state) of ``src`` as a trainstate checkpoint at ``ckpt``.
+
+    Args:
+        src: a ``.safetensors`` file, a ``torch.save`` file, a Hugging Face model folder (single or sharded,
+            safetensors or ``.bin``), or a ``torch.distributed.checkpoint`` directory. A local path.
+        ckpt: the checkpoint to write (a path or URL).
+        prefix: put the state under this key (``"model"``: ``{"model": <the weights>}``; dotted nests deeper).
+        overwrite: replace a checkpoint at ``ckpt`` (atomically).
+
+    Returns:
+        A :class:`SaveResult` for ``ckpt``.
+
+    Raises:
+        CheckpointNotFoundError: ``src`` does not exist.
+        InvalidArgumentError: ``src`` is a folder of none of the kinds above (or a trainstate checkpoint).
+        CorruptCheckpointError: ``src`` is not a well-formed file of its kind.
+        UnsupportedValueError: ``src`` holds something trainstate does not store or unpickle (a pickled class).
+
+    Example:
+        >>> trainstate.import_checkpoint("bert-base-uncased/", "ckpt/imported", prefix="model")
+        >>> trainstate.load("ckpt/imported", {"model": model})
+    """
+    start = time.perf_counter()
+    if prefix is not None and (not isinstance(prefix, str) or not all(prefix.split("."))):
+        raise InvalidArgumentError(f"prefix must be a key like 'model' (dotted nests deeper), got {prefix!r:.40}")
+    path = Path(src)
+    kind, state, meta = read_source(path)
+    record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
+    torch_tensors = torch_file.source_tensor if kind in ("torch", "hf") else None  # others need no torch
+    snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
+    backend, root = resolve(ckpt, None)
+    with _gc.paused():
+        return write_checkpoint(root, snapshot, storage=backend, overwrite=overwrite, threads=1, start=start, workers=1)
+
+
+def read_source(path: Path) -> tuple[str, Any, dict[str, str]]:
+    """What ``path`` is (``"safetensors"``, ``"torch"``, ``"hf"`` or ``"dcp"``), the state it holds (tensors
+    as :class:`source.SourceTensor` or torch tensors), and a safetensors file's ``__metadata__``."""
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such file or directory to import")
+    if path.is_file():
+        if _is_safetensors(path):
+            tensors, meta = safetensors_file.read(path)
+            return "safetensors", _tie(tensors, meta, path), meta
+        if path.name.endswith(".index.json"):
+            return "hf", _sharded(path), {}
+        return "torch", torch_file.read(path), {}
+    if (path / dcp.METADATA).is_file():
+        return "dcp", dcp.read(path), {}
+    for name in _HF_FILES:
+        if (path / name).is_file():
+            return "hf", read_source(path / name)[1], {}
+    if (path / MANIFEST_NAME).is_file():
+        raise InvalidArgumentError(f"{path} is a trainstate checkpoint already: load it, or consolidate it to copy it")
+    raise InvalidArgumentError(
+        f"{path} is a folder without model weights trainstate can import: expected one of {list(_HF_FILES)} "
+        f"(a Hugging Face folder) or {dcp.METADATA} (a torch.distributed.checkpoint directory); found "
+        f"{sorted(p.name for p in path.iterdir())[:10]}. Pass the weights file itself if it has another name"
+    )
+
+
+def _is_safetensors(path: Path) -> bool:
+    """Whether a file starts as safetensors does: a plausible header length, then a JSON object."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
+    if path.suffix == ".safetensors":
+        return True  # its reader says what is wrong with it, if anything
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size
+
+
+def _tie(tensors: dict[str, Any], meta: dict[str, str], path: Path) -> dict[str, Any]:
+    """Names an export wrote once (``trainstate.tied``) back beside the name they were written under."""
+    if TIED_KEY not in meta:
+        return tensors
+    try:
+        aliases = json.loads(meta[TIED_KEY])
+        ok = isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors for v in aliases.values())
+    except ValueError:
+        ok = False
+    if not ok:
+        raise CorruptCheckpointError(f"{path}: __metadata__ {TIED_KEY} does not map names to tensors of the file")
+    out = dict(tensors)
+    for alias, kept in aliases.items():
+        out[str(alias)] = tensors[kept]._replace(identity=("tied", str(path), kept))
+        out[kept] = out[alias]
+    return out
+
+
+def _sharded(index: Path) -> dict[str, Any]:
+    """The tensors of a sharded Hugging Face folder, shard by shard, as its index maps them."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{index} is not a Hugging Face weight index ({e!s:.80})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CorruptCheckpointError(f"{index}: weight_map is not a mapping of tensor names to shard files")
+    out: dict[str, Any] = {}
+    for shard in sorted(set(weight_map.values())):
+        if Path(shard).name != shard or shard.startswith(".") or not shard.endswith((".safetensors", ".bin")):
+            raise CorruptCheckpointError(f"{index} names shard {shard!r:.80}, which is not a file of its folder")
+        wanted = {name for name, f in weight_map.items() if f == shard}
+        file = index.parent / shard
+        if not file.is_file():
+            raise CorruptCheckpointError(f"{index} names shard {shard}, which is missing")
+        kind, tensors, _ = read_source(file)
+        if not isinstance(tensors, dict):
+            raise CorruptCheckpointError(f"{file} does not hold a mapping of names to tensors")
+        missing = sorted(wanted - set(tensors))
+        if missing:
+            raise CorruptCheckpointError(f"{index} maps {missing[:5]} to {shard}, which does not hold them")
+        for name, value in tensors.items():
+            if name in wanted:
+                out[name] = value if kind == "safetensors" else torch_file.source_tensor(value) or value
+    return out

@@ -1,0 +1,171 @@
+"""Where an export lands: written aside, flushed, then renamed into place, so OUT is whole or absent.
+
+An export is a directory (a Hugging Face folder) or one file (``model.safetensors``, ``pytorch_model.bin``).
+Either is written under a hidden sibling name (``.OUT.tmp-<random>``), every file fsynced, then renamed to
+OUT and the parent directory fsynced: a crash leaves OUT as it was, never half written. Replacing an
+existing OUT needs ``overwrite=True``; a trainstate checkpoint is never replaced by an export (exporting
+onto the checkpoint being read, or onto the run's directory, is a typo that would destroy them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from trainstate._format.manifest import MANIFEST_NAME
+from trainstate.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    StorageError,
+)
+
+# Files --copy-from leaves behind: weights (the export writes its own) and what a hub cache keeps beside them.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
+_INDEX = re.compile(r".*\.index\.json$")
+
+
+def _refuse_existing(out: Path, overwrite: bool, *, directory: bool) -> None:
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_symlink() or out.is_dir() != directory:
+        kind = "a directory" if directory else "a file"
+        raise CheckpointExistsError(f"{out} exists and is not {kind}; refusing to replace it: choose another OUT")
+    if directory and (out / MANIFEST_NAME).exists():
+        raise CheckpointExistsError(
+            f"{out} is a trainstate checkpoint; an export never replaces one: choose another OUT"
+        )
+    if directory and any((child / MANIFEST_NAME).exists() for child in out.iterdir() if child.is_dir()):
+        raise CheckpointExistsError(
+            f"{out} holds trainstate checkpoints (a run's directory?); an export never replaces it: choose another OUT"
+        )
+    if directory and not any(out.iterdir()):
+        return  # an empty directory: nothing to lose
+    if not overwrite:
+        raise CheckpointExistsError(f"{out} already exists; pass overwrite=True to replace it")
+
+
+@contextmanager
+def staged(out: str | os.PathLike[str], *, overwrite: bool, directory: bool) -> Iterator[Path]:
+    """Yield a fresh hidden sibling of ``out`` to write into; on success it replaces ``out`` atomically.
+
+    The caller writes (and fsyncs) its files there. On any failure the sibling is removed and ``out`` is
+    left as it was.
+    """
+    final = Path(out)
+    _refuse_existing(final, overwrite, directory=directory)
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if directory:
+            tmp.mkdir()
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot create {tmp}: {e.strerror}") from e
+    try:
+        yield tmp
+        if directory:
+            fsync_path(tmp)
+        _refuse_existing(final, overwrite, directory=directory)  # again: someone may have made it meanwhile
+        old = None
+        if directory and final.exists() and any(final.iterdir()):  # a directory cannot be renamed over
+            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+            os.rename(final, old)
+        try:
+            os.replace(tmp, final)  # a file (or an empty directory) is replaced in one step
+        except BaseException:
+            if old is not None:
+                os.rename(old, final)
+            raise
+        fsync_path(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        _remove(tmp)
+        if isinstance(e, CheckpointError):  # already trainstate's (a StorageError, a missing folder)
+            raise
+        raise StorageError(e.errno, f"writing {final} failed: {e.strerror or e}") from e
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entry to stable storage."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def model_folder(src: str | os.PathLike[str]) -> Path:
+    """``src`` as a folder to copy from, checked before anything is written."""
+    root = Path(src)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(
+            f"copy_from: {root} is not a directory (expected a model folder with config.json)"
+        )
+    return root
+
+
+def copy_beside(src: str | os.PathLike[str], dst: Path) -> list[str]:
+    """Copy a model folder's other files (config, tokenizer, generation config, README) from ``src`` into
+    ``dst``, subfolders included; weights, weight indexes and hidden files are left behind. Returns the
+    copied paths, relative to ``dst``; each copy is fsynced."""
+    root = Path(src)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(
+            f"copy_from: {root} is not a directory (expected a model folder with config.json)"
+        )
+    copied = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith(".") or name.endswith(WEIGHT_SUFFIXES) or _INDEX.match(name):
+                continue
+            source = Path(dirpath) / name
+            rel = source.relative_to(root)
+            target = dst / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                raise InvalidArgumentError(f"copy_from: {rel} would replace a file the export wrote")
+            shutil.copyfile(source, target)
+            fsync_path(target)
+            copied.append(rel.as_posix())
+    for d in {Path(c).parent for c in copied if "/" in c}:
+        fsync_path(dst / d)
+    return sorted(copied)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from ``2GB`` (10^9, as Hugging Face counts), ``500MiB`` (2^20), or an int."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise InvalidArgumentError(
+                f"max_shard_size: expected a size like 2GB, 500MB or 1GiB (or a number of bytes), got {value!r:.40}"
+            )
+        number, unit = float(m.group(1)), m.group(2).lower()
+    size = int(number * _UNITS[unit])
+    if size < 1:
+        raise InvalidArgumentError(f"max_shard_size must be at least one byte, got {value!r:.40}")
+    return size

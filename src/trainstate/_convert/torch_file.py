@@ -1,0 +1,182 @@
+"""torch.save files: read without unpickling code, written a tensor at a time.
+
+Reading uses ``torch.load(weights_only=True, mmap=True)``: torch's restricted unpickler builds only
+tensors, containers and plain values (a pickled class is refused, never run), and ``mmap`` leaves the
+tensors' bytes in the file until the writer reads them. A file in torch's legacy (pre-1.6, non-zip)
+format cannot be mapped and is loaded whole, still restricted.
+
+Writing produces exactly what ``torch.save(state_dict, path)`` writes (a zip of ``data.pkl`` naming each
+tensor's storage, then one record per storage), but streams: the pickle only *names* the storages, so it
+is built from dtypes and shapes, then each storage record is written as its tensor is produced and
+dropped. ``torch.save`` needs every tensor in memory first. The zip is written by torch's own writer
+(``torch._C.PyTorchFileWriter``, what ``torch.save`` uses), so alignment and checksums are torch's.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from trainstate._convert.source import SourceTensor
+from trainstate._format import dtypes
+from trainstate._optional import optional
+from trainstate.errors import CorruptCheckpointError, StorageError, UnsupportedValueError
+
+_NEEDED = "reading and writing torch.save files"
+
+
+def _torch() -> Any:
+    with optional("torch", extra="torch", needed_for=_NEEDED):
+        import torch
+    return torch
+
+
+class Stored(NamedTuple):
+    """A tensor to write: dtype code, shape, and how to make its bytes. One object per storage: names of
+    a tied tensor share one (the file then holds it once, as torch.save does)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    produce: Callable[[], np.ndarray]
+
+
+class _StorageRef:
+    def __init__(self, key: str, stored: Stored) -> None:
+        self.key, self.stored = key, stored
+
+
+class _TensorRef:
+    """Pickles as ``torch.save`` pickles a contiguous CPU tensor that owns its storage."""
+
+    def __init__(self, storage: _StorageRef) -> None:
+        self.storage = storage
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        torch = _torch()
+        shape = self.storage.stored.shape
+        stride = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+        dtype = getattr(torch, dtypes.from_code(self.storage.stored.dtype).torch_name)
+        args: tuple[Any, ...] = (self.storage, 0, shape, stride, False, collections.OrderedDict())
+        if dtype in torch.storage._dtype_to_storage_type_map():  # a typed storage, as torch.save writes it
+            return torch._utils._rebuild_tensor_v2, args
+        return torch._utils._rebuild_tensor_v3, (*args, dtype)
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, _StorageRef):
+            return None
+        torch = _torch()
+        stored = obj.stored
+        dtype = getattr(torch, dtypes.from_code(stored.dtype).torch_name)
+        numel = int(np.prod(stored.shape))
+        typed = torch.storage._dtype_to_storage_type_map().get(dtype)
+        if typed is not None:
+            return ("storage", getattr(torch, typed), obj.key, "cpu", numel)
+        return (
+            "storage",
+            torch.storage.UntypedStorage,
+            obj.key,
+            "cpu",
+            numel * dtypes.from_code(stored.dtype).itemsize,
+        )
+
+
+def write(path: Path, tensors: dict[str, Stored]) -> None:
+    """Write ``{name: tensor}`` as a new torch.save file at ``path``, fsynced; tensors a storage at a time."""
+    torch = _torch()
+    refs: dict[int, _StorageRef] = {}
+    for stored in tensors.values():
+        refs.setdefault(id(stored), _StorageRef(str(len(refs)), stored))
+    obj = {name: _TensorRef(refs[id(stored)]) for name, stored in tensors.items()}
+    pickled = io.BytesIO()
+    _Pickler(pickled, protocol=2).dump(obj)
+    data = pickled.getvalue()
+    try:
+        with open(path, "xb") as f:
+            writer = torch._C.PyTorchFileWriter(f, True, 64)
+            writer.write_record("data.pkl", data, len(data))
+            writer.write_record(".format_version", "1", 1)
+            writer.write_record(".storage_alignment", "64", 2)
+            writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+            for ref in refs.values():
+                storage = _as_storage(torch, ref.stored.produce())
+                writer.write_record(f"data/{ref.key}", storage, storage.nbytes())
+                del storage  # one tensor in memory at a time
+            writer.write_end_of_file()
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise StorageError(e.errno, f"writing {path} failed: {e.strerror or e}") from e
+
+
+def _as_storage(torch: Any, array: np.ndarray) -> Any:
+    """A torch storage over an array's bytes, without a copy where the array is contiguous."""
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():  # a read-only map of the checkpoint: the writer only reads it
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return torch.from_numpy(flat).untyped_storage()
+
+
+def read(path: Path) -> Any:
+    """The object a torch.save file holds, its tensors mapped from the file (see :func:`source_tensor`).
+
+    Raises:
+        UnsupportedValueError: the file holds a pickled object other than tensors, containers and plain
+            values (refused by torch's restricted unpickler, never run).
+        CorruptCheckpointError: the file is not a torch.save file.
+    """
+    torch = _torch()
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap can only be used" not in str(e):
+                raise
+        return torch.load(path, map_location="cpu", weights_only=True)  # the legacy format: cannot be mapped
+    except pickle.UnpicklingError as e:
+        said = str(e)
+        found = re.search(r"GLOBAL ([\w.]+)", said)
+        if found is None:  # torch's restricted unpickler met bytes that are no pickle it knows
+            reason = said.split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
+            raise CorruptCheckpointError(f"{path} is not a torch.save file ({' '.join(reason.split()):.120})") from None
+        raise UnsupportedValueError(
+            f"{path} holds a pickled object other than tensors, containers and plain values (a "
+            f"{found.group(1)}); trainstate never unpickles code. Save the weights as tensors "
+            "(torch.save(model.state_dict(), ...)) or as safetensors, and import that"
+        ) from None
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
+    except Exception as e:  # noqa: BLE001 - whatever torch.load says of a file that is not its format
+        said = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CorruptCheckpointError(f"{path} is not a torch.save file ({said:.120})") from None
+
+
+def source_tensor(value: Any) -> SourceTensor | None:
+    """A torch tensor of a loaded file as a :class:`SourceTensor` (None for anything else): its bytes are
+    read from the file's map when the writer reaches it; names of one tied tensor share an identity."""
+    torch = _torch()
+    if not isinstance(value, torch.Tensor):
+        return None
+    from trainstate._frameworks import torch as adapter
+
+    code, shape, _ = adapter.describe(value)
+    nbytes = dtypes.from_code(code).itemsize * int(np.prod(shape))
+    return SourceTensor(code, shape, nbytes, partial(_bytes_of, value), adapter.identity(value))
+
+
+def _bytes_of(t: Any) -> np.ndarray:
+    from trainstate._frameworks import torch as adapter
+
+    return np.frombuffer(adapter.byte_view(t), np.uint8)
