@@ -107,3 +107,27 @@ def _in_process(args: list[str]) -> subprocess.CompletedProcess[str]:
         else:
             os.environ["COLUMNS"] = saved[3]
     return subprocess.CompletedProcess(["trainstate", *args], code, out.getvalue(), err.getvalue())
+
+
+def make_training_state(seed: int = 0, steps: int = 2) -> dict[str, Any]:
+    """A small model trained a few steps with AdamW and a scheduler, plus counters and RNG."""
+    import torch
+
+    import trainstate
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    for _ in range(steps):
+        loss = model(torch.randn(8, 6)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return {"model": model, "optim": opt, "sched": sched, "step": steps, "epoch": 0, "rng": trainstate.RNGState()}
+
+
+def fresh_like(seed: int = 123) -> dict[str, Any]:
+    """The same structure, untrained, with different weights."""
+    return make_training_state(seed=seed, steps=0)

@@ -202,8 +202,7 @@ def test_a_file_truncated_under_a_pieced_tensor_is_an_error_not_sigbus(tmp_path,
 
 
 def test_any_piece_size_round_trips_a_training_state(tmp_path, monkeypatch, training_state):
-    from conftest import fresh_like
-    from helpers import assert_same
+    from helpers import assert_same, fresh_like
     from trainstate._save import write
 
     for piece in (8, 100, 4096):  # pieces smaller than the small-tensor write buffer, odd sizes, several per tensor

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import trainstate
-from conftest import fresh_like, make_training_state
-from helpers import assert_same
+from helpers import assert_same, fresh_like, make_training_state
 
 torch = pytest.importorskip("torch")
 

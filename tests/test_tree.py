@@ -229,7 +229,7 @@ def test_the_tree_text_is_what_the_v1_fixture_holds():
 
 
 def _mixed_state() -> dict[str, Any]:
-    from conftest import make_training_state
+    from helpers import make_training_state
 
     state = make_training_state()
     state.update(

@@ -140,7 +140,7 @@ def _index(data: bytes) -> list[dict]:
 
 def test_load_into_a_live_training_state_with_include_and_exclude(tmp_path):
     pytest.importorskip("torch")
-    from conftest import fresh_like, make_training_state
+    from helpers import fresh_like, make_training_state
 
     trained = make_training_state()
     trainstate.save(tmp_path / "c", trained)
