@@ -118,3 +118,17 @@ def replicated_load_rng(rank: int, world: int, path: str) -> Any:
 
 def plain_to_fsdp_load(rank: int, world: int, path: str) -> Any:
     return fsdp_load(rank, world, path)
+
+
+def save_on_rank_0_only(rank: int, world: int, path: str) -> Any:
+    """``if rank == 0: trainstate.save(...)`` -- the mistake: the other ranks never come."""
+    import os
+
+    if rank != 0:
+        return "skipped"
+    os.environ["TRAINSTATE_DIST_TIMEOUT"] = "3"
+    try:
+        trainstate.save(path, {"w": np.ones(3)})
+    finally:
+        del os.environ["TRAINSTATE_DIST_TIMEOUT"]
+    return "saved"

@@ -79,6 +79,14 @@ def test_a_rank_that_fails_before_writing_fails_every_rank_and_commits_nothing(t
     assert not path.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".c.tmp")]
 
 
+def test_a_save_on_one_rank_only_is_a_distributed_error_that_names_the_fix(tmp_path):
+    """``if rank == 0: trainstate.save(...)``: was torch's raw DistStoreError from making the group."""
+    results = ranks.run(2, workers.save_on_rank_0_only, str(tmp_path / "c"), timeout=120)
+    assert results[1] == "skipped" and isinstance(results[0], ranks.RankError), results
+    assert results[0].kind == "DistributedError" and "collective=False" in results[0].message, results[0]
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_rank_that_dies_while_writing_leaves_no_checkpoint_and_the_others_raise_within_the_timeout(tmp_path):
     path = tmp_path / "c"
     results = ranks.run(2, workers.one_rank_dies_while_writing, str(path), timeout=120)

@@ -147,7 +147,16 @@ def _gloo_group(group: Any, timeout: float, channel: str) -> Any:
         found = _groups.get(key)
         if found is None:
             ranks = sorted(dist.get_process_group_ranks(group))
-            found = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+            try:
+                found = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+            except Exception as e:  # torch's store timeout: the other ranks never came to this call
+                raise DistributedError(
+                    f"trainstate's coordination group ({channel}) could not be made within {timeout:g} s: every rank "
+                    f"of the process group ({len(ranks)}) must make the same trainstate call, and rank(s) other "
+                    "than this one did not. Under a process group trainstate.save, load, CheckpointManager and its "
+                    "save / restore_latest are collective: call them on every rank, or pass collective=False to "
+                    f"save from one rank alone ({_text(e)})"
+                ) from e
             _groups[key] = found
         return found
 
