@@ -87,6 +87,27 @@ def one_rank_cannot_encode(rank: int, world: int, directory: str, async_save: bo
         return {"errors": errors, "steps": [c.step for c in mgr.list()]}
 
 
+def one_rank_cannot_encode_and_the_loop_goes_on(rank: int, world: int, directory: str) -> Any:
+    """Async, a save every step, rank 1's state unsavable at step 1, every error caught: the loop trains on
+    (the new-user trial: the ranks fell out of step and waited until the timeout)."""
+    os.environ["TRAINSTATE_DIST_TIMEOUT"] = "30"  # a hang shows as "lost contact" in 30 s, not 600
+    errors = []
+    try:
+        with trainstate.CheckpointManager(directory, every_steps=1, async_save=True) as mgr:
+            for step in range(6):
+                state = _state(rank, float(step))
+                if rank == 1 and step == 1:
+                    state["bad"] = object()
+                try:
+                    mgr.save(step, state)
+                except trainstate.CheckpointError as e:
+                    errors.append((step, type(e).__name__, str(e)[:300]))
+            mgr.wait()
+            return {"errors": errors, "steps": [c.step for c in mgr.list()]}
+    finally:
+        del os.environ["TRAINSTATE_DIST_TIMEOUT"]
+
+
 def restore_skips_what_one_rank_cannot_read(rank: int, world: int, directory: str) -> Any:
     back = _state(rank, -1.0)
     with trainstate.CheckpointManager(directory) as mgr:

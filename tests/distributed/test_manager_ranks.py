@@ -58,6 +58,18 @@ def test_a_rank_whose_state_cannot_be_saved_fails_that_save_on_every_rank_withou
     assert "rank 1" in out[0]["errors"][0][2]
 
 
+def test_an_async_save_one_rank_cannot_encode_is_raised_on_every_rank_at_one_step_and_training_goes_on(tmp_path):
+    out = ranks.ok(
+        ranks.run(2, workers.one_rank_cannot_encode_and_the_loop_goes_on, str(tmp_path / "run"), timeout=150)
+    )
+    zero, one = ({e[0]: e[1] for e in got["errors"]} for got in out)
+    assert one.pop(1) == "UnsupportedValueError", out  # its own error, at once
+    assert len(zero) == 1 and zero == one, out  # then one agreed step, the same on both ranks
+    assert set(zero.values()) == {"DistributedError"}
+    assert not any("lost contact" in e[2] for got in out for e in got["errors"]), out
+    assert 1 not in out[0]["steps"] and 5 in out[0]["steps"] and out[0]["steps"] == out[1]["steps"]
+
+
 def test_restore_latest_moves_every_rank_to_the_older_checkpoint_when_one_rank_cannot_read_its_part(tmp_path):
     directory = tmp_path / "run"
     files = ranks.ok(ranks.run(2, workers.write_two, str(directory)))[0]

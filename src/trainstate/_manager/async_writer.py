@@ -79,6 +79,10 @@ class AsyncWriter:
         self.buffers = [StagingBuffer() for _ in range(config.max_in_flight)] if config.async_save else []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-async") if config.async_save else None
         self._error: BaseException | None = None
+        # Under a process group a background save's error is raised only where every rank agreed to raise it
+        # (the next save()'s decision): a rank raising it on its own, at the moment its thread happened to
+        # finish, would leave the others in the next collective until the timeout.
+        self.agreed_errors_only = False
 
     def reserve(self, snapshot: Callable[[], Snapshot]) -> None:
         """Allocate and touch the first staging buffer on a helper thread, unless there is none to reserve
@@ -95,7 +99,8 @@ class AsyncWriter:
         if background:
             while len(self.jobs) >= len(self.buffers):
                 self.collect(block=True, first_only=True)
-            self.raise_pending()  # the save we just waited for may have failed
+            if not self.agreed_errors_only:
+                self.raise_pending()  # the save we just waited for may have failed
         else:
             self.collect(block=True)
 
@@ -111,7 +116,8 @@ class AsyncWriter:
             )
             background = False
             self.collect(block=True)
-            self.raise_pending()
+            if not self.agreed_errors_only:
+                self.raise_pending()
         previous = (self.last_step, self.last_save_time)
         if not background:
             record = self.committer.write(step, reason, snapshot, background=False, blocking_start=start)

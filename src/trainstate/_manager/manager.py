@@ -214,6 +214,7 @@ class CheckpointManager:
         self._ranks = None if read_only else manager_ranks(collective, timeout)
         self._committer = Committer(self.catalog, self._config, self._ranks)
         self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
+        self._writer.agreed_errors_only = self._ranks is not None
         self._rng = RNGCapture(bool(capture_rng))
         self._closed = False
         self._preemption_saved = False
@@ -452,7 +453,7 @@ class CheckpointManager:
                 self._writer.wait()  # raises this rank's error; every rank's part of that save failed
                 raise failed_elsewhere(self._ranks.world)
         stale = self._writer.take_error() if preempting else None
-        if not preempting:
+        if not preempting and self._ranks is None:  # under ranks: raised above, where every rank agreed
             self._writer.raise_pending()
         if preempting:
             reason: str | None = f"preemption ({self._preemption_signal()})"
