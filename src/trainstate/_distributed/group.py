@@ -97,6 +97,13 @@ class Coordinator:
         except DistributedError:
             raise
         except Exception as e:  # noqa: BLE001 - gloo: a peer closed the connection (died), or timed out
+            if not self.dist.is_initialized() or "not registered" in str(e):
+                raise DistributedError(
+                    f"{what}: the process group was destroyed (dist.destroy_process_group()) while this call "
+                    "needed it; nothing was committed. Close trainstate's CheckpointManager (leave its with "
+                    "block, or mgr.close()) before destroying the group: an async save still in flight "
+                    "commits there"
+                ) from None
             raise DistributedError(
                 f"{what}: rank {self.rank} of {self.world} lost contact with the other ranks ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else 'no message'}). A rank died or did not reach this "
