@@ -197,7 +197,9 @@ def test_real_published_model_imported_fine_tuned_exported_to_hf_and_onnx(
     config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     trainstate.import_checkpoint(folder, tmp_path / "imported", prefix="model")
     model = transformers.AutoModel.from_config(config)  # random weights, then the imported ones
-    trainstate.load(tmp_path / "imported", {"model": model})
+    # The published file still holds position_ids, a buffer transformers 5 no longer saves: a strict load names
+    # it, and the user leaves it out (from_pretrained ignores it the same way).
+    trainstate.load(tmp_path / "imported", {"model": model}, exclude="model.embeddings.position_ids")
     reference = transformers.AutoModel.from_pretrained(folder, local_files_only=True)
     for name, value in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
