@@ -296,3 +296,23 @@ def test_a_wrapped_model_is_saved_as_the_model_and_loads_into_either(tmp_path, w
     target = {"model": wrapped(again), "optim": torch.optim.AdamW(again.parameters(), lr=0.1)}
     out = trainstate.load(tmp_path / "b", target)
     assert out["model"] is target["model"] and torch.equal(again[1].bias, model[1].bias)
+
+
+def test_a_checkpoint_with_wrapper_prefixed_names_still_loads_into_the_bare_model(tmp_path):
+    """Checkpoints written before wrapped models were saved as the model they wrap hold ``model.module.*``
+    (here made with a module whose one child is called ``module``, as DDP's is)."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    trainstate.save(tmp_path / "old", {"model": Holder(model)})
+    bare = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    trainstate.load(tmp_path / "old", {"model": bare})
+    assert torch.equal(bare[1].weight, model[1].weight)
+    held = Holder(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    trainstate.load(tmp_path / "old", {"model": held})  # a module whose own names carry the prefix: kept
+    assert torch.equal(held.module[0].bias, model[0].bias)

@@ -259,6 +259,8 @@ class Restorer:
             # A data loader's state_dict() starts an iterator (worker processes, a draw from the global RNG):
             # its state is rebuilt from the checkpoint alone.
             current = _ABSENT if rebuilt_from_checkpoint(target) else target.state_dict()
+            if module and isinstance(current, Mapping):
+                node = _without_wrapper_prefix(node, [str(k) for k in current])
 
         def finish(inner: list[Finisher]) -> Any:
             state = inner[0]()
@@ -382,6 +384,24 @@ class Restorer:
         """Read every planned tensor (read.py): straight into the target's memory where its layout allows."""
         jobs = [*self.jobs.items(), *self.extra_jobs]
         fill(self.ck, jobs, framework=self.framework, absent=_ABSENT, verify=verify, threads=threads)
+
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
+
+
+def _without_wrapper_prefix(node: tree.StatefulNode, own: list[str]) -> tree.StatefulNode:
+    """A module's saved state with the prefix a wrapper added taken off every name, where the module's own
+    names (``own``) do not all carry it: checkpoints written before wrapped models were saved as the model
+    they wrap (``model.module.0.weight``) still load."""
+    state = node.state
+    if not isinstance(state, tree.DictNode) or not state.keys:
+        return node
+    for prefix in _WRAPPER_PREFIXES:
+        saved = all(isinstance(k, str) and k.startswith(prefix) for k in state.keys)
+        if saved and not (own and all(k.startswith(prefix) for k in own)):
+            keys = tuple(str(k)[len(prefix) :] for k in state.keys)
+            return _without_wrapper_prefix(tree.StatefulNode(node.type, tree.DictNode(keys, state.values)), own)
+    return node
 
 
 def _target_leaves(value: Any, path: str) -> list[str]:
