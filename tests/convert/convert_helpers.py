@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import torch
 
 import trainstate
+from helpers import cli
 
 BIG = 4096  # a 4096 x 4096 float32 weight: 64 MiB
 
@@ -70,21 +68,6 @@ def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
         == bytes(b[k].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
         for k in a
     )
-
-
-def cli(*args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
-    """``trainstate ARGS`` in a subprocess; its exit code must be ``code`` and it prints no traceback."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainstate", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=120,
-    )
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
-    return proc
 
 
 def cli_json(*args: str) -> Any:

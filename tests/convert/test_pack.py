@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import trainstate
-from helpers import assert_same
+from helpers import assert_same, cli
 from trainstate._format import archive
 
 
@@ -326,20 +326,6 @@ def test_a_packed_file_truncated_while_open_is_corrupt_not_a_crash(tmp_path, how
 
 
 # -- the command line -------------------------------------------------------------------------------
-
-
-def cli(*args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainstate", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=60,
-    )
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
-    return proc
 
 
 def test_cli_packs_and_takes_the_packed_file_as_ckpt(tmp_path, ckpt, packed):
