@@ -67,6 +67,8 @@ def test_an_async_save_one_rank_cannot_encode_is_raised_on_every_rank_at_one_ste
     assert len(zero) == 1 and zero == one, out  # then one agreed step, the same on both ranks
     assert set(zero.values()) == {"DistributedError"}
     assert not any("lost contact" in e[2] for got in out for e in got["errors"]), out
+    later = [e[2] for e in out[1]["errors"] if e[0] != 1]
+    assert "step 1" in later[0] and "this rank's state could not be saved" in later[0], later  # not "another"
     assert 1 not in out[0]["steps"] and 5 in out[0]["steps"] and out[0]["steps"] == out[1]["steps"]
 
 

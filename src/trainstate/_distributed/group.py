@@ -160,9 +160,9 @@ def _gloo_group(group: Any, timeout: float, channel: str) -> Any:
                 raise DistributedError(
                     f"trainstate's coordination group ({channel}) could not be made within {timeout:g} s: every rank "
                     f"of the process group ({len(ranks)}) must make the same trainstate call, and rank(s) other "
-                    "than this one did not. Under a process group trainstate.save, load, CheckpointManager and its "
-                    "save / restore_latest are collective: call them on every rank, or pass collective=False to "
-                    f"save from one rank alone ({_text(e)})"
+                    "than this one did not. Under a process group trainstate.save, CheckpointManager and its save / "
+                    "restore_latest / prune are collective: call them on every rank, or pass collective=False "
+                    f"to save from one rank alone ({_text(e)})"
                 ) from e
             _groups[key] = found
         return found

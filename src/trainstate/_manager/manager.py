@@ -215,6 +215,7 @@ class CheckpointManager:
         self._committer = Committer(self.catalog, self._config, self._ranks)
         self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
         self._writer.agreed_errors_only = self._ranks is not None
+        self._refused: int | None = None  # an async save this rank could not encode, not yet reported by all
         self._rng = RNGCapture(bool(capture_rng))
         self._closed = False
         self._preemption_saved = False
@@ -451,7 +452,8 @@ class CheckpointManager:
                 by_policy = None
             if agreed.failed and not preempting:
                 self._writer.wait()  # raises this rank's error; every rank's part of that save failed
-                raise failed_elsewhere(self._ranks.world)
+                refused, self._refused = self._refused, None
+                raise failed_elsewhere(self._ranks.world, refused)
         stale = self._writer.take_error() if preempting else None
         if not preempting and self._ranks is None:  # under ranks: raised above, where every rank agreed
             self._writer.raise_pending()
@@ -511,6 +513,7 @@ class CheckpointManager:
             snapshot = encode_state(saved, meta, rank=self._ranks.rank)
         except Exception as e:  # noqa: BLE001 - the other ranks wait for its share: tell them why there is none
             self._writer.ready(background=False)
+            self._refused = step if background else None  # the others learn of it at a later save()
             self._committer.refuse(step, e)
         self._writer.write(step, reason, snapshot, background, start)
 

@@ -97,7 +97,14 @@ def manager_ranks(collective: bool | None, timeout: float | None) -> ManagerRank
     return ManagerRanks(control, saves)
 
 
-def failed_elsewhere(world: int) -> DistributedError:
+def failed_elsewhere(world: int, refused: int | None = None) -> DistributedError:
+    """What a rank whose own part did not fail raises for a background save that failed; ``refused``: the
+    step whose state this rank could not encode (it raised that error at once), if that was the cause."""
+    if refused is not None:
+        return DistributedError(
+            f"the background save of step {refused} failed on every one of the {world} ranks: this rank's state "
+            "could not be saved (its error was raised by that save() call); nothing was committed for it"
+        )
     return DistributedError(
         f"a background save failed on another of the {world} ranks (its error is raised there); nothing was "
         "committed for that step"
