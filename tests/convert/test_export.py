@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -203,9 +205,34 @@ def test_out_is_replaced_only_when_asked_and_never_half_written(mixed_ckpt, tmp_
     assert same_tensors(load_file(out / "model.safetensors"), model.state_dict())
     with pytest.raises(trainstate.CheckpointExistsError, match="is a trainstate checkpoint"):
         trainstate.export(ckpt, ckpt, overwrite=True)  # never onto a checkpoint, least of all its own source
-    with pytest.raises(trainstate.CheckpointExistsError, match="holds trainstate checkpoints"):
+    with pytest.raises(trainstate.CheckpointExistsError, match="holds folders"):
         trainstate.export(ckpt, tmp_path, overwrite=True)  # nor onto the run's directory
+    with pytest.raises(trainstate.CheckpointExistsError, match="holds folders"):
+        trainstate.export(ckpt, tmp_path.parent, overwrite=True)  # nor onto a folder of runs (new-user trial)
     assert trainstate.load(ckpt)["step"] == 3
+
+
+def test_a_torch_export_of_a_damaged_checkpoint_raises_and_the_process_lives_on(tmp_path):
+    """torch's file writer, left alive past the file it writes when a tensor failed its checksum, wrote to
+    the closed file from its destructor and aborted the process after the error was caught."""
+    model = torch.nn.Linear(64, 64)
+    trainstate.save(tmp_path / "damaged", {"model": model})
+    data = tmp_path / "damaged" / "data-00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    code = (
+        "import sys, trainstate\n"
+        "try:\n"
+        f"    trainstate.export({str(tmp_path / 'damaged')!r}, {str(tmp_path / 'out.pt')!r}, format='torch')\n"
+        "except trainstate.CorruptCheckpointError:\n"
+        "    print('caught', flush=True)\n"
+        "import gc; gc.collect()\n"
+        "print('alive', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["caught", "alive"], (proc.returncode, proc.stderr)
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_bad_arguments_are_clear_errors(mixed_ckpt, tmp_path):

@@ -41,9 +41,12 @@ def _refuse_existing(out: Path, overwrite: bool, *, directory: bool) -> None:
         raise CheckpointExistsError(
             f"{out} is a trainstate checkpoint; an export never replaces one: choose another OUT"
         )
-    if directory and any((child / MANIFEST_NAME).exists() for child in out.iterdir() if child.is_dir()):
+    if directory and any(child.is_dir() and not child.is_symlink() for child in out.iterdir()):
+        # An export is a flat folder of files; one with folders in it may hold runs (at any depth: a parent of
+        # several runs' directories once lost them all to --overwrite).
         raise CheckpointExistsError(
-            f"{out} holds trainstate checkpoints (a run's directory?); an export never replaces it: choose another OUT"
+            f"{out} holds folders (trainstate checkpoints or runs, maybe); an export replaces only a folder of "
+            "files, as an export writes: choose another OUT"
         )
     if directory and not any(out.iterdir()):
         return  # an empty directory: nothing to lose

@@ -106,15 +106,20 @@ def write(path: Path, tensors: dict[str, Stored]) -> None:
     try:
         with open(path, "xb") as f:
             writer = torch._C.PyTorchFileWriter(f, True, 64)
-            writer.write_record("data.pkl", data, len(data))
-            writer.write_record(".format_version", "1", 1)
-            writer.write_record(".storage_alignment", "64", 2)
-            writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-            for ref in refs.values():
-                storage = _as_storage(torch, ref.stored.produce())
-                writer.write_record(f"data/{ref.key}", storage, storage.nbytes())
-                del storage  # one tensor in memory at a time
-            writer.write_end_of_file()
+            try:
+                writer.write_record("data.pkl", data, len(data))
+                writer.write_record(".format_version", "1", 1)
+                writer.write_record(".storage_alignment", "64", 2)
+                writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+                for ref in refs.values():
+                    storage = _as_storage(torch, ref.stored.produce())
+                    writer.write_record(f"data/{ref.key}", storage, storage.nbytes())
+                    del storage  # one tensor in memory at a time
+                writer.write_end_of_file()
+            finally:
+                # Its destructor writes to f: it must run before f closes, also when reading a tensor failed
+                # (else it wrote to a closed file from C++ and the process aborted, the error already caught).
+                del writer
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
