@@ -55,6 +55,25 @@ def test_trained_model_runs_in_onnxruntime_as_in_torch(tmp_path: Path, training_
     assert leftovers(tmp_path) == []  # the staging directory is gone
 
 
+def test_an_opset_torch_cannot_write_and_errors_in_the_users_code_are_export_errors(
+    tmp_path: Path, training_state: dict[str, Any]
+) -> None:
+    """torch.onnx wrote opset 18 when asked for 3 and said so only in a log; a factory or a forward that
+    raised came out as a raw error (the CLI called it a trainstate bug). Found by the new-user trial."""
+    trainstate.save(tmp_path / "ckpt", training_state)
+    with pytest.raises(trainstate.OnnxExportError, match="asked for opset 3, but torch.onnx wrote opset"):
+        trainstate.export_onnx(tmp_path / "ckpt", net, torch.randn(2, 6), tmp_path / "a.onnx", opset=3)
+
+    def broken() -> Any:
+        raise RuntimeError("no such config")
+
+    with pytest.raises(trainstate.OnnxExportError, match="model_factory.. raised RuntimeError: no such config"):
+        trainstate.export_onnx(tmp_path / "ckpt", broken, torch.randn(2, 6), tmp_path / "b.onnx")
+    with pytest.raises(trainstate.OnnxExportError, match="forward on example_inputs raised"):
+        trainstate.export_onnx(tmp_path / "ckpt", net, torch.randn(2, 7), tmp_path / "c.onnx")
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".onnx"] and leftovers(tmp_path) == []
+
+
 def test_factory_of_another_architecture_is_a_state_mismatch(tmp_path: Path, training_state: dict[str, Any]) -> None:
     trainstate.save(tmp_path / "ckpt", training_state)
     wider = lambda: torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))  # noqa: E731

@@ -119,7 +119,10 @@ def export_onnx(
     ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
     try:
         names = {w.name: w.stored for w in weights(ck, select, strip_prefix)}
-        model = model_factory()
+        try:
+            model = model_factory()
+        except Exception as e:  # the user's code: said as such, with its cause, not as a trainstate bug
+            raise OnnxExportError(f"model_factory() raised {type(e).__name__}: {e}") from e
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(f"model_factory() must return a torch.nn.Module, got {type(model).__name__}")
         _load_weights(ck, model, names)
@@ -127,8 +130,13 @@ def export_onnx(
         if ck is not ckpt:
             ck.close()
     model.eval()
-    with torch.no_grad():
-        expected = _tensors(model(*args, **kwargs))
+    try:
+        with torch.no_grad():
+            expected = _tensors(model(*args, **kwargs))
+    except Exception as e:  # wrong example inputs, most often
+        raise OnnxExportError(
+            f"the model's forward on example_inputs raised {type(e).__name__}: {e} (do the inputs fit the model?)"
+        ) from e
     try:
         program = torch.onnx.export(
             model, args, kwargs=kwargs, dynamo=True, opset_version=opset, dynamic_shapes=dynamic_shapes, verbose=False
@@ -144,6 +152,7 @@ def export_onnx(
     try:
         staged = staging / target.name
         program.save(staged, external_data=external_data)
+        _check_opset(staged, opset)
         _check(staged, args, kwargs, expected, rtol=rtol, atol=atol)
         _commit(staging, target, overwrite=overwrite)
     finally:
@@ -202,6 +211,21 @@ def _numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
 
     t = t.detach().cpu()
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _check_opset(path: Path, opset: int | None) -> None:
+    """torch.onnx may write another opset than the one asked for (when it cannot convert down, it says so in
+    a log and keeps its own): a file an older runtime cannot load must not pass as the one requested."""
+    if opset is None:
+        return
+    import onnx
+
+    got = {o.domain: o.version for o in onnx.load(str(path), load_external_data=False).opset_import}
+    if got.get("", got.get("ai.onnx")) != opset:
+        raise OnnxExportError(
+            f"asked for opset {opset}, but torch.onnx wrote opset {got.get('', got.get('ai.onnx'))}: it could not "
+            "convert this model to that opset; pick another (or leave opset=None for torch's own)"
+        )
 
 
 def _check(
