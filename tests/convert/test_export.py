@@ -177,6 +177,8 @@ def test_copy_from_brings_config_and_tokenizer_but_not_old_weights(mixed_ckpt, t
         trainstate.export(ckpt, tmp_path / "w.safetensors", format="safetensors", copy_from=base)
     with pytest.raises(trainstate.CheckpointNotFoundError, match="not a directory"):
         trainstate.export(ckpt, tmp_path / "o2", copy_from=tmp_path / "nope")
+    with pytest.raises(trainstate.InvalidArgumentError, match="is a trainstate checkpoint, not a model folder"):
+        trainstate.export(ckpt, tmp_path / "o2", copy_from=ckpt)  # its manifest made OUT a broken checkpoint
     assert not (tmp_path / "o2").exists()
 
 

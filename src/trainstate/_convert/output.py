@@ -121,6 +121,11 @@ def model_folder(src: str | os.PathLike[str]) -> Path:
         raise CheckpointNotFoundError(
             f"copy_from: {root} is not a directory (expected a model folder with config.json)"
         )
+    if (root / MANIFEST_NAME).exists():  # its manifest copied beside the weights made OUT a broken checkpoint
+        raise InvalidArgumentError(
+            f"copy_from: {root} is a trainstate checkpoint, not a model folder: copy_from takes the folder whose "
+            "config and tokenizer files the export needs (e.g. the model's Hugging Face folder)"
+        )
     return root
 
 
