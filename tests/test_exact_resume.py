@@ -71,7 +71,12 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     "loader_kind, kill_at, async_save",
     [
-        ("sampler", 9, True),  # killed with an async save possibly in flight, mid-epoch
+        pytest.param(  # killed with an async save possibly in flight, mid-epoch
+            "sampler",
+            9,
+            True,
+            marks=pytest.mark.slow,  # CI: the 2-rank DDP SIGKILL test saves async too
+        ),
         pytest.param(
             "stateful",
             17,

@@ -21,7 +21,7 @@ def _clean(row) -> None:
 
 
 def test_sigkill_during_sync_and_async_saves(tmp_path):
-    for row in crash.run(kills=4, seed=7):
+    for row in crash.run(kills=3, seed=7):
         _clean(row)
 
 
@@ -51,5 +51,5 @@ def test_a_real_filesystem_filling_up(mode):
 
 
 def test_concurrent_managers_and_readers():
-    for row in concurrency.run(saves=40, restarts=2):
+    for row in concurrency.run(saves=30, restarts=2):
         _clean(row)

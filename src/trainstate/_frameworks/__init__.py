@@ -132,6 +132,9 @@ def adapter_named(kind: str) -> Adapter:
     return _torch() if kind == "torch" else NUMPY
 
 
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DDP / DataParallel and torch.compile add to a model's names
+
+
 def unwrapped(obj: Any) -> Any:
     """The module a wrapper holds (DDP's and DataParallel's ``.module``, ``torch.compile``'s
     ``._orig_mod``), else ``obj``: a wrapped model is saved and restored as the model itself, so its names

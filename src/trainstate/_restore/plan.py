@@ -26,7 +26,14 @@ from typing import Any, TypeAlias
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
 from trainstate._format.added_keys import declared_keys
-from trainstate._frameworks import Bound, adapter_for, load_takes_strict, rebuilt_from_checkpoint, unwrapped
+from trainstate._frameworks import (
+    WRAPPER_PREFIXES,
+    Bound,
+    adapter_for,
+    load_takes_strict,
+    rebuilt_from_checkpoint,
+    unwrapped,
+)
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.read import Job as _Job
 from trainstate._restore.read import fill
@@ -386,9 +393,6 @@ class Restorer:
         fill(self.ck, jobs, framework=self.framework, absent=_ABSENT, verify=verify, threads=threads)
 
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
-
-
 def _without_wrapper_prefix(node: tree.StatefulNode, own: list[str]) -> tree.StatefulNode:
     """A module's saved state with the prefix a wrapper added taken off every name, where the module's own
     names (``own``) do not all carry it: checkpoints written before wrapped models were saved as the model
@@ -396,7 +400,7 @@ def _without_wrapper_prefix(node: tree.StatefulNode, own: list[str]) -> tree.Sta
     state = node.state
     if not isinstance(state, tree.DictNode) or not state.keys:
         return node
-    for prefix in _WRAPPER_PREFIXES:
+    for prefix in WRAPPER_PREFIXES:
         saved = all(isinstance(k, str) and k.startswith(prefix) for k in state.keys)
         if saved and not (own and all(k.startswith(prefix) for k in own)):
             keys = tuple(str(k)[len(prefix) :] for k in state.keys)
