@@ -169,6 +169,11 @@ def test_what_is_not_a_source_is_a_clear_error(tmp_path):
     (tmp_path / "noise.bin").write_bytes(os.urandom(300))
     with pytest.raises(trainstate.CorruptCheckpointError, match="not a torch.save file"):
         trainstate.import_checkpoint(tmp_path / "noise.bin", tmp_path / "ck")
+    torch.save({"w": torch.randn(100, 100)}, tmp_path / "whole.pt")  # cut in half: damage, not a disk error
+    whole = (tmp_path / "whole.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(trainstate.CorruptCheckpointError, match="damaged or truncated"):
+        trainstate.import_checkpoint(tmp_path / "cut.pt", tmp_path / "ck")
     save_file({"w": torch.ones(1000)}, tmp_path / "w.safetensors")
     raw = (tmp_path / "w.safetensors").read_bytes()
     (tmp_path / "short.safetensors").write_bytes(raw[:-100])

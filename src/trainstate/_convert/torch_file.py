@@ -15,6 +15,7 @@ dropped. ``torch.save`` needs every tensor in memory first. The zip is written b
 from __future__ import annotations
 
 import collections
+import errno
 import io
 import os
 import pickle
@@ -162,6 +163,8 @@ def read(path: Path) -> Any:
             "(torch.save(model.state_dict(), ...)) or as safetensors, and import that"
         ) from None
     except OSError as e:
+        if e.errno == errno.EINVAL:  # torch's reader on a truncated file: not the disk's fault
+            raise CorruptCheckpointError(f"{path} is damaged or truncated: torch.load could not read it") from None
         raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
     except Exception as e:  # noqa: BLE001 - whatever torch.load says of a file that is not its format
         said = str(e).splitlines()[0] if str(e) else type(e).__name__
