@@ -284,3 +284,56 @@ def test_cli_export(mixed_ckpt, tmp_path):
     assert "match no key" in cli("export", str(ckpt), str(tmp_path / "x"), "--select", "nope.*", code=8).stderr
     assert cli("export", str(tmp_path / "missing"), str(tmp_path / "x"), code=3)
     assert "invalid choice" in cli("export", str(ckpt), str(tmp_path / "x"), "--format", "onnx", code=2).stderr
+
+
+def test_what_a_killed_export_left_is_cleared_by_the_next_and_a_running_one_is_left_alone(mixed_ckpt, tmp_path):
+    ckpt, model = mixed_ckpt
+    out = tmp_path / "out"
+    killed = (  # SIGKILL in the middle of writing, after the first tensor was produced
+        "import os, signal, trainstate\n"
+        "from trainstate._convert import export\n"
+        "real = export._produce\n"
+        "def dying(ck, t):\n"
+        "    if t.stored.endswith('bias'): os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return real(ck, t)\n"
+        "export._produce = dying\n"
+        f"trainstate.export({str(ckpt)!r}, {str(out)!r})\n"
+    )
+    left = []
+    for _ in range(2):  # the second killed export clears the first one's leftover before it starts
+        proc = subprocess.run([sys.executable, "-c", killed], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -9, proc.stderr
+        left.append([n for n in os.listdir(tmp_path) if n.startswith(".out.")])
+    assert len(left[0]) == len(left[1]) == 1 and left[0] != left[1] and not out.exists()
+    running = subprocess.Popen(  # an export to the same OUT that is still writing
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom trainstate._convert.output import staged\n"
+            f"with staged({str(out)!r}, overwrite=True, directory=True) as tmp:\n"
+            "    print(tmp, flush=True); sys.stdin.readline()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        live = Path(running.stdout.readline().strip())
+        trainstate.export(ckpt, out)
+        assert same_tensors(load_file(out / "model.safetensors"), model.state_dict())
+        assert [n for n in os.listdir(tmp_path) if n.startswith(".out.")] == [live.name]
+    finally:
+        running.communicate("\n", timeout=60)
+    assert running.returncode == 0 and not live.exists()
+
+
+def test_a_cast_that_overflows_is_refused_and_names_the_tensor(tmp_path):
+    trainstate.save(tmp_path / "ckpt", {"model": {"w": torch.tensor([1.0, 7e4, -2.0]), "ok": torch.ones(3)}})
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"model.w: casting to F16 overflows .*70000"):
+        trainstate.export(tmp_path / "ckpt", tmp_path / "out", dtype="fp16", select="model")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    trainstate.export(tmp_path / "ckpt", tmp_path / "out", dtype="bf16", select="model")  # float32's range
+    inf = {"model": {"w": torch.tensor([float("inf"), 1.0])}}  # an infinity the model already had is kept
+    trainstate.save(tmp_path / "inf", inf)
+    trainstate.export(tmp_path / "inf", tmp_path / "inf16", dtype="fp16", select="model")
+    assert torch.isinf(load_file(tmp_path / "inf16" / "model.safetensors")["model.w"][0])

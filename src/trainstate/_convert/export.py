@@ -41,6 +41,7 @@ from trainstate.errors import InvalidArgumentError, UnsupportedValueError
 
 FORMATS = ("hf", "safetensors", "torch")
 CASTS = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "fp32": "F32", "float32": "F32"}
+_RANGE_BLOCK = 1 << 20  # elements per block when checking a cast for overflow
 CAST_FROM = frozenset({"F16", "BF16", "F32", "F64"})  # floating tensors a cast applies to (not float8, ints)
 DEFAULT_SHARD = "5GB"
 TIED_KEY = "trainstate.tied"  # safetensors __metadata__: JSON {alias: name written}
@@ -166,7 +167,27 @@ def _produce(ck: Checkpoint, t: _Tensor) -> np.ndarray:
     whole), cast when asked."""
     array = np.asarray(ck.read(t.stored))
     want = dtypes.from_code(t.dtype).numpy
-    return array if array.dtype == want else array.astype(want)
+    if array.dtype == want:
+        return array
+    with np.errstate(over="ignore"):  # an overflow is reported below, as an error naming the tensor
+        out = array.astype(want)
+    _check_range(t, array, out)
+    return out
+
+
+def _check_range(t: _Tensor, before: np.ndarray, after: np.ndarray) -> None:
+    """Refuse a cast that turned finite values into infinities (float16 ends at 65504): the exported model
+    would overflow where the trained one did not. Counted a block at a time, so no tensor-sized mask."""
+    flat_in, flat_out = before.reshape(-1), after.reshape(-1)
+    for begin in range(0, flat_out.size, _RANGE_BLOCK):
+        block = slice(begin, begin + _RANGE_BLOCK)
+        if np.count_nonzero(np.isinf(flat_out[block])) != np.count_nonzero(np.isinf(flat_in[block])):
+            finite = flat_in[np.isfinite(flat_in)]
+            largest = float(np.abs(finite.astype(np.float64)).max())
+            raise UnsupportedValueError(
+                f"{t.stored}: casting to {t.dtype} overflows (its largest magnitude is {largest:.6g}, beyond what "
+                f"{t.dtype} holds): export it in bf16 (float32's range) or fp32 instead"
+            )
 
 
 def _unique(picked: list[Weight]) -> list[Weight]:

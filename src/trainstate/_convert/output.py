@@ -2,13 +2,16 @@
 
 An export is a directory (a Hugging Face folder) or one file (``model.safetensors``, ``pytorch_model.bin``).
 Either is written under a hidden sibling name (``.OUT.tmp-<random>``), every file fsynced, then renamed to
-OUT and the parent directory fsynced: a crash leaves OUT as it was, never half written. Replacing an
+OUT and the parent directory fsynced: a crash leaves OUT as it was, never half written. The export holds an
+``flock`` on its staging name while it writes, so the next export to the same OUT removes what a killed one
+left (a lock it can take has no living writer) and leaves a running one alone. Replacing an
 existing OUT needs ``overwrite=True``; a trainstate checkpoint is never replaced by an export (exporting
 onto the checkpoint being read, or onto the run's directory, is a typo that would destroy them).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -56,46 +59,89 @@ def _refuse_existing(out: Path, overwrite: bool, *, directory: bool) -> None:
 
 @contextmanager
 def staged(out: str | os.PathLike[str], *, overwrite: bool, directory: bool) -> Iterator[Path]:
-    """Yield a fresh hidden sibling of ``out`` to write into; on success it replaces ``out`` atomically.
+    """Yield where to write ``out``'s content: a fresh hidden sibling directory (or, for a file, a path inside
+    one); on success it replaces ``out`` atomically.
 
     The caller writes (and fsyncs) its files there. On any failure the sibling is removed and ``out`` is
-    left as it was.
+    left as it was. Leftovers of earlier exports to ``out`` that were killed are removed first.
     """
     final = Path(out)
     _refuse_existing(final, overwrite, directory=directory)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+    stage = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        if directory:
-            tmp.mkdir()
+        sweep_leftovers(final)
+        stage.mkdir()
+        lock = _locked(stage)
     except OSError as e:
-        raise StorageError(e.errno, f"cannot create {tmp}: {e.strerror}") from e
+        raise StorageError(e.errno, f"cannot create {stage}: {e.strerror}") from e
     try:
-        yield tmp
-        if directory:
-            fsync_path(tmp)
+        yield stage if directory else stage / final.name
+        fsync_path(stage)
         _refuse_existing(final, overwrite, directory=directory)  # again: someone may have made it meanwhile
         old = None
         if directory and final.exists() and any(final.iterdir()):  # a directory cannot be renamed over
             old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
             os.rename(final, old)
         try:
-            os.replace(tmp, final)  # a file (or an empty directory) is replaced in one step
+            os.replace(stage if directory else stage / final.name, final)  # one step
         except BaseException:
             if old is not None:
                 os.rename(old, final)
             raise
         fsync_path(final.parent)
+        if not directory:
+            os.rmdir(stage)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
-        _remove(tmp)
+        _remove(stage)
         if isinstance(e, CheckpointError):  # already trainstate's (a StorageError, a missing folder)
             raise
         raise StorageError(e.errno, f"writing {final} failed: {e.strerror or e}") from e
     except BaseException:
-        _remove(tmp)
+        _remove(stage)
         raise
+    finally:
+        os.close(lock)
+
+
+def _locked(path: Path) -> int:
+    """A descriptor of directory ``path`` holding an exclusive ``flock``; the kernel drops it when the
+    process dies, so a lock that can be taken has no living writer."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def sweep_leftovers(out: Path) -> list[str]:
+    """Clear what killed exports to ``out`` left beside it: staging directories no living process holds, and
+    the previous export moved aside by a replace killed between its two renames (put back when ``out`` is
+    missing, else removed). Returns the names handled."""
+    swept = []
+    for name in sorted(os.listdir(out.parent)):
+        leftover = out.parent / name
+        if name.startswith(f".{out.name}.old-"):
+            if out.exists() or out.is_symlink():
+                _remove(leftover)
+            else:
+                os.rename(leftover, out)
+            swept.append(name)
+        elif name.startswith(f".{out.name}.tmp-") and leftover.is_dir() and not leftover.is_symlink():
+            try:
+                fd = _locked(leftover)
+            except OSError:  # held: an export is writing there (or it is gone already)
+                continue
+            try:
+                _remove(leftover)
+                swept.append(name)
+            finally:
+                os.close(fd)
+    return swept
 
 
 def _remove(path: Path) -> None:
