@@ -79,6 +79,8 @@ def test_without_recorded_steps_the_last_argument_is_the_newest(tmp_path):
     trainstate.average([tmp_path / "a", tmp_path / "b"], tmp_path / "ab")
     back = trainstate.load(tmp_path / "ab")
     assert back["w"].tolist() == [2, 4] and back["n"].tolist() == [2] and back["epoch"] == 2
+    with trainstate.open(tmp_path / "ab") as ck:  # inputs without metadata: the mean still says its sources
+        assert ck.metadata == {"averaged_from": [str(tmp_path / "a"), str(tmp_path / "b")]}
     trainstate.average([tmp_path / "b", tmp_path / "a"], tmp_path / "ba")
     assert trainstate.load(tmp_path / "ba")["epoch"] == 1
 

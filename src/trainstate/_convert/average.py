@@ -158,8 +158,11 @@ def mean(cks: list[Checkpoint], name: str) -> np.ndarray:
 
 
 def _metadata(newest: Checkpoint, cks: list[Checkpoint]) -> tree.Node:
-    """The newest checkpoint's metadata, with where the mean came from when it is a dict."""
+    """The newest checkpoint's metadata, with where the mean came from (a dict of its own when the newest has
+    none; metadata that is not a dict is kept as it is)."""
     meta = tree.decode(newest.manifest.metadata)
+    if meta is None:
+        meta = {}
     if not isinstance(meta, dict):
         return newest.manifest.metadata
     return tree.encode_plain({**meta, "averaged_from": [str(ck.path) for ck in cks]})
