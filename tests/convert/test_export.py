@@ -281,7 +281,7 @@ def test_cli_export(mixed_ckpt, tmp_path):
         "fc.weight",
     ]
     assert "pass --overwrite" in cli("export", str(ckpt), str(tmp_path / "hf"), code=8).stderr
-    assert "match no key" in cli("export", str(ckpt), str(tmp_path / "x"), "--select", "nope.*", code=8).stderr
+    assert "match no key" in cli("export", str(ckpt), str(tmp_path / "x"), "--select", "nope.*", code=2).stderr
     assert cli("export", str(tmp_path / "missing"), str(tmp_path / "x"), code=3)
     assert "invalid choice" in cli("export", str(ckpt), str(tmp_path / "x"), "--format", "onnx", code=2).stderr
 

@@ -39,6 +39,7 @@ from trainstate.errors import (
     CorruptCheckpointError,
     FormatVersionError,
     IncompleteCheckpointError,
+    InvalidArgumentError,
     StateMismatchError,
     StorageError,
 )
@@ -73,6 +74,7 @@ def exit_code(error: BaseException) -> int:
     """The exit code for an error; order matters (subclasses first)."""
     table: list[tuple[type[BaseException], int]] = [
         (UsageError, USAGE),
+        (InvalidArgumentError, USAGE),  # an argument the library refused: the command line's to fix
         (CheckpointNotFoundError, NOT_FOUND),
         (IncompleteCheckpointError, INCOMPLETE),
         (CorruptCheckpointError, CORRUPT),
