@@ -12,10 +12,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from trainstate._format.manifest import Manifest
+from trainstate._incremental.save import IncrementalSaver
 from trainstate._manager import naming
 from trainstate._manager.catalog import Catalog
-from trainstate._manager.policies import CheckpointInfo, RetentionPlan, RetentionPolicy, SavePolicy, plan_retention
+from trainstate._manager.policies import (
+    CheckpointInfo,
+    RetentionPlan,
+    RetentionPolicy,
+    SavePolicy,
+    plan_retention,
+    saved_order,
+)
 from trainstate._manager.ranks import ManagerRanks
+from trainstate._restore.checkpoint import _read_manifest
 from trainstate._save import SaveResult, Snapshot, write_checkpoint
 from trainstate._storage import Storage
 from trainstate.errors import CheckpointError, FormatVersionError
@@ -55,6 +65,7 @@ class Settings:
     threads: int
     metadata: dict[str, Any]
     read_only: bool
+    incremental: bool = False
 
 
 class Committer:
@@ -66,6 +77,10 @@ class Committer:
         self.config = config
         self.ranks = ranks  # under a process group: every rank writes its share, rank 0 applies retention
         self.last_retention: RetentionPlan | None = None
+        # incremental runs: unchanged tensors refer to the run's shared pool (trainstate._incremental)
+        self.incremental = (
+            IncrementalSaver(config.storage, config.directory, self._newest_manifest) if config.incremental else None
+        )
 
     def list(self) -> builtins.list[CheckpointInfo]:
         items = self.catalog.list()
@@ -89,9 +104,12 @@ class Committer:
         c = self.config
         path = self.catalog.path(naming.name_for(step))
         if self.ranks is None:
-            result = write_checkpoint(
-                path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads
-            )
+            if self.incremental is not None:
+                result = self.incremental.save(path, snapshot, overwrite=True, fsync=c.fsync, threads=c.threads)
+            else:
+                result = write_checkpoint(
+                    path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads
+                )
             deleted = self.apply_retention()
         else:
             result, deleted = self._write_collective(step, path, snapshot, None)
@@ -159,7 +177,23 @@ class Committer:
         plan = plan_retention(self.list(), self.config.retention)
         deleted = tuple(name for name in plan.delete if self.catalog.delete(name))  # a pin found late wins
         self.last_retention = RetentionPlan(plan.keep, list(deleted)) if deleted != tuple(plan.delete) else plan
+        saver = self.incremental
+        self.catalog.collect_pool(
+            locked=self.config.storage.capabilities.locking,
+            keep=saver.protected() if saver is not None else (),
+            mine=saver.written if saver is not None else (),
+        )
         return deleted
+
+    def _newest_manifest(self) -> Manifest | None:
+        """The manifest of the run's newest readable checkpoint: what an incremental save dedupes against
+        when this process has not saved yet."""
+        for info in sorted(self.list(), key=saved_order, reverse=True):
+            try:
+                return _read_manifest(self.config.storage, self.catalog.path(info.name))
+            except CheckpointError as e:
+                log.warning("not deduplicating against %s: %s", info.name, e)
+        return None
 
 
 def raise_background(error: BaseException) -> None:
