@@ -3,7 +3,7 @@
 The index is the previous checkpoint's tensor entries, restricted to what a next checkpoint may refer to:
 tensors whose chunks all lie in pool files (a checkpoint's own files go with it when retention deletes
 it) and whose raw bytes have a known checksum. A tensor of the next save is unchanged when it has the
-same name, dtype and shape and its bytes hash, chunk box by chunk box, to the same raw checksums (and
+same name, dtype and shape and its bytes hash, chunk box by chunk box, to the same raw checksums (the
 per-piece checksums, where the chunk has them): then the new manifest copies the old chunk entries
 verbatim (file, byte range, checksums, pieces, transforms) and no byte of it is written again.
 
@@ -13,7 +13,8 @@ after a restart, and from the manifest a save just wrote otherwise, by the same 
 
 Hashing stops at the first piece that differs, so a tensor that changed (an adapter, optimizer moments)
 costs one piece of hashing before it is written (and hashed once more, as every save hashes what it
-writes); an unchanged one costs one pass over its bytes and no write.
+writes); an unchanged one costs one pass over its bytes and no write. The saver hashes tensors on its
+``threads`` (the hasher releases the GIL).
 """
 
 from __future__ import annotations
@@ -126,16 +127,20 @@ def _stored(t: TensorEntry, pooled: Mapping[str, FileEntry]) -> Stored | None:
 
 
 def _same(data: memoryview, raw: RawSum) -> bool:
-    """Whether ``data`` hashes to ``raw``: piece by piece (stopping at the first that differs), then whole."""
+    """Whether ``data`` hashes to ``raw``: piece by piece where the chunk has pieces (stopping at the first
+    that differs), else whole.
+
+    Where there are pieces, matching every one of them is the test: each is a 64-bit digest of its own
+    bytes, so a changed tensor passes only if every changed piece collides, and hashing the whole chunk
+    again as well would cost a second pass over it for nothing (bench/bench_incremental.py: 0.18 s of 0.53
+    s for a 1.1 GB base).
+    """
     p = raw.pieces
     if p is None:
         return checksum.digest(data) == raw.checksum
     if len(p.checksums) != -(-data.nbytes // p.size):
         return False
-    whole = checksum.Hasher()
-    for i, begin in enumerate(range(0, data.nbytes, p.size)):
-        piece = data[begin : begin + p.size]
-        if checksum.digest(piece) != p.checksums[i]:
-            return False
-        whole.update(piece)  # from cache: the piece was just hashed
-    return whole.result() == raw.checksum
+    return all(
+        checksum.digest(data[begin : begin + p.size]) == expected
+        for begin, expected in zip(range(0, data.nbytes, p.size), p.checksums)
+    )

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,11 +69,7 @@ class IncrementalSaver:
                 self._index = Index.empty()
             return result
         index = self._index if self._index is not None else self._load_base()
-        reused: dict[str, tuple[Chunk, ...]] = {}
-        for e in snapshot.entries:
-            chunks = index.unchanged(e)
-            if chunks is not None:
-                reused[e.name] = chunks
+        reused = _unchanged(index, snapshot.entries, threads)
         new = [e for e in snapshot.entries if e.name not in reused]
         shared = {c.file for chunks in reused.values() for c in chunks}
         groups, names = plan_data(self.storage, new, threads, save_prefix(self.storage)) if new else ([], [])
@@ -164,6 +161,33 @@ class IncrementalSaver:
         if gone:
             log.warning("pool files %s of the newest checkpoint are missing or altered: not reused", sorted(gone))
         return index.without_files(gone)
+
+
+_PARALLEL_BYTES = 64 << 20  # below this, hashing on one thread costs less than starting more
+
+
+def _unchanged(index: Index, entries: list[Entry], threads: int) -> dict[str, tuple[Chunk, ...]]:
+    """The entries the index finds unchanged, and their stored chunks; hashed on ``threads`` threads, each
+    given about the same bytes (largest tensors dealt first)."""
+    candidates = sorted((e for e in entries if e.name in index.tensors), key=lambda e: -e.nbytes)
+    lanes: list[list[Entry]] = [[] for _ in range(max(1, threads))]
+    if threads <= 1 or sum(e.nbytes for e in candidates) < _PARALLEL_BYTES:
+        lanes = [candidates]
+    else:
+        loads = [0] * threads
+        for e in candidates:
+            i = loads.index(min(loads))
+            lanes[i].append(e)
+            loads[i] += e.nbytes
+
+    def check(lane: list[Entry]) -> dict[str, tuple[Chunk, ...]]:
+        found = ((e.name, index.unchanged(e)) for e in lane)
+        return {name: chunks for name, chunks in found if chunks is not None}
+
+    if len(lanes) == 1:
+        return check(lanes[0])
+    with ThreadPoolExecutor(len(lanes), thread_name_prefix="trainstate-dedupe") as pool:
+        return {name: chunks for part in pool.map(check, lanes) for name, chunks in part.items()}
 
 
 def _make_directory(storage: Storage, path: str) -> None:
