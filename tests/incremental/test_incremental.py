@@ -257,3 +257,20 @@ def test_a_plain_manager_on_an_incremental_run_still_collects_its_pool(tmp_path)
         mgr.save(3, state(3))  # a full checkpoint: retention then leaves no manifest naming the pool
     assert pool(tmp_path) == {}
     check_all(tmp_path, {3: state(3)})
+
+
+def test_a_save_that_fails_after_writing_its_pool_file_leaves_nothing_behind(tmp_path):
+    import errno
+
+    from trainstate._storage.faulty import FaultyStorage
+
+    disk = FaultyStorage("create", at=10**9, error=errno.ENOSPC)
+    with manager(tmp_path, storage=disk) as mgr:
+        mgr.save(1, state(1))
+        disk.at = disk.calls["create"] + 2  # save 2 creates its pool file, then fails creating its manifest
+        with pytest.raises(trainstate.StorageError):
+            mgr.save(2, state(2))
+        assert set(pool(tmp_path)) == named(tmp_path)  # the failed save's pool file went with it
+        assert mgr.save(2, state(2))  # and the step saves again, sharing the base
+        assert mgr.history()[-1].nbytes < 5000
+    check_all(tmp_path, {1: state(1), 2: state(2)})

@@ -5,7 +5,8 @@ run's pool instead of the checkpoint's staging location, and only the tensors th
 unchanged (index.py) are in them. The commit is the same: data first, manifest last, the checkpoint made
 visible by the storage's commit. A save killed before its commit leaves pool files no manifest names,
 which the next collection removes (gc.py); it never changes a byte a committed checkpoint uses, since
-pool files are new names, written once.
+pool files are new names, written once. A save that fails leaves its pool files to the same collection,
+which the manager runs right after the failure: it deletes them unless a manifest names them after all.
 
 While a save is in flight the pool files it wrote or refers to are :meth:`IncrementalSaver.protected`
 (with those of the index the next save will dedupe against), so a collection never takes them.
@@ -75,6 +76,7 @@ class IncrementalSaver:
         groups, names = plan_data(self.storage, new, threads, save_prefix(self.storage)) if new else ([], [])
         with self._lock:
             self._busy = frozenset([*names, *shared])
+            self.written.update(names)  # whatever becomes of the save: if nothing names them, they may go
         try:
             tensors, files, nbytes, written = self._write(
                 final, snapshot, reused, new, groups, names, index, overwrite, fsync, threads
@@ -83,7 +85,6 @@ class IncrementalSaver:
             with self._lock:
                 self._busy = frozenset()
         with self._lock:
-            self.written.update(names)
             self._index = Index.of(tensors, files)
         end = time.perf_counter()
         log.debug(
@@ -114,7 +115,6 @@ class IncrementalSaver:
         storage = self.storage
         _make_directory(storage, self.pool)
         tmp = storage.begin(final, overwrite=overwrite)
-        unnamed = names  # pool files no manifest names yet: what a failure deletes
         try:
             written: tuple[FileEntry, ...] = ()
             fresh: dict[str, TensorEntry] = {}
@@ -133,17 +133,13 @@ class IncrementalSaver:
                 else fresh[e.name]
                 for e in snapshot.entries
             }
-            unnamed = []  # a manifest write that failed may still have landed, naming them
             size, at = commit_manifest(
                 storage, tmp, final, snapshot, files, tensors, [], overwrite=overwrite, fsync=fsync
             )
         except BaseException:
+            # Its pool files stay: whether a manifest names them (one whose write failed may still have
+            # landed, or a commit may have failed after its rename) is the collection's to decide (gc.py).
             storage.abort(tmp, [])
-            for name in unnamed:
-                try:
-                    storage.delete(storage.join(self.pool, name))
-                except StorageError as e:  # left for the next collection
-                    log.warning("could not delete %s after a failed save: %s", name, e)
             raise
         return tensors, files, size - sum(f.size for f in files if not f.new), at
 

@@ -28,7 +28,7 @@ from trainstate._manager.ranks import ManagerRanks
 from trainstate._restore.checkpoint import _read_manifest
 from trainstate._save import SaveResult, Snapshot, write_checkpoint
 from trainstate._storage import Storage
-from trainstate.errors import CheckpointError, FormatVersionError
+from trainstate.errors import CheckpointError, FormatVersionError, StorageError
 
 log = logging.getLogger("trainstate")
 
@@ -105,7 +105,11 @@ class Committer:
         path = self.catalog.path(naming.name_for(step))
         if self.ranks is None:
             if self.incremental is not None:
-                result = self.incremental.save(path, snapshot, overwrite=True, fsync=c.fsync, threads=c.threads)
+                try:
+                    result = self.incremental.save(path, snapshot, overwrite=True, fsync=c.fsync, threads=c.threads)
+                except BaseException:
+                    self._collect_pool()  # what the failed save wrote, unless a manifest names it after all
+                    raise
             else:
                 result = write_checkpoint(
                     path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads
@@ -177,13 +181,24 @@ class Committer:
         plan = plan_retention(self.list(), self.config.retention)
         deleted = tuple(name for name in plan.delete if self.catalog.delete(name))  # a pin found late wins
         self.last_retention = RetentionPlan(plan.keep, list(deleted)) if deleted != tuple(plan.delete) else plan
-        saver = self.incremental
-        self.catalog.collect_pool(
-            locked=self.config.storage.capabilities.locking,
-            keep=saver.protected() if saver is not None else (),
-            mine=saver.written if saver is not None else (),
-        )
+        self._collect_pool()
         return deleted
+
+    def _collect_pool(self) -> None:
+        """Delete the pool files no checkpoint uses any more (incremental runs). Best effort: what is left
+        is only garbage, which a later pass takes, so a failure here never fails the save that ran it."""
+        saver = self.incremental
+        try:
+            removed = self.catalog.collect_pool(
+                locked=self.config.storage.capabilities.locking,
+                keep=saver.protected() if saver is not None else (),
+                mine=saver.written if saver is not None else (),
+            )
+        except StorageError as e:
+            log.warning("could not collect the shared pool of %s (a later pass will): %s", self.config.directory, e)
+            return
+        if saver is not None:
+            saver.written.difference_update(removed)
 
     def _newest_manifest(self) -> Manifest | None:
         """The manifest of the run's newest readable checkpoint: what an incremental save dedupes against
