@@ -51,6 +51,7 @@ class Catalog:
         self.damaged: dict[str, str] = {}  # committed, but the manifest is unreadable: name -> why
         self._damage_seen: dict[str, tuple[float, int]] = {}
         self.pool = PoolCollector(storage, root)  # incremental runs: the shared pool's garbage collector
+        self.has_pool = True  # whether the last listing saw a pool (a run without one is never collected)
 
     def path(self, name: str) -> str:
         return self.storage.join(self.root, name)
@@ -60,7 +61,9 @@ class Catalog:
         out = []
         self.newer.clear()
         self.damaged.clear()
-        for name in self.storage.list(self.root):
+        names = self.storage.list(self.root)
+        self.has_pool = POOL_DIR in names
+        for name in names:
             step = naming.step_of(name)
             if step is None:
                 continue
@@ -247,7 +250,10 @@ class Catalog:
         self, *, locked: bool, keep: Collection[str] = (), mine: Collection[str] = ()
     ) -> builtins.list[str]:
         """Delete the shared pool's files that no manifest here names (incremental runs, see
-        trainstate._incremental.gc); ``keep`` and ``mine`` as there."""
+        trainstate._incremental.gc); ``keep`` and ``mine`` as there. Nothing to do (not even a listing,
+        a request on object stores) where the last listing of the run directory saw no pool."""
+        if not self.has_pool:
+            return []
         return self.pool.collect(locked=locked, min_age=REMOTE_SWEEP_AGE, keep=keep, mine=mine)
 
 
