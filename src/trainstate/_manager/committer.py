@@ -7,6 +7,7 @@ save is in flight can be collected at once (its finalizer then waits for the sav
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -108,7 +109,8 @@ class Committer:
                 try:
                     result = self.incremental.save(path, snapshot, overwrite=True, fsync=c.fsync, threads=c.threads)
                 except BaseException:
-                    self._collect_pool()  # what the failed save wrote, unless a manifest names it after all
+                    with contextlib.suppress(Exception):  # the save's own error is the one to report
+                        self._collect_pool()  # what the failed save wrote, unless a manifest names it after all
                     raise
             else:
                 result = write_checkpoint(
