@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 
 import trainstate
+from helpers import reseal_manifest
 from trainstate._incremental.gc import PoolCollector
 from trainstate._storage import LocalStorage
 
@@ -69,3 +71,23 @@ def test_without_a_lock_only_its_own_files_or_old_ones_go(tmp_path):
     shutil.rmtree(tmp_path / "step_00000001")
     assert _collect(tmp_path, locked=False) == []  # young: another writer's save may be in flight
     assert _collect(tmp_path, locked=False, mine=(files[0],)) == [files[0]]
+
+
+def test_a_manifest_replaced_within_the_same_second_is_read_again(tmp_path):
+    # Object stores keep modification times to the second: an overwrite of a checkpoint then looks unchanged
+    # by time and size. The collector must still see which pool files the new manifest names.
+    files = _run(tmp_path)
+    shutil.rmtree(tmp_path / "step_00000002")
+    collector = PoolCollector(LocalStorage(), str(tmp_path))
+    assert collector.collect(locked=True, min_age=3600.0) != []  # step 2's files go; step 1's are cached
+    old = files[0]
+    new = old.replace(old[5:17], "0123456789ab")  # a name of the same length: the same manifest size
+    shutil.copy(tmp_path / "_shared" / old, tmp_path / "_shared" / new)
+    manifest = tmp_path / "step_00000001" / "manifest.json"
+    stamp, size = manifest.stat(), manifest.stat().st_size
+    reseal_manifest(tmp_path / "step_00000001", lambda b: b.update(json.loads(json.dumps(b).replace(old, new))))
+    manifest.write_bytes(manifest.read_bytes() + b"\n")  # as the writer ends it
+    os.utime(manifest, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert manifest.stat().st_size == size and manifest.stat().st_mtime_ns == stamp.st_mtime_ns
+    assert collector.collect(locked=True, min_age=3600.0) == [old]
+    trainstate.load(tmp_path / "step_00000001")  # its bytes, now in the new file, are still there

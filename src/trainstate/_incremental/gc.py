@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import re
 from collections.abc import Collection
 
 from trainstate._format import manifest
@@ -36,7 +37,7 @@ class PoolCollector:
         self.storage = storage
         self.root = root
         self.pool = storage.join(root, POOL_DIR)
-        self._named: dict[str, tuple[float, int, frozenset[str]]] = {}  # manifest path -> (mtime, size, names)
+        self._named: dict[str, tuple[tuple[str, int], frozenset[str]]] = {}  # path -> ((checksum, size), names)
 
     def collect(
         self, *, locked: bool, min_age: float, keep: Collection[str] = (), mine: Collection[str] = ()
@@ -76,7 +77,7 @@ class PoolCollector:
             info = self.storage.stat(path)
             if info is None or info.is_dir:
                 continue  # not a checkpoint (or not committed: its save protects its own files)
-            names = self._names(path, info.mtime, info.size)
+            names = self._names(path, info.size)
             if names is None:
                 return None
             named |= names
@@ -87,15 +88,25 @@ class PoolCollector:
             return None  # something moved meanwhile (a leftover put back): look again next time
         return named
 
-    def _names(self, path: str, mtime: float, size: int) -> frozenset[str] | None:
-        cached = self._named.get(path)
-        if cached is not None and cached[:2] == (mtime, size):
-            return cached[2]
+    def _names(self, path: str, size: int) -> frozenset[str] | None:
+        """The pool files the manifest at ``path`` names; None when it cannot be read as JSON.
+
+        Cached by the checksum the manifest begins with (it covers the rest), read in a few bytes: not by
+        modification time, which object stores keep to the second, so an overwrite within that second
+        would look unchanged.
+        """
         if size > manifest.MAX_BYTES:
             log.warning("not collecting the pool: %s is too large to be a manifest", path)
             return None
-        raw = bytearray(size)
         try:
+            head = bytearray(min(size, _HEAD))
+            got = self.storage.read_into(path, 0, memoryview(head))
+            found = _CHECKSUM.match(bytes(head[:got]))
+            key = (found.group(1).decode(), size) if found else None
+            cached = self._named.get(path)
+            if key is not None and cached is not None and cached[0] == key:
+                return cached[1]
+            raw = bytearray(size)
             got = self.storage.read_into(path, 0, memoryview(raw))
             body = json.loads(bytes(raw[:got]))
             files = body["files"]
@@ -109,5 +120,10 @@ class PoolCollector:
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             log.warning("not collecting the pool: %s cannot be read (%s), so what it uses is unknown", path, e)
             return None
-        self._named[path] = (mtime, size, names)
+        if key is not None:
+            self._named[path] = (key, names)
         return names
+
+
+_HEAD = 64  # enough for '{"checksum":"xxh3_64:<16 hex digits>"' (docs/format.md §3: the manifest's first member)
+_CHECKSUM = re.compile(rb'\{"checksum":"([a-z0-9_]{1,16}:[0-9a-f]{1,64})"')

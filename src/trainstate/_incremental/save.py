@@ -48,7 +48,7 @@ class IncrementalSaver:
         self._index: Index | None = None  # None until the first save looks for one
         self._busy: frozenset[str] = frozenset()  # pool files of the save in flight (written or used)
         self._lock = threading.Lock()
-        self.written: set[str] = set()  # pool files this process's finished saves wrote
+        self.written: set[str] = set()  # pool files this process's saves wrote: unnamed, they need no waiting
 
     def protected(self) -> frozenset[str]:
         """Pool files a collection must keep whatever the manifests say: those of the save in flight, and
@@ -78,7 +78,7 @@ class IncrementalSaver:
             self._busy = frozenset([*names, *shared])
             self.written.update(names)  # whatever becomes of the save: if nothing names them, they may go
         try:
-            tensors, files, nbytes, written = self._write(
+            tensors, files, nbytes, at = self._write(
                 final, snapshot, reused, new, groups, names, index, overwrite, fsync, threads
             )
         finally:
@@ -95,7 +95,7 @@ class IncrementalSaver:
             nbytes,
             end - start,
         )
-        return SaveResult(str(final), nbytes, end - start, written - start, end - written)
+        return SaveResult(str(final), nbytes, end - start, at - start, end - at)
 
     def _write(
         self,
