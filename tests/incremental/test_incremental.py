@@ -274,3 +274,14 @@ def test_a_save_that_fails_after_writing_its_pool_file_leaves_nothing_behind(tmp
         assert mgr.save(2, state(2))  # and the step saves again, sharing the base
         assert mgr.history()[-1].nbytes < 5000
     check_all(tmp_path, {1: state(1), 2: state(2)})
+
+
+def test_prune_reports_what_it_freed_not_what_the_deleted_checkpoints_referred_to(tmp_path):
+    with manager(tmp_path) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+    before = sum(pool(tmp_path).values())
+    out = json.loads(cli("prune", str(tmp_path), "--keep-last", "1", "--json").stdout)
+    assert out["delete"] == ["step_00000001", "step_00000002"]
+    assert 0 < out["freed_bytes"] == before - sum(pool(tmp_path).values()) < 5000  # two adapters, not the base
+    check_all(tmp_path, {3: state(3)})

@@ -110,6 +110,7 @@ class Catalog:
             pin_reason=pin or "",
             nbytes=sum(f.size for f in m.files),
             shared=sum(f.size for f in m.files if f.pool and not f.new),
+            pooled=sum(f.size for f in m.files if f.pool),
             seq=seq if type(seq) is int and seq >= 0 else None,
         )
         self._cache[name] = (stamp.mtime, stamp.size, info)
