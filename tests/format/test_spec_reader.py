@@ -148,11 +148,15 @@ class SpecReader:
             raise SpecError("manifest.json is not a regular file")
         self.manifest = read_manifest(mpath.read_bytes())
         self.sizes: dict[str, int] = {}
+        self.where: dict[str, Path] = {}  # §11: a "pool" file is in the run's _shared directory
         for f in self.manifest["files"]:
             name = plain_name(f["path"])
             if name in self.sizes or type(f["size"]) is not int:
                 raise SpecError(f"files: {name} listed twice, or its size is not an integer")
-            st = (path / name).lstat()
+            if type(f.get("pool", False)) is not bool:
+                raise SpecError(f"files: {name}: pool is not a boolean")
+            self.where[name] = path.parent / "_shared" / name if f.get("pool") else path / name
+            st = self.where[name].lstat()
             if not stat.S_ISREG(st.st_mode) or st.st_size != f["size"]:
                 raise SpecError(f"{name}: not a regular file of {f['size']} bytes")
             self.sizes[name] = f["size"]
@@ -163,7 +167,7 @@ class SpecReader:
         self.stateful_types: list[str] = []
 
     def read(self, file: str, begin: int, end: int) -> bytes:
-        with open(self.path / file, "rb") as fh:
+        with open(self.where[file], "rb") as fh:
             fh.seek(begin)
             data = fh.read(end - begin)
         if len(data) != end - begin:

@@ -13,7 +13,7 @@ from typing import Any
 
 from trainstate._cli import OK, UsageError
 from trainstate._cli._output import Printer, Table, local_time, metrics_text, size
-from trainstate._cli._show import _directory_rows, require_dir
+from trainstate._cli._show import _directory_rows, _pool_bytes, require_dir
 from trainstate._manager import CheckpointInfo, CheckpointManager
 from trainstate.errors import CheckpointNotFoundError
 
@@ -54,6 +54,7 @@ def prune(
             "prune needs at least one policy: --keep-last, --keep-every-steps, --keep-every-minutes or --keep-best"
         )
     require_dir(directory)
+    pool_before = _pool_bytes(directory)
     if dry_run:
         mgr = CheckpointManager(directory, read_only=True, **policies)  # no lock, no sweep, no deletes
         infos = mgr.list()
@@ -65,7 +66,10 @@ def prune(
             plan = mgr.prune()
             swept = list(mgr.swept)
     by_name: dict[str, CheckpointInfo] = {i.name: i for i in infos}
-    freed = sum(by_name[n].nbytes for n in plan.delete if n in by_name)
+    # an incremental checkpoint's bytes are in the shared pool: deleting it frees only what no kept one uses
+    freed = sum(by_name[n].nbytes - by_name[n].pooled for n in plan.delete if n in by_name)
+    if not dry_run:
+        freed += pool_before - _pool_bytes(directory)
     if out.json_mode:
         out.json(
             {
@@ -101,7 +105,8 @@ def prune(
     out.table(t)
     _swept_line(out, swept, dry_run)
     verb = "would delete" if dry_run else "deleted"
-    out.line(f"{len(infos) - len(deleting)} kept, {len(deleting)} {verb} ({size(freed)})")
+    pooled = " outside the shared pool" if dry_run and any(by_name[n].pooled for n in deleting if n in by_name) else ""
+    out.line(f"{len(infos) - len(deleting)} kept, {len(deleting)} {verb} ({size(freed)}{pooled})")
     return OK
 
 

@@ -13,6 +13,7 @@ from trainstate import open as open_checkpoint
 from trainstate._cli import UsageError, _values
 from trainstate._cli._output import Printer, Table, clip, local_time, metrics_text, short, size
 from trainstate._format.manifest import TensorEntry
+from trainstate._incremental.pool import POOL_DIR
 from trainstate._manager import CheckpointInfo, CheckpointManager
 from trainstate._manager.naming import step_of
 from trainstate._restore.checkpoint import Checkpoint
@@ -73,6 +74,7 @@ def _row(info: CheckpointInfo, path: str) -> dict[str, Any]:
         "created_iso": local_time(info.created),
         "modified": None,
         "nbytes": info.nbytes,
+        "shared_nbytes": info.shared,
         "metrics": dict(info.metrics),
         "epoch": info.epoch,
         "pinned": info.pinned,
@@ -102,6 +104,7 @@ def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -
         "created_iso": "",
         "modified": modified,
         "nbytes": nbytes,
+        "shared_nbytes": 0,
         "metrics": {},
         "epoch": None,
         "pinned": False,
@@ -178,15 +181,17 @@ def ls(out: Printer, path: str) -> int:
             rows = [_other_row(backend, name, root, "incomplete", "no manifest")]
         else:
             kind, rows = "directory", _directory_rows(path)
+    pool = _pool_bytes(path) if kind == "directory" else None
     if out.json_mode:
-        out.json({"path": path, "kind": kind, "checkpoints": rows})
+        out.json({"path": path, "kind": kind, "checkpoints": rows, **({"pool_nbytes": pool} if pool else {})})
         return 0
     if not rows:
         out.line(f"no checkpoints in {path}")
         return 0
+    shares = any(r["shared_nbytes"] for r in rows)  # incremental: what each save wrote beside what it uses
     t = Table(
-        ["name", "step", "time", "size", "metrics", "pinned", "status"],
-        right=frozenset({"step", "size"}),
+        ["name", "step", "time", "size", *(["wrote"] if shares else []), "metrics", "pinned", "status"],
+        right=frozenset({"step", "size", "wrote"}),
         title=f"checkpoints in {path}" if kind == "directory" else None,
     )
     for r in rows:
@@ -197,6 +202,7 @@ def ls(out: Printer, path: str) -> int:
             "" if r["step"] is None else r["step"],
             r["created_iso"],
             size(r["nbytes"]),
+            *([size(r["nbytes"] - r["shared_nbytes"])] if shares else []),
             metrics_text(r["metrics"]),
             _pin_text(r),
             status,
@@ -206,8 +212,22 @@ def ls(out: Printer, path: str) -> int:
     complete = [r for r in rows if r["status"] == "complete"]
     others = {s: sum(r["status"] == s for r in rows) for s in ("incomplete", "corrupt")}
     extra = "".join(f", {n} {s}" for s, n in others.items() if n)
-    out.line(f"{len(complete)} complete{extra}; {size(sum(r['nbytes'] for r in complete))} in complete checkpoints")
+    if pool:  # checkpoints share the pool's files: their sizes overlap
+        out.line(f"{len(complete)} complete{extra}; {size(pool)} in the shared pool, which they share")
+    else:
+        out.line(f"{len(complete)} complete{extra}; {size(sum(r['nbytes'] for r in complete))} in complete checkpoints")
     return 0
+
+
+def _pool_bytes(directory: str) -> int:
+    """The bytes in a run directory's shared pool (incremental checkpoints); 0 without one."""
+    backend, root = resolve(directory)
+    pool = backend.join(root, POOL_DIR)
+    total = 0
+    for name in backend.list(pool):
+        info = backend.stat(backend.join(pool, name))
+        total += info.size if info is not None and not info.is_dir else 0
+    return total
 
 
 # -- inspect ----------------------------------------------------------------------------------------
@@ -245,6 +265,7 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
             "world_size": ck.world_size,
             "files": len(ck.manifest.files),
             "nbytes": ck.nbytes,
+            "shared_nbytes": sum(f.size for f in ck.manifest.files if f.pool and not f.new),
             "tensor_count": len(ck.keys()),
         }
     tensor_bytes = sum(i.nbytes for i in infos)
@@ -278,7 +299,7 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
             ("writer", str(head["writer"])),
             ("created", str(head["created_iso"])),
             ("saved by", f"{ck.world_size} ranks" if ck.world_size > 1 else "1 process"),
-            ("on disk", f"{size(ck.nbytes)} in {head['files']} data file(s)"),
+            ("on disk", f"{size(ck.nbytes)} in {head['files']} data file(s)" + _shared_text(head)),
             ("tensors", str(head["tensor_count"])),
         ]
     )
@@ -319,6 +340,14 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
     shown = f"{len(infos)} of {head['tensor_count']} tensors match {pattern!r}" if pattern else f"{len(infos)} tensors"
     out.line(f"{shown}, {size(tensor_bytes)} ({tensor_bytes} bytes)")
     return 0
+
+
+def _shared_text(head: dict[str, Any]) -> str:
+    """For an incremental checkpoint: what its save wrote, and what it shares with earlier ones."""
+    shared = int(head["shared_nbytes"])
+    if not shared:
+        return ""
+    return f"; this save wrote {size(int(head['nbytes']) - shared)}, the rest is shared with earlier checkpoints"
 
 
 def _pin_text(row: dict[str, Any]) -> str:

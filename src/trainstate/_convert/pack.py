@@ -72,6 +72,12 @@ def pack(
         >>> trainstate.pack("ckpt/step_1200", "model.tsar")       # a file; trainstate.load("model.tsar")
     """
     with Checkpoint(ckpt, storage) as ck:
+        if any(f.pool for f in ck.manifest.files):  # an archive holds one checkpoint's files, no run's pool
+            raise InvalidArgumentError(
+                f"{ck.path} is an incremental checkpoint: part of its data is in its run's shared pool, which an "
+                "archive cannot refer to. Make a copy that stands alone first (trainstate.consolidate(src, dst), "
+                "or `trainstate consolidate SRC DST`) and pack that"
+            )
         raw = _manifest_bytes(ck)
         files = [(manifest.MANIFEST_NAME, len(raw)), *((f.path, f.size) for f in ck.manifest.files)]
         head, members, total = archive.layout(files)

@@ -35,6 +35,7 @@ FORMAT_NAME = "trainstate"
 FORMAT_VERSION = "1.0"  # what a manifest without newer optional fields declares
 PIECES_VERSION = "1.1"  # the minor version that added per-piece checksums (Chunk.pieces)
 WORLD_SIZE_VERSION = "1.2"  # the minor version that added world_size (a collective save's number of ranks)
+POOL_VERSION = "1.4"  # the minor version that added pool files (incremental checkpoints: FileEntry.pool)
 MANIFEST_NAME = "manifest.json"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")  # in full: "$" would let a trailing newline in
 KNOWN_TRANSFORMS: frozenset[str] = frozenset()  # per-chunk byte transforms (compression, encryption) go here
@@ -89,6 +90,8 @@ class FileEntry:
     path: str
     size: int
     header_checksum: str  # over the safetensors header, length prefix included
+    pool: bool = False  # in the run's shared pool, not the checkpoint (format 1.4; trainstate._incremental)
+    new: bool = False  # a pool file this checkpoint's own save wrote (informational)
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,8 @@ class Manifest:
         version = self.format_version
         if _older(version, PIECES_VERSION) and pieced:
             version = PIECES_VERSION
+        if any(f.pool for f in self.files) and _older(version, POOL_VERSION):
+            version = POOL_VERSION
         sharded: dict[str, Any] = {}
         if self.world_size > 1:
             sharded["world_size"] = self.world_size
@@ -155,9 +160,18 @@ class Manifest:
             "format_version": version,
             "created": self.created,
             "writer": self.writer,
-            "files": [{"path": f.path, "size": f.size, "header_checksum": f.header_checksum} for f in self.files],
+            "files": [_file_json(f) for f in self.files],
             "tensors": tensors,
         }
+
+
+def _file_json(f: FileEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": f.path, "size": f.size, "header_checksum": f.header_checksum}
+    if f.pool:
+        out["pool"] = True
+        if f.new:
+            out["new"] = True
+    return out
 
 
 def _older(version: str, than: str) -> bool:
@@ -462,6 +476,8 @@ def _file_entry(f: Any) -> FileEntry:
         path=check_file_name(f["path"]),
         size=_ints([f["size"]], "size")[0],
         header_checksum=_typed(f["header_checksum"], str, "header_checksum"),
+        pool=_typed(f.get("pool", False), bool, "files[].pool"),
+        new=_typed(f.get("new", False), bool, "files[].new"),
     )
 
 

@@ -11,6 +11,7 @@ import errno
 import json
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from trainstate import _tree as tree
 from trainstate._format.added_keys import FACTS_KEY, declaration
 from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._incremental.gc import PoolCollector
+from trainstate._incremental.pool import POOL_DIR
 from trainstate._manager import naming
 from trainstate._manager.policies import CheckpointInfo
 from trainstate._restore.checkpoint import _read_manifest
@@ -47,6 +50,8 @@ class Catalog:
         self.newer: dict[str, str] = {}  # checkpoints written by a newer trainstate: name -> why
         self.damaged: dict[str, str] = {}  # committed, but the manifest is unreadable: name -> why
         self._damage_seen: dict[str, tuple[float, int]] = {}
+        self.pool = PoolCollector(storage, root)  # incremental runs: the shared pool's garbage collector
+        self.has_pool = True  # whether the last listing saw a pool (a run without one is never collected)
 
     def path(self, name: str) -> str:
         return self.storage.join(self.root, name)
@@ -56,7 +61,9 @@ class Catalog:
         out = []
         self.newer.clear()
         self.damaged.clear()
-        for name in self.storage.list(self.root):
+        names = self.storage.list(self.root)
+        self.has_pool = POOL_DIR in names
+        for name in names:
             step = naming.step_of(name)
             if step is None:
                 continue
@@ -102,6 +109,8 @@ class Catalog:
             pinned=pin is not None,
             pin_reason=pin or "",
             nbytes=sum(f.size for f in m.files),
+            shared=sum(f.size for f in m.files if f.pool and not f.new),
+            pooled=sum(f.size for f in m.files if f.pool),
             seq=seq if type(seq) is int and seq >= 0 else None,
         )
         self._cache[name] = (stamp.mtime, stamp.size, info)
@@ -233,9 +242,20 @@ class Catalog:
                 continue
             self.storage.delete(self.path(name))
             removed.append(name)
+        removed += [f"{POOL_DIR}/{n}" for n in self.collect_pool(locked=locked)]  # after the leftovers went
         if removed:
             log.info("swept %d incomplete checkpoint(s) in %s: %s", len(removed), self.root, removed)
         return removed
+
+    def collect_pool(
+        self, *, locked: bool, keep: Collection[str] = (), mine: Collection[str] = ()
+    ) -> builtins.list[str]:
+        """Delete the shared pool's files that no manifest here names (incremental runs, see
+        trainstate._incremental.gc); ``keep`` and ``mine`` as there. Nothing to do (not even a listing,
+        a request on object stores) where the last listing of the run directory saw no pool."""
+        if not self.has_pool:
+            return []
+        return self.pool.collect(locked=locked, min_age=REMOTE_SWEEP_AGE, keep=keep, mine=mine)
 
 
 def _with_pin(info: CheckpointInfo, reason: str | None) -> CheckpointInfo:

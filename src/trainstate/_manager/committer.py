@@ -7,18 +7,29 @@ save is in flight can be collected at once (its finalizer then waits for the sav
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from trainstate._format.manifest import Manifest
+from trainstate._incremental.save import IncrementalSaver
 from trainstate._manager import naming
 from trainstate._manager.catalog import Catalog
-from trainstate._manager.policies import CheckpointInfo, RetentionPlan, RetentionPolicy, SavePolicy, plan_retention
+from trainstate._manager.policies import (
+    CheckpointInfo,
+    RetentionPlan,
+    RetentionPolicy,
+    SavePolicy,
+    plan_retention,
+    saved_order,
+)
 from trainstate._manager.ranks import ManagerRanks
+from trainstate._restore.checkpoint import _read_manifest
 from trainstate._save import SaveResult, Snapshot, write_checkpoint
 from trainstate._storage import Storage
-from trainstate.errors import CheckpointError, FormatVersionError
+from trainstate.errors import CheckpointError, FormatVersionError, StorageError
 
 log = logging.getLogger("trainstate")
 
@@ -55,6 +66,7 @@ class Settings:
     threads: int
     metadata: dict[str, Any]
     read_only: bool
+    incremental: bool = False
 
 
 class Committer:
@@ -66,6 +78,10 @@ class Committer:
         self.config = config
         self.ranks = ranks  # under a process group: every rank writes its share, rank 0 applies retention
         self.last_retention: RetentionPlan | None = None
+        # incremental runs: unchanged tensors refer to the run's shared pool (trainstate._incremental)
+        self.incremental = (
+            IncrementalSaver(config.storage, config.directory, self._newest_manifest) if config.incremental else None
+        )
 
     def list(self) -> builtins.list[CheckpointInfo]:
         items = self.catalog.list()
@@ -89,9 +105,17 @@ class Committer:
         c = self.config
         path = self.catalog.path(naming.name_for(step))
         if self.ranks is None:
-            result = write_checkpoint(
-                path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads
-            )
+            if self.incremental is not None:
+                try:
+                    result = self.incremental.save(path, snapshot, overwrite=True, fsync=c.fsync, threads=c.threads)
+                except BaseException:
+                    with contextlib.suppress(Exception):  # the save's own error is the one to report
+                        self._collect_pool()  # what the failed save wrote, unless a manifest names it after all
+                    raise
+            else:
+                result = write_checkpoint(
+                    path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads
+                )
             deleted = self.apply_retention()
         else:
             result, deleted = self._write_collective(step, path, snapshot, None)
@@ -159,7 +183,34 @@ class Committer:
         plan = plan_retention(self.list(), self.config.retention)
         deleted = tuple(name for name in plan.delete if self.catalog.delete(name))  # a pin found late wins
         self.last_retention = RetentionPlan(plan.keep, list(deleted)) if deleted != tuple(plan.delete) else plan
+        self._collect_pool()
         return deleted
+
+    def _collect_pool(self) -> None:
+        """Delete the pool files no checkpoint uses any more (incremental runs). Best effort: what is left
+        is only garbage, which a later pass takes, so a failure here never fails the save that ran it."""
+        saver = self.incremental
+        try:
+            removed = self.catalog.collect_pool(
+                locked=self.config.storage.capabilities.locking,
+                keep=saver.protected() if saver is not None else (),
+                mine=saver.written if saver is not None else (),
+            )
+        except StorageError as e:
+            log.warning("could not collect the shared pool of %s (a later pass will): %s", self.config.directory, e)
+            return
+        if saver is not None:
+            saver.written.difference_update(removed)
+
+    def _newest_manifest(self) -> Manifest | None:
+        """The manifest of the run's newest readable checkpoint: what an incremental save dedupes against
+        when this process has not saved yet."""
+        for info in sorted(self.list(), key=saved_order, reverse=True):
+            try:
+                return _read_manifest(self.config.storage, self.catalog.path(info.name))
+            except CheckpointError as e:
+                log.warning("not deduplicating against %s: %s", info.name, e)
+        return None
 
 
 def raise_background(error: BaseException) -> None:

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from trainstate import _arguments as arguments
+from trainstate._distributed import rank_and_world
 from trainstate._distributed.group import Failure
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager import naming
@@ -98,6 +99,10 @@ class CheckpointManager:
             manager its own (give each rank a directory of its own then).
         timeout: seconds a rank waits for the others under a process group before it raises
             DistributedError (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
+        incremental: write only the tensors whose bytes changed since the previous save; the others are
+            shared with earlier checkpoints through the run's pool ``_shared/`` (docs/incremental.md). Every
+            checkpoint still loads on its own where it was saved; copy one away with ``consolidate``.
+            Not yet for collective saves under a process group.
 
     Example:
         >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
@@ -136,6 +141,7 @@ class CheckpointManager:
         read_only: bool = False,
         collective: bool | None = None,
         timeout: float | None = None,
+        incremental: bool = False,
     ) -> None:
         # Every argument is checked before anything is acquired (lock, signal handlers, threads).
         for given, what in ((save_policies, "save_policies"), (retention_policies, "retention_policies")):
@@ -174,10 +180,16 @@ class CheckpointManager:
             ("fsync", fsync),
             ("read_only", read_only),
             ("save_on_preemption", save_on_preemption),
+            ("incremental", incremental),
         ):
             arguments.flag(value, name)
         if collective is not None:
             arguments.flag(collective, "collective")
+        if incremental and not read_only and collective is not False and rank_and_world()[1] > 1:
+            raise InvalidArgumentError(
+                "incremental=True is not supported for collective saves under torch.distributed yet: pass "
+                "collective=False with a directory per rank, or save full checkpoints (incremental=False)"
+            )
         storage_, root = resolve(arguments.location(directory), storage)
         if storage_.stat_followed(storage_.join(root, MANIFEST_NAME)) is not None:
             raise InvalidArgumentError(
@@ -208,6 +220,7 @@ class CheckpointManager:
             threads=threads,
             metadata=dict(metadata or {}),
             read_only=bool(read_only),
+            incremental=bool(incremental),
         )
         self.catalog = Catalog(storage_, root)
         # under a process group (collective): built on every rank, in the same order
@@ -275,6 +288,7 @@ class CheckpointManager:
     save_policies = property(lambda self: self._config.save_policies)
     retention = property(lambda self: self._config.retention)
     read_only = property(lambda self: self._config.read_only)
+    incremental = property(lambda self: self._config.incremental, doc="Whether unchanged tensors are shared.")
 
     # -- queries (manifests only) -----------------------------------------------------------------
 

@@ -40,6 +40,8 @@ class CheckpointInfo:
     nbytes: int = 0
     seq: int | None = None  # commit sequence number: what "newest" means
     pin_reason: str = ""
+    shared: int = 0  # of nbytes, in shared pool files an earlier save wrote (incremental checkpoints)
+    pooled: int = 0  # of nbytes, in the run's shared pool (shared or not): what deleting it does not free
 
 
 # -- when to save -----------------------------------------------------------------------------------

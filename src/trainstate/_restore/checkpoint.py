@@ -20,6 +20,7 @@ from typing import Any
 from trainstate import _tree as tree
 from trainstate._format import checksum, datafile, manifest
 from trainstate._frameworks import adapter_for
+from trainstate._incremental import pool
 from trainstate._restore import read as engine
 from trainstate._storage import Source, Storage, resolve_source
 from trainstate.errors import (
@@ -59,6 +60,7 @@ class Checkpoint:
         self.files = engine.DataFiles(self.storage, self.path)
         try:
             self.manifest = _read_manifest(self.storage, self.path)
+            self.files.where = pool.locations(self.storage, self.path, self.manifest.files)
             self._check_files()
             for f in self.manifest.files:  # map now: a checkpoint deleted after this stays readable (POSIX)
                 self.files.map(f.path)
@@ -175,13 +177,15 @@ class Checkpoint:
             raise UnknownKeyError(f"no tensor {name!r:.80} in {self.path}{hint}") from None
 
     def _file(self, name: str) -> str:
-        return self.storage.join(self.path, name)
+        return self.files.location(name)
 
     def _check_files(self) -> None:
         for f in self.manifest.files:
             info = self.storage.stat(self._file(f.path))
             if info is None and self.storage.stat(self.storage.join(self.path, manifest.MANIFEST_NAME)) is None:
                 raise CheckpointNotFoundError(f"{self.path} was deleted while it was being opened")
+            if info is None and f.pool:
+                raise pool.missing(self.storage, self.path, f.path)
             if info is None:
                 raise CorruptCheckpointError(f"data file {f.path} of {self.path} is missing")
             if not info.regular or info.is_dir:

@@ -62,8 +62,13 @@ class DataFiles:
 
     def __init__(self, storage: Storage, path: str) -> None:
         self.storage, self.path = storage, path
+        self.where: dict[str, str] = {}  # files stored outside the checkpoint (a run's shared pool) -> path
         self._maps: dict[str, mmap.mmap | memoryview | None] = {}
         self._lock = threading.Lock()
+
+    def location(self, file: str) -> str:
+        """Where a data file the manifest lists is: in the checkpoint, or (pool files) in its run's pool."""
+        return self.where.get(file) or self.storage.join(self.path, file)
 
     def map(self, file: str) -> mmap.mmap | memoryview | None:
         maps = self._maps
@@ -72,7 +77,7 @@ class DataFiles:
         with self._lock:
             if file not in maps:
                 mappable = self.storage.capabilities.memory_map
-                maps[file] = self.storage.map(self.storage.join(self.path, file)) if mappable else None
+                maps[file] = self.storage.map(self.location(file)) if mappable else None
             return maps[file]
 
     def mapped(self, mm: mmap.mmap | memoryview, file: str, begin: int, end: int) -> memoryview:
@@ -95,7 +100,7 @@ class DataFiles:
                 view[:] = src
             return
         try:
-            got = self.storage.read_into(self.storage.join(self.path, file), offset, view)
+            got = self.storage.read_into(self.location(file), offset, view)
         except StorageError as e:
             if e.errno == errno.ENOENT:  # retention, a user, or an overwrite's cleanup removed it meanwhile
                 raise CheckpointNotFoundError(

@@ -1,0 +1,129 @@
+"""Mark and sweep of a run's shared pool: a pool file goes only when no manifest in the run names it.
+
+**Mark**: every manifest directly under the run directory counts -- committed checkpoints, pinned ones,
+copies a user made there, and the ``.old-`` / ``.del-`` / ``.tmp-`` leftovers a sweep may still put
+back -- each read as plain JSON for its ``"pool": true`` files (no checksum needed to *keep* bytes). A
+manifest that cannot be read as JSON could name anything, and an entry that changed between the listing
+and the end of the mark (a leftover put back meanwhile) may have been missed: either way the round
+deletes nothing. **Sweep**: the pool was listed *before* the mark, so a save that commits meanwhile
+cannot lose a file it just wrote; a listed file goes unless marked or protected (the manager's save in
+flight and the files its next save may refer to). Where no lock keeps other writers out (object stores)
+a file also needs to be untouched for an hour, unless this process wrote it itself, as for any leftover.
+
+A kill at any point leaves at worst a file nobody names, taken by a later round; a file a kept
+checkpoint names is never deleted, since deleting comes after the mark that found every such name.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import re
+from collections.abc import Collection
+
+from trainstate._format import manifest
+from trainstate._incremental.pool import POOL_DIR, is_pool_file
+from trainstate._storage import Storage
+from trainstate.errors import StorageError
+
+log = logging.getLogger("trainstate")
+
+
+class PoolCollector:
+    """Collects a run directory's unreferenced pool files; caches what each manifest names."""
+
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.storage = storage
+        self.root = root
+        self.pool = storage.join(root, POOL_DIR)
+        self._named: dict[str, tuple[tuple[str, int], frozenset[str]]] = {}  # path -> ((checksum, size), names)
+
+    def collect(
+        self, *, locked: bool, min_age: float, keep: Collection[str] = (), mine: Collection[str] = ()
+    ) -> list[str]:
+        """Delete the pool files no manifest names; returns their names.
+
+        ``locked``: the caller holds the run's lock, so no other process saves here; else a file must be
+        ``min_age`` seconds old (``mine``: files this process wrote need not). ``keep``: files to keep
+        whatever the manifests say.
+        """
+        candidates = [n for n in self.storage.list(self.pool) if is_pool_file(n) and n not in keep]
+        if not candidates:
+            return []
+        named = self._mark()
+        if named is None:
+            return []
+        removed = []
+        for name in candidates:
+            if name in named:
+                continue
+            path = self.storage.join(self.pool, name)
+            if not locked and name not in mine and self.storage.age(path) < min_age:
+                continue  # perhaps another writer's save in flight
+            self.storage.delete(path)
+            removed.append(name)
+        if removed:
+            log.info("removed %d pool file(s) of %s that no checkpoint uses: %s", len(removed), self.pool, removed)
+        return removed
+
+    def _mark(self) -> set[str] | None:
+        """Every pool file a manifest in the run directory names; None when that cannot be told for sure."""
+        entries = [n for n in self.storage.list(self.root) if n != POOL_DIR]
+        named: set[str] = set()
+        seen = set()
+        for entry in entries:
+            path = self.storage.join(self.root, entry, manifest.MANIFEST_NAME)
+            info = self.storage.stat(path)
+            if info is None or info.is_dir:
+                continue  # not a checkpoint (or not committed: its save protects its own files)
+            names = self._names(path, info.size)
+            if names is None:
+                return None
+            named |= names
+            seen.add(path)
+        for path in set(self._named) - seen:
+            del self._named[path]
+        if [n for n in self.storage.list(self.root) if n != POOL_DIR] != entries:
+            return None  # something moved meanwhile (a leftover put back): look again next time
+        return named
+
+    def _names(self, path: str, size: int) -> frozenset[str] | None:
+        """The pool files the manifest at ``path`` names; None when it cannot be read as JSON.
+
+        Cached by the checksum the manifest begins with (it covers the rest), read in a few bytes: not by
+        modification time, which object stores keep to the second, so an overwrite within that second
+        would look unchanged.
+        """
+        if size > manifest.MAX_BYTES:
+            log.warning("not collecting the pool: %s is too large to be a manifest", path)
+            return None
+        try:
+            head = bytearray(min(size, _HEAD))
+            got = self.storage.read_into(path, 0, memoryview(head))
+            found = _CHECKSUM.match(bytes(head[:got]))
+            key = (found.group(1).decode(), size) if found else None
+            cached = self._named.get(path)
+            if key is not None and cached is not None and cached[0] == key:
+                return cached[1]
+            raw = bytearray(size)
+            got = self.storage.read_into(path, 0, memoryview(raw))
+            body = json.loads(bytes(raw[:got]))
+            files = body["files"]
+            names = frozenset(
+                f["path"] for f in files if type(f) is dict and f.get("pool") is True and isinstance(f.get("path"), str)
+            )
+        except StorageError as e:
+            if e.errno == errno.ENOENT:
+                return None  # moved or deleted since the listing
+            raise
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            log.warning("not collecting the pool: %s cannot be read (%s), so what it uses is unknown", path, e)
+            return None
+        if key is not None:
+            self._named[path] = (key, names)
+        return names
+
+
+_HEAD = 64  # enough for '{"checksum":"xxh3_64:<16 hex digits>"' (docs/format.md §3: the manifest's first member)
+_CHECKSUM = re.compile(rb'\{"checksum":"([a-z0-9_]{1,16}:[0-9a-f]{1,64})"')

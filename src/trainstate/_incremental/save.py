@@ -1,0 +1,209 @@
+"""An incremental run's saves: unchanged tensors refer to the bytes already in the pool, the rest is written.
+
+The save is the ordinary pipeline (``_save/write.py``) with two differences: the data files go into the
+run's pool instead of the checkpoint's staging location, and only the tensors the index does not find
+unchanged (index.py) are in them. The commit is the same: data first, manifest last, the checkpoint made
+visible by the storage's commit. A save killed before its commit leaves pool files no manifest names,
+which the next collection removes (gc.py); it never changes a byte a committed checkpoint uses, since
+pool files are new names, written once. A save that fails leaves its pool files to the same collection,
+which the manager runs right after the failure: it deletes them unless a manifest names them after all.
+
+While a save is in flight the pool files it wrote or refers to are :meth:`IncrementalSaver.protected`
+(with those of the index the next save will dedupe against), so a collection never takes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from trainstate._format.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from trainstate._incremental.index import Index
+from trainstate._incremental.pool import POOL_DIR, save_prefix
+from trainstate._save.encode import Entry, Snapshot
+from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_checkpoint, write_data
+from trainstate._storage import Storage
+from trainstate.errors import StorageError
+
+log = logging.getLogger("trainstate")
+
+
+class IncrementalSaver:
+    """Writes a manager's checkpoints incrementally into ``root``'s pool; keeps the index between saves.
+
+    ``base`` finds the manifest to dedupe against when this process has not saved yet (the newest
+    checkpoint of the run, after a restart); None when there is none.
+    """
+
+    def __init__(self, storage: Storage, root: str, base: Callable[[], Manifest | None]) -> None:
+        self.storage = storage
+        self.pool = storage.join(root, POOL_DIR)
+        self._base = base
+        self._index: Index | None = None  # None until the first save looks for one
+        self._busy: frozenset[str] = frozenset()  # pool files of the save in flight (written or used)
+        self._lock = threading.Lock()
+        self.written: set[str] = set()  # pool files this process's saves wrote: unnamed, they need no waiting
+
+    def protected(self) -> frozenset[str]:
+        """Pool files a collection must keep whatever the manifests say: those of the save in flight, and
+        those the next save may refer to."""
+        with self._lock:
+            index = set(self._index.files) if self._index is not None else set()
+            return self._busy | index
+
+    def save(self, final: str, snapshot: Snapshot, *, overwrite: bool, fsync: bool, threads: int) -> SaveResult:
+        """Save ``snapshot`` as the checkpoint ``final``, writing only what changed since the index.
+
+        ``SaveResult.nbytes`` is what this save wrote (new pool files and the manifest), not what the
+        checkpoint refers to.
+        """
+        start = time.perf_counter()
+        if not snapshot.entries:  # nothing to share: an ordinary checkpoint, with its one (empty) data file
+            result = write_checkpoint(final, snapshot, storage=self.storage, overwrite=overwrite, fsync=fsync)
+            with self._lock:
+                self._index = Index.empty()
+            return result
+        index = self._index if self._index is not None else self._load_base()
+        reused = _unchanged(index, snapshot.entries, threads)
+        new = [e for e in snapshot.entries if e.name not in reused]
+        shared = {c.file for chunks in reused.values() for c in chunks}
+        groups, names = plan_data(self.storage, new, threads, save_prefix(self.storage)) if new else ([], [])
+        with self._lock:
+            self._busy = frozenset([*names, *shared])
+            self.written.update(names)  # whatever becomes of the save: if nothing names them, they may go
+        try:
+            tensors, files, nbytes, at = self._write(
+                final, snapshot, reused, new, groups, names, index, overwrite, fsync, threads
+            )
+        finally:
+            with self._lock:
+                self._busy = frozenset()
+        with self._lock:
+            self._index = Index.of(tensors, files)
+        end = time.perf_counter()
+        log.debug(
+            "saved %s incrementally: %d of %d tensors unchanged, %d bytes written in %.3fs",
+            final,
+            len(reused),
+            len(snapshot.entries),
+            nbytes,
+            end - start,
+        )
+        return SaveResult(str(final), nbytes, end - start, at - start, end - at)
+
+    def _write(
+        self,
+        final: str,
+        snapshot: Snapshot,
+        reused: dict[str, tuple[Chunk, ...]],
+        new: list[Entry],
+        groups: list[list[Entry]],
+        names: list[str],
+        index: Index,
+        overwrite: bool,
+        fsync: bool,
+        threads: int,
+    ) -> tuple[dict[str, TensorEntry], tuple[FileEntry, ...], int, float]:
+        """Write the new tensors into the pool and commit the manifest: its tensors and files, the bytes
+        written, and the clock when the manifest was written."""
+        storage = self.storage
+        _make_directory(storage, self.pool)
+        tmp = storage.begin(final, overwrite=overwrite)
+        try:
+            written: tuple[FileEntry, ...] = ()
+            fresh: dict[str, TensorEntry] = {}
+            if new:
+                written, fresh = write_data(storage, self.pool, new, groups, names, fsync=fsync, threads=threads)
+                if fsync:
+                    _sync_directory(storage, self.pool)
+            used = {c.file for chunks in reused.values() for c in chunks}
+            files = (
+                *(replace(f, pool=True, new=True) for f in written),
+                *(replace(f, new=False) for name, f in index.files.items() if name in used),
+            )
+            tensors = {
+                e.name: TensorEntry(e.dtype, e.global_shape, e.kind, reused[e.name])
+                if e.name in reused
+                else fresh[e.name]
+                for e in snapshot.entries
+            }
+            size, at = commit_manifest(
+                storage, tmp, final, snapshot, files, tensors, [], overwrite=overwrite, fsync=fsync
+            )
+        except BaseException:
+            # Its pool files stay: whether a manifest names them (one whose write failed may still have
+            # landed, or a commit may have failed after its rename) is the collection's to decide (gc.py).
+            storage.abort(tmp, [])
+            raise
+        return tensors, files, size - sum(f.size for f in files if not f.new), at
+
+    def _load_base(self) -> Index:
+        """The index of the run's newest checkpoint, less what its pool files no longer hold."""
+        manifest = self._base()
+        if manifest is None:
+            return Index.empty()
+        index = Index.of(manifest.tensors, manifest.files)
+        gone = set()
+        for name, f in index.files.items():
+            info = self.storage.stat(self.storage.join(self.pool, name))
+            if info is None or not info.regular or info.is_dir or info.size != f.size:
+                gone.add(name)
+        if gone:
+            log.warning("pool files %s of the newest checkpoint are missing or altered: not reused", sorted(gone))
+        return index.without_files(gone)
+
+
+_PARALLEL_BYTES = 64 << 20  # below this, hashing on one thread costs less than starting more
+
+
+def _unchanged(index: Index, entries: list[Entry], threads: int) -> dict[str, tuple[Chunk, ...]]:
+    """The entries the index finds unchanged, and their stored chunks; hashed on ``threads`` threads, each
+    given about the same bytes (largest tensors dealt first)."""
+    candidates = sorted((e for e in entries if e.name in index.tensors), key=lambda e: -e.nbytes)
+    lanes: list[list[Entry]] = [[] for _ in range(max(1, threads))]
+    if threads <= 1 or sum(e.nbytes for e in candidates) < _PARALLEL_BYTES:
+        lanes = [candidates]
+    else:
+        loads = [0] * threads
+        for e in candidates:
+            i = loads.index(min(loads))
+            lanes[i].append(e)
+            loads[i] += e.nbytes
+
+    def check(lane: list[Entry]) -> dict[str, tuple[Chunk, ...]]:
+        found = ((e.name, index.unchanged(e)) for e in lane)
+        return {name: chunks for name, chunks in found if chunks is not None}
+
+    if len(lanes) == 1:
+        return check(lanes[0])
+    with ThreadPoolExecutor(len(lanes), thread_name_prefix="trainstate-dedupe") as pool:
+        return {name: chunks for part in pool.map(check, lanes) for name, chunks in part.items()}
+
+
+def _make_directory(storage: Storage, path: str) -> None:
+    """Create the pool directory where directories are real (object stores have prefixes instead)."""
+    if storage.capabilities.makedirs:
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot create the shared pool {path}: {e.strerror}") from e
+
+
+def _sync_directory(storage: Storage, path: str) -> None:
+    """Make the pool's new names durable before the manifest that names them (where directories are real)."""
+    if not storage.capabilities.makedirs:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise StorageError(e.errno, f"fsync failed for {path}: {e.strerror}") from e
