@@ -98,3 +98,17 @@ except trainstate.MissingDependencyError as e:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("MissingDependencyError:"), proc.stdout
     assert 'pip install "trainstate[torch]"' in proc.stdout, proc.stdout
+
+
+def test_a_numpy_only_run_never_imports_torch(tmp_path: Path) -> None:
+    """torch installed but unused: a NumPy script's manager must not pay for importing it (seconds per start)."""
+    code = (
+        "import sys, numpy as np, trainstate\n"
+        f"with trainstate.CheckpointManager({str(tmp_path / 'run')!r}, keep_last=2) as m:\n"
+        "    for step in range(3):\n"
+        "        m.save(step, {'w': np.arange(4.0) + step})\n"
+        "    m.restore_latest({'w': np.zeros(4)})\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = _python(code, dict(os.environ))
+    assert proc.returncode == 0 and proc.stdout.split() == ["False"], proc.stdout + proc.stderr

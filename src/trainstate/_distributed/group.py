@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -119,10 +120,10 @@ def coordinator(group: Any = None, timeout: float | None = None, channel: str = 
     interleave with those on another (its foreground decisions), whatever thread runs them.
     """
     if group is None:
-        try:
-            import torch.distributed as dist
-        except ImportError:
+        if "torch.distributed" not in sys.modules:  # nobody made a process group: no need to import torch
             return None
+        import torch.distributed as dist
+
         if not (dist.is_available() and dist.is_initialized()):
             return None
         group = dist.group.WORLD
