@@ -18,6 +18,7 @@ from trainstate._manager.policies import CheckpointInfo, RetentionPlan, Retentio
 from trainstate._manager.ranks import ManagerRanks
 from trainstate._save import SaveResult, Snapshot, write_checkpoint
 from trainstate._storage import Storage
+from trainstate._transforms import Pipeline
 from trainstate.errors import CheckpointError, FormatVersionError
 
 log = logging.getLogger("trainstate")
@@ -55,6 +56,7 @@ class Settings:
     threads: int
     metadata: dict[str, Any]
     read_only: bool
+    pipeline: Pipeline | None = None  # chunk transforms of every save (compression)
 
 
 class Committer:
@@ -90,7 +92,13 @@ class Committer:
         path = self.catalog.path(naming.name_for(step))
         if self.ranks is None:
             result = write_checkpoint(
-                path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads
+                path,
+                snapshot,
+                storage=c.storage,
+                overwrite=True,
+                fsync=c.fsync,
+                threads=c.threads,
+                pipeline=c.pipeline,
             )
             deleted = self.apply_retention()
         else:

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from trainstate import _arguments as arguments
+from trainstate import _transforms as transforms
 from trainstate._distributed.group import Failure
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager import naming
@@ -98,6 +99,8 @@ class CheckpointManager:
             manager its own (give each rank a directory of its own then).
         timeout: seconds a rank waits for the others under a process group before it raises
             DistributedError (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
+        compression: ``"zstd"`` or ``"zstd:LEVEL"``: every checkpoint's tensors compressed in chunks, as
+            ``trainstate.save(compression=...)`` does (not yet for collective saves). Restoring needs no argument.
 
     Example:
         >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
@@ -136,6 +139,7 @@ class CheckpointManager:
         read_only: bool = False,
         collective: bool | None = None,
         timeout: float | None = None,
+        compression: str | None = None,
     ) -> None:
         # Every argument is checked before anything is acquired (lock, signal handlers, threads).
         for given, what in ((save_policies, "save_policies"), (retention_policies, "retention_policies")):
@@ -178,6 +182,7 @@ class CheckpointManager:
             arguments.flag(value, name)
         if collective is not None:
             arguments.flag(collective, "collective")
+        pipeline = transforms.pipeline(transforms.compression(compression))
         storage_, root = resolve(arguments.location(directory), storage)
         if storage_.stat_followed(storage_.join(root, MANIFEST_NAME)) is not None:
             raise InvalidArgumentError(
@@ -208,10 +213,16 @@ class CheckpointManager:
             threads=threads,
             metadata=dict(metadata or {}),
             read_only=bool(read_only),
+            pipeline=pipeline,
         )
         self.catalog = Catalog(storage_, root)
         # under a process group (collective): built on every rank, in the same order
         self._ranks = None if read_only else manager_ranks(collective, timeout)
+        if self._ranks is not None and pipeline is not None:
+            raise InvalidArgumentError(
+                "compression is not supported in collective saves yet: build the manager without it (or with "
+                "collective=False, each rank with a directory of its own)"
+            )
         self._committer = Committer(self.catalog, self._config, self._ranks)
         self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
         self._writer.agreed_errors_only = self._ranks is not None
