@@ -61,7 +61,7 @@ def save(
             (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
         compression: ``"zstd"`` or ``"zstd:LEVEL"`` (LEVEL -7 to 22, default 3) compresses each tensor in
             chunks of 4 MiB, each stored raw where compressing it does not pay (needs
-            ``pip install "trainstate[zstd]"``; docs/format.md §4b). Loading needs no argument.
+            ``pip install "trainstate[zstd]"``; docs/format.md §5b). Loading needs no argument.
 
     Returns:
         A :class:`SaveResult` with the path, bytes written and seconds taken.

@@ -1,6 +1,6 @@
 """Chunk transforms: reversible byte-to-byte functions (compression, encryption) applied to a chunk's bytes.
 
-A chunk's manifest entry may list ``transforms`` (docs/format.md §4b): the objects that say how its raw bytes
+A chunk's manifest entry may list ``transforms`` (docs/format.md §5b): the objects that say how its raw bytes
 (the box's elements, C order, little-endian) became its stored bytes. Both sides live here so they agree:
 
 - write side, a :class:`Pipeline`: the ordered transforms of one save (compression first, then encryption).

@@ -35,7 +35,7 @@ class Zstd:
     """The zstd transform; ``level`` matters only when writing (1 fast ... 22 small; default 3)."""
 
     name = NAME
-    records_raw_checksum = True  # its params may carry the raw bytes' checksum (docs/format.md §4b)
+    records_raw_checksum = True  # its params may carry the raw bytes' checksum (docs/format.md §5b)
 
     def __init__(self, level: int = DEFAULT_LEVEL, *, needed_for: str = 'compression="zstd"') -> None:
         self.level = level
