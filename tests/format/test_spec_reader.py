@@ -257,7 +257,8 @@ class SpecReader:
             stored = self.read(c["file"], *c["byte_range"])
             check(stored, c["checksum"], f"tensor {name}")
             raw = stored
-            for x in reversed(c.get("transforms", [])):  # §5b, undone in reverse order
+            for x in reversed(c.get("transforms", [])):  # §5b, undone in reverse order (zstd: the only name)
+                assert x["name"] == "zstd"
                 raw = unzstd(raw, count(c["shape"]) * dtype.itemsize, name)
             if c.get("transforms") and "raw_checksum" in c["transforms"][0]:
                 check(raw, c["transforms"][0]["raw_checksum"], f"tensor {name}, decompressed")
