@@ -224,7 +224,7 @@ def _boxes(t: TensorEntry) -> list[dict[str, Any]]:
             "shape": list(c.shape),
             "file": c.file,
             "byte_range": list(c.byte_range),
-            "transforms": [str(x.get("name")) for x in c.transforms],
+            **({"transforms": [str(x.get("name")) for x in c.transforms]} if c.transforms else {}),
         }
         for c in t.chunks
     ]
@@ -335,7 +335,10 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
     if infos:
         out.table(t)
     if boxes:
-        ct = Table(["tensor", "offset", "shape", "file", "bytes", "transforms"], right=frozenset({"bytes"}))
+        ct = Table(
+            ["tensor", "offset", "shape", "file", "bytes", *(["transforms"] if transforms else [])],
+            right=frozenset({"bytes"}),
+        )
         for name, found in boxes.items():
             for b in found:
                 ct.add(
@@ -344,7 +347,7 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
                     _shape(b["shape"]),
                     b["file"],
                     size(b["byte_range"][1] - b["byte_range"][0]),
-                    ", ".join(b["transforms"]),
+                    *([", ".join(b.get("transforms", []))] if transforms else []),
                 )
         out.line()
         out.table(ct)
