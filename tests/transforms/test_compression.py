@@ -286,3 +286,12 @@ def test_the_raw_checksum_of_every_chunk_is_known_to_the_writer_and_after_reopen
         for name, value in state.items():
             (chunk,) = ck.manifest.tensors[name].chunks
             assert transforms.raw_checksum(chunk) == checksum.digest(value.tobytes())
+
+
+def test_a_packed_compressed_checkpoint_loads_from_memory(tmp_path: Path) -> None:
+    state = {"w": (np.arange(40_000, dtype=np.float32) % 4).reshape(200, 200), "step": 2}
+    trainstate.save(tmp_path / "c", state, compression="zstd")
+    blob = trainstate.pack(tmp_path / "c")
+    assert_same(trainstate.load(blob), state)
+    trainstate.save(tmp_path / "d", {**state, "step": 3}, compression="zstd")
+    assert cli("diff", str(tmp_path / "c"), str(tmp_path / "d"), code=1).stdout
