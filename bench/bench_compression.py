@@ -19,7 +19,7 @@ fsync is off for every writer (DCP's ``sync_files=False``): the numbers compare 
 Writers get 2 threads where they take a number (trainstate ``threads=2``, DCP ``thread_count=2``).
 
 Run from the repo root (about a minute):
-    .venv/bin/python bench/bench_compression.py [--steps 20] [--rounds 3]
+    .venv/bin/python bench/bench_compression.py [--steps 8] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def part_ratios(path: Path) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20, help="AdamW steps of fine-tuning before saving")
+    ap.add_argument("--steps", type=int, default=8, help="AdamW steps of fine-tuning before saving")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(2)

@@ -295,3 +295,25 @@ def test_a_packed_compressed_checkpoint_loads_from_memory(tmp_path: Path) -> Non
     assert_same(trainstate.load(blob), state)
     trainstate.save(tmp_path / "d", {**state, "step": 3}, compression="zstd")
     assert cli("diff", str(tmp_path / "c"), str(tmp_path / "d"), code=1).stdout
+
+
+@pytest.mark.parametrize(
+    "name, box",
+    [("w", ((100, 50), (200, 100))), ("x", ((1, 1, 1000), (1, 2, 3000))), ("x", ((0, 0, 4999), (2, 3, 1)))],
+)
+def test_a_box_of_a_compressed_tensor_reads_across_its_chunks(tmp_path: Path, name: str, box: tuple) -> None:
+    """What a sharded target (a DTensor's local part) asks for: a box that cuts through several chunks."""
+    from trainstate._restore.read import read_views
+
+    state = {
+        "w": (np.arange(400 * 300, dtype=np.float64) % 13).reshape(400, 300),
+        "x": (np.arange(2 * 3 * 5000, dtype=np.int16) % 7).reshape(2, 3, 5000),
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transforms, "TRANSFORM_CHUNK_BYTES", 16 << 10)
+        trainstate.save(tmp_path / "c", state, compression="zstd")
+    out = np.zeros(box[1], state[name].dtype)
+    with trainstate.open(tmp_path / "c") as ck:
+        assert len(ck.manifest.tensors[name].chunks) > 4
+        read_views(ck, [(name, out.reshape(-1).view(np.uint8).data, box)], verify=True, threads=2)
+    assert_same(out, state[name][tuple(slice(o, o + s) for o, s in zip(*box))])
