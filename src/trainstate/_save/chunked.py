@@ -30,7 +30,7 @@ from trainstate._format import checksum, datafile, dtypes, manifest
 from trainstate._save.encode import Entry
 from trainstate._save.write import PIECE_BYTES
 from trainstate._storage import Storage
-from trainstate._transforms import Encoded, Pipeline, Place
+from trainstate._transforms import Pipeline, Place
 
 _SMALL_BYTES = 64 << 10  # stored chunks under this are gathered into one buffer of up to _GATHER_BYTES
 _GATHER_BYTES = 1 << 20
@@ -71,9 +71,12 @@ class _Item(NamedTuple):
 
 
 class _Written(NamedTuple):
+    """What was written for one chunk (never its bytes: they are the storage's once handed over)."""
+
     begin: int  # in the data section
     end: int
-    encoded: Encoded
+    transforms: tuple[dict[str, Any], ...]
+    raw_checksum: str
     checksum: str
     pieces: manifest.Pieces | None
 
@@ -153,7 +156,9 @@ class _Chunks:
                 place = Place(e.name, e.dtype, tuple(o + p for o, p in zip(offset, e.offset)), shape)
                 encoded = self.pipeline.encode(data[begin:end], place)
                 stored = encoded.stored if isinstance(encoded.stored, memoryview) else memoryview(encoded.stored)
-                self.written.append(_Written(at, at + stored.nbytes, encoded, *_sums(stored)))
+                sums = _sums(stored)
+                self.written.append(_Written(at, at + stored.nbytes, encoded.transforms, encoded.raw_checksum, *sums))
+                del encoded
                 at += stored.nbytes
                 if stored.nbytes < _SMALL_BYTES:  # gathered; never changed once handed out (a storage may keep it)
                     if len(gathered) + stored.nbytes > _GATHER_BYTES:
@@ -174,10 +179,7 @@ class _Chunks:
     def header(self, length: int | None) -> bytes:
         """The real header for what the last pass wrote (``length``: padded to exactly that many bytes)."""
         return _header(
-            [
-                (i.name, _member(i, w.begin, w.end, bool(w.encoded.transforms)))
-                for i, w in zip(self.items, self.written)
-            ],
+            [(i.name, _member(i, w.begin, w.end, bool(w.transforms))) for i, w in zip(self.items, self.written)],
             length,
         )
 
@@ -252,9 +254,9 @@ def write_encoded(
                     tuple(o + p for o, p in zip(offset, e.offset)),
                     shape,
                     w.checksum,
-                    w.encoded.transforms,
+                    w.transforms,
                     w.pieces,
-                    w.encoded.raw_checksum,
+                    w.raw_checksum,
                 )
             )
     tensors = {e.name: manifest.TensorEntry(e.dtype, e.global_shape, e.kind, tuple(found[e.name])) for e in entries}
