@@ -353,3 +353,31 @@ def test_a_compressed_save_to_disk_holds_chunks_not_files(tmp_path: Path) -> Non
     stored = sum(p.stat().st_size for p in (tmp_path / "c").iterdir())
     assert stored > 40e6  # compressed, but barely: holding the chunks would show
     assert peak - base < 24e6, f"{(peak - base) / 1e6:.1f} MB held while saving"
+
+
+@pytest.mark.parametrize("operation", ["create", "write", "fsync", "rename"])
+def test_every_failing_storage_call_of_a_compressed_save_leaves_a_whole_checkpoint(
+    tmp_path: Path, operation: str
+) -> None:
+    """The header rewrite is one more write and fsync: failing any call, in turn, leaves nothing behind and
+    a whole checkpoint in place (the old one; the new one where only the last fsync, after the commit, failed)."""
+    import errno
+
+    from trainstate._storage.faulty import FaultyStorage
+
+    old = {"w": np.zeros((300, 300)), "b": np.arange(10.0)}
+    new = {"w": np.ones((300, 300)), "b": np.arange(10.0) + 1}
+    trainstate.save(tmp_path / "c", old, compression="zstd")
+    for at in range(1, 50):
+        faulty = FaultyStorage(operation, at=at, error=errno.EIO)
+        try:
+            trainstate.save(tmp_path / "c", new, compression="zstd", overwrite=True, storage=faulty)
+        except trainstate.StorageError:
+            loaded = trainstate.load(tmp_path / "c")  # whole: the old one, or the new one if only the fsync
+            assert loaded["w"][0, 0] in (0.0, 1.0)  # of the directory after the commit failed
+            assert_same(loaded, old if loaded["w"][0, 0] == 0.0 else new)
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no staging directory left
+            continue
+        assert not faulty.fired  # it got through: every call of the save succeeded
+        break
+    assert_same(trainstate.load(tmp_path / "c"), new)

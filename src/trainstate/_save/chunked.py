@@ -170,8 +170,9 @@ class _Chunks:
                     yield memoryview(gathered)
                     gathered = bytearray()
                 yield stored
-            # Let go of this tensor before the next one's bytes are made (see write._FileViews).
-            del data
+            # Let go of this tensor before the next one's bytes are made (see write._FileViews); its last
+            # chunk, stored raw, may be a view of it.
+            del data, stored
             yield memoryview(b"")
         if gathered:
             yield memoryview(gathered)
