@@ -197,7 +197,7 @@ DAMAGE = [
     ("a huge number", lambda t, s: t["chunks"][0]["byte_range"].__setitem__(1, 2**70)),
     ("a wrong rank", lambda t, s: t["chunks"][0]["offset"].append(0)),
     ("a transform", lambda t, s: t["chunks"][0].__setitem__("transforms", [])),
-    ("an unknown transform", lambda t, s: t["chunks"][0].__setitem__("transforms", [{"name": "zstd"}])),
+    ("an unknown transform", lambda t, s: t["chunks"][0].__setitem__("transforms", [{"name": "brotli"}])),
     ("a missing checksum", lambda t, s: t["chunks"][3].pop("checksum")),
     ("a checksum number", lambda t, s: t["chunks"][3].__setitem__("checksum", 5)),
     ("a chunk list", lambda t, s: t["chunks"].__setitem__(0, [])),

@@ -121,6 +121,26 @@ def read_manifest(raw: bytes) -> dict[str, Any]:
     return m
 
 
+# -- §5b zstd ---------------------------------------------------------------------------------------------
+def unzstd(stored: bytes, raw_size: int, name: str) -> bytes:
+    """One zstd frame whose declared content size is the box's raw size (checked before decompressing)."""
+    import zstandard
+
+    try:
+        declared = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as e:
+        raise SpecError(f"{name}: not a zstd frame ({e})") from None
+    if declared != raw_size:
+        raise SpecError(f"{name}: the zstd frame declares {declared} bytes, the box holds {raw_size}")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(stored, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise SpecError(f"{name}: the zstd frame does not decompress ({e})") from None
+    if len(raw) != raw_size:
+        raise SpecError(f"{name}: decompressed to {len(raw)} bytes, the box holds {raw_size}")
+    return bytes(raw)
+
+
 def plain_name(name: Any) -> str:
     if not isinstance(name, str) or not FILE_NAME.fullmatch(name) or len(name) > 201 or name == "manifest.json":
         raise SpecError(f"illegal file name {name!r}")
@@ -198,9 +218,15 @@ class SpecReader:
                 raise SpecError(f"{name}: chunk rank")
             if any(o + s > n for o, s, n in zip(offset, cshape, shape)):
                 raise SpecError(f"{name}: box outside the tensor")
-            if c.get("transforms"):
-                raise SpecError(f"{name}: transform {c['transforms'][0].get('name')!r} unknown (1.0 defines none)")
-            if end - begin != count(cshape) * itemsize:
+            transforms = c.get("transforms", [])
+            if not isinstance(transforms, list) or not all(isinstance(x, dict) for x in transforms):
+                raise SpecError(f"{name}: transforms is not an array of objects")
+            for x in transforms:  # §5b: 1.3 defines zstd
+                if x.get("name") != "zstd":
+                    raise SpecError(f"{name}: transform {x.get('name')!r} unknown")
+            if transforms and count(cshape) * itemsize > (end - begin) * 2**15:
+                raise SpecError(f"{name}: a transformed chunk claims more than 2^15 raw bytes per stored byte")
+            if not transforms and end - begin != count(cshape) * itemsize:
                 raise SpecError(f"{name}: {end - begin} bytes do not hold the box")
             boxes.append((offset, cshape))
         if sum(count(s) for _, s in boxes) != count(shape):
@@ -234,10 +260,16 @@ class SpecReader:
         for c in t["chunks"]:
             stored = self.read(c["file"], *c["byte_range"])
             check(stored, c["checksum"], f"tensor {name}")
-            pieces.append((c, stored))
-        for c, stored in pieces:
+            raw = stored
+            for x in reversed(c.get("transforms", [])):  # §5b, undone in reverse order (zstd: the only name)
+                assert x["name"] == "zstd"
+                raw = unzstd(raw, count(c["shape"]) * dtype.itemsize, name)
+            if c.get("transforms") and "raw_checksum" in c["transforms"][0]:
+                check(raw, c["transforms"][0]["raw_checksum"], f"tensor {name}, decompressed")
+            pieces.append((c, raw))
+        for c, raw in pieces:
             box = tuple(slice(o, o + s) for o, s in zip(c["offset"], c["shape"]))
-            out[box] = np.frombuffer(stored, dtype=dtype, count=count(c["shape"])).reshape(c["shape"])
+            out[box] = np.frombuffer(raw, dtype=dtype, count=count(c["shape"])).reshape(c["shape"])
         value = out[()] if t["kind"] == "numpy-scalar" else out
         self.arrays[name] = value
         return value
@@ -401,6 +433,52 @@ def test_the_reader_catches_a_flipped_byte(tmp_path, where):
     raw = bytearray((ck / target).read_bytes())
     raw[at] ^= 0x01
     (ck / target).write_bytes(bytes(raw))
+    with pytest.raises(SpecError, match="checksum mismatch"):
+        SpecReader(ck).verify()
+
+
+def zstd_values() -> dict[str, Any]:
+    """tests/fixtures/v1.3-zstd/basic (test_zstd_fixture.py), restated here."""
+    import hashlib
+
+    return {
+        "model": {
+            "w": (np.arange(1100 * 1000) % 7).astype(np.float32).reshape(1100, 1000),
+            "b": np.arange(32).astype(ml_dtypes.bfloat16),
+        },
+        "noise": np.frombuffer(hashlib.shake_256(b"trainstate").digest(4096), dtype=np.uint8),
+        "zeros": np.zeros((64, 64), dtype=np.float64),
+        "scalar": np.float32(2.5),
+        "empty": np.zeros((0, 4), dtype=np.int16),
+        "step": 10,
+    }
+
+
+def test_the_zstd_fixture_holds_its_values():
+    pytest.importorskip("zstandard")
+    reader = SpecReader(FIXTURES / "v1.3-zstd" / "basic")
+    assert reader.manifest["format_version"] == "1.3"
+    assert_exact(zstd_values(), reader.load())
+    assert reader.metadata() == {"run": "zstd"}
+
+
+@pytest.mark.parametrize("where", ["stored", "raw_checksum"])
+def test_the_reader_catches_a_changed_zstd_chunk(tmp_path, where):
+    """A flipped stored byte fails the chunk's checksum; a wrong raw_checksum fails after decompressing."""
+    pytest.importorskip("zstandard")
+    ck = tmp_path / "c"
+    shutil.copytree(FIXTURES / "v1.3-zstd" / "basic", ck)
+    m = json.loads((ck / "manifest.json").read_bytes())
+    chunk = m["tensors"]["model.w"]["chunks"][1]
+    if where == "stored":
+        raw = bytearray((ck / chunk["file"]).read_bytes())
+        raw[chunk["byte_range"][0] + 10] ^= 0x01
+        (ck / chunk["file"]).write_bytes(bytes(raw))
+    else:  # resealed, so only the raw checksum is wrong
+        chunk["transforms"][0]["raw_checksum"] = "xxh3_64:0123456789abcdef"
+        del m["checksum"]
+        body = json.dumps(m, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+        (ck / "manifest.json").write_bytes(b'{"checksum":"' + xxh3_64(body).encode() + b'",' + body[1:] + b"\n")
     with pytest.raises(SpecError, match="checksum mismatch"):
         SpecReader(ck).verify()
 

@@ -92,6 +92,23 @@ def test_restore_onto_cuda_in_rounds_through_a_small_host_buffer(tmp_path: Path,
         assert target[k].device.type == "cuda" and torch.equal(target[k].cpu(), v.cpu()), k
 
 
+def test_compressed_checkpoint_restores_onto_cuda_through_the_host_buffer(tmp_path: Path, monkeypatch: Any) -> None:
+    """zstd chunks decoded into the host staging buffer, in rounds, then copied to the device."""
+    pytest.importorskip("zstandard")
+    import trainstate._transforms as transforms
+    from trainstate._restore import read
+
+    monkeypatch.setattr(read, "STAGE_BYTES", 1 << 20)
+    monkeypatch.setattr(transforms, "TRANSFORM_CHUNK_BYTES", 256 << 10)
+    saved = {f"t{i}": torch.arange(n, device="cuda") % 7 for i, n in enumerate([3, 70_000, 1_000_000, 262_145])}
+    saved["bf16"] = (torch.arange(123_457, device="cuda") % 5).to(torch.bfloat16)
+    trainstate.save(tmp_path / "c", saved, compression="zstd")
+    target = {k: torch.zeros_like(v) for k, v in saved.items()}
+    trainstate.load(tmp_path / "c", target)
+    for k, v in saved.items():
+        assert target[k].device.type == "cuda" and torch.equal(target[k].cpu(), v.cpu()), k
+
+
 def test_cpu_checkpoint_restores_onto_cuda(tmp_path: Path) -> None:
     state = _trained("cpu")
     trainstate.save(tmp_path / "c", state)

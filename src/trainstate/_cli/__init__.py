@@ -186,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rank", type=_rank, default=0, metavar="N", help="keep this rank's per-rank values (RNG, data position)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
+    p.add_argument("--compression", metavar="zstd[:LEVEL]", help="compress OUT (default: uncompressed)")
 
     from trainstate._cli import _onnx
 
@@ -266,7 +267,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "consolidate":
         from trainstate._cli import _consolidate
 
-        return _consolidate.consolidate(out, args.path, args.out, rank=args.rank, overwrite=args.overwrite)
+        return _consolidate.consolidate(
+            out, args.path, args.out, rank=args.rank, overwrite=args.overwrite, compression=args.compression
+        )
     if args.command == "export-onnx":
         from trainstate._cli import _onnx
 

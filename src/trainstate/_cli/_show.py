@@ -239,9 +239,21 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 def _boxes(t: TensorEntry) -> list[dict[str, Any]]:
     return [
-        {"offset": list(c.offset), "shape": list(c.shape), "file": c.file, "byte_range": list(c.byte_range)}
+        {
+            "offset": list(c.offset),
+            "shape": list(c.shape),
+            "file": c.file,
+            "byte_range": list(c.byte_range),
+            **({"transforms": [str(x.get("name")) for x in c.transforms]} if c.transforms else {}),
+        }
         for c in t.chunks
     ]
+
+
+def _stored(t: TensorEntry) -> tuple[int, list[str]]:
+    """A tensor's stored bytes (after compression, encryption) and the transforms its chunks use."""
+    names = {str(x.get("name")) for c in t.chunks for x in c.transforms}
+    return sum(c.byte_range[1] - c.byte_range[0] for c in t.chunks), sorted(names)
 
 
 def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = False) -> int:
@@ -253,6 +265,8 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
 
         infos = [ck.info(n) for n in ck if wanted(n)]
         boxes = {i.name: _boxes(ck.manifest.tensors[i.name]) for i in infos} if chunks else {}
+        stored = {i.name: _stored(ck.manifest.tensors[i.name]) for i in infos}
+        transforms = sorted({n for _, names in stored.values() for n in names})
         values = [(p, v) for p, v in _values.leaves(ck.manifest.tree) if wanted(p)]
         metadata = ck.metadata
         metadata_values = _values.leaves(ck.manifest.metadata)
@@ -267,8 +281,10 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
             "nbytes": ck.nbytes,
             "shared_nbytes": sum(f.size for f in ck.manifest.files if f.pool and not f.new),
             "tensor_count": len(ck.keys()),
+            "transforms": transforms,
         }
     tensor_bytes = sum(i.nbytes for i in infos)
+    stored_bytes = sum(n for n, _ in stored.values())
     if out.json_mode:
         out.json(
             {
@@ -284,11 +300,14 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
                         "nbytes": i.nbytes,
                         "kind": i.kind,
                         "chunks": i.chunks,
+                        "stored_nbytes": stored[i.name][0],
+                        "transforms": stored[i.name][1],
                         **({"boxes": boxes[i.name]} if chunks else {}),
                     }
                     for i in infos
                 ],
                 "tensor_bytes": tensor_bytes,
+                "tensor_stored_bytes": stored_bytes,
             }
         )
         return 0
@@ -301,6 +320,16 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
             ("saved by", f"{ck.world_size} ranks" if ck.world_size > 1 else "1 process"),
             ("on disk", f"{size(ck.nbytes)} in {head['files']} data file(s)" + _shared_text(head)),
             ("tensors", str(head["tensor_count"])),
+            *(
+                [
+                    (
+                        "transforms",
+                        f"{', '.join(transforms)}: tensors of {size(tensor_bytes)} stored in {_ratio(tensor_bytes, stored_bytes)}",
+                    )
+                ]
+                if transforms
+                else []
+            ),
         ]
     )
     if metadata is not None:
@@ -317,15 +346,20 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
         out.table(vt)
     sharded = any(i.chunks > 1 for i in infos)  # the chunk count only where some tensor has several
     t = Table(
-        ["tensor", "dtype", "shape", "bytes", *(["chunks"] if sharded else [])], right=frozenset({"bytes", "chunks"})
+        ["tensor", "dtype", "shape", "bytes", *(["stored"] if transforms else []), *(["chunks"] if sharded else [])],
+        right=frozenset({"bytes", "stored", "chunks"}),
     )
     for i in infos:
-        t.add(i.name, i.dtype, _shape(i.shape), size(i.nbytes), *([i.chunks] if sharded else []))
+        extra = [size(stored[i.name][0])] if transforms else []
+        t.add(i.name, i.dtype, _shape(i.shape), size(i.nbytes), *extra, *([i.chunks] if sharded else []))
     out.line()
     if infos:
         out.table(t)
     if boxes:
-        ct = Table(["tensor", "offset", "shape", "file", "bytes"], right=frozenset({"bytes"}))
+        ct = Table(
+            ["tensor", "offset", "shape", "file", "bytes", *(["transforms"] if transforms else [])],
+            right=frozenset({"bytes"}),
+        )
         for name, found in boxes.items():
             for b in found:
                 ct.add(
@@ -334,11 +368,13 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
                     _shape(b["shape"]),
                     b["file"],
                     size(b["byte_range"][1] - b["byte_range"][0]),
+                    *([", ".join(b.get("transforms", []))] if transforms else []),
                 )
         out.line()
         out.table(ct)
     shown = f"{len(infos)} of {head['tensor_count']} tensors match {pattern!r}" if pattern else f"{len(infos)} tensors"
-    out.line(f"{shown}, {size(tensor_bytes)} ({tensor_bytes} bytes)")
+    on_disk = f", stored in {_ratio(tensor_bytes, stored_bytes)}" if transforms else ""
+    out.line(f"{shown}, {size(tensor_bytes)} ({tensor_bytes} bytes){on_disk}")
     return 0
 
 
@@ -348,6 +384,11 @@ def _shared_text(head: dict[str, Any]) -> str:
     if not shared:
         return ""
     return f"; this save wrote {size(int(head['nbytes']) - shared)}, the rest is shared with earlier checkpoints"
+
+
+def _ratio(raw: int, stored: int) -> str:
+    """``stored`` bytes and how many times smaller than ``raw`` that is."""
+    return f"{size(stored)} ({raw / stored:.2f}x smaller)" if stored else size(stored)
 
 
 def _pin_text(row: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 
 from trainstate import _arguments as arguments
 from trainstate import _gc
+from trainstate import _transforms as transforms
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
 from trainstate._restore.checkpoint import Checkpoint
@@ -43,6 +44,7 @@ def consolidate(
     threads: int = 1,
     storage: Storage | None = None,
     dst_storage: Storage | None = None,
+    compression: str | None = None,
 ) -> SaveResult:
     """Rewrite the checkpoint ``src`` (saved by many ranks) at ``dst`` as one process would have saved it.
 
@@ -61,6 +63,8 @@ def consolidate(
         threads: data files written at once, each holding one tensor in memory at a time.
         storage: where ``src`` is (default: chosen from its path).
         dst_storage: where ``dst`` goes (default: chosen from its path).
+        compression: ``"zstd"`` or ``"zstd:LEVEL"`` to compress ``dst`` (each tensor then in chunks, as
+            ``trainstate.save`` compresses); by default ``dst`` is written uncompressed, whatever ``src`` is.
 
     Returns:
         A :class:`SaveResult` for ``dst``.
@@ -75,6 +79,7 @@ def consolidate(
     """
     start = time.perf_counter()
     threads = arguments.positive_int(threads, "threads")
+    pipeline = transforms.pipeline(transforms.compression(compression))
     backend, root = resolve(dst, dst_storage)
     with Checkpoint(src, storage) as ck, _gc.paused():
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ck.world_size:
@@ -99,6 +104,7 @@ def consolidate(
             threads=threads,
             start=start,
             workers=threads,
+            pipeline=pipeline,
         )
 
 

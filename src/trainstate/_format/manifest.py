@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from trainstate import _gc, _tree
+from trainstate import _gc, _transforms, _tree
 from trainstate._format import checksum, dtypes
 from trainstate.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 
@@ -35,10 +35,10 @@ FORMAT_NAME = "trainstate"
 FORMAT_VERSION = "1.0"  # what a manifest without newer optional fields declares
 PIECES_VERSION = "1.1"  # the minor version that added per-piece checksums (Chunk.pieces)
 WORLD_SIZE_VERSION = "1.2"  # the minor version that added world_size (a collective save's number of ranks)
+TRANSFORMS_VERSION = "1.3"  # the minor version that added chunk transforms (compression, encryption)
 POOL_VERSION = "1.4"  # the minor version that added pool files (incremental checkpoints: FileEntry.pool)
 MANIFEST_NAME = "manifest.json"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")  # in full: "$" would let a trailing newline in
-KNOWN_TRANSFORMS: frozenset[str] = frozenset()  # per-chunk byte transforms (compression, encryption) go here
 
 # Limits on one manifest (docs/format.md, "Limits"). A merged manifest of 1,024 ranks x 1,000 sharded tensors
 # (a million chunks) is about 0.15 GB, with a parse cost of about 10.5 bytes per byte.
@@ -68,6 +68,8 @@ class Chunk:
     checksum: str  # over the stored bytes
     transforms: tuple[dict[str, Any], ...] = ()
     pieces: Pieces | None = None  # the same bytes checked piece by piece (format 1.1; optional)
+    # the raw bytes' checksum, as the writer computed it (in memory only: see _transforms.raw_checksum)
+    raw_checksum: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -138,12 +140,14 @@ class Manifest:
         from trainstate._format.chunk_table import ChunkTable  # it builds this module's entries on lookup
 
         tensors: Any = None
+        transformed = False  # a ChunkTable (a collective save's) has no transforms
         if isinstance(self.tensors, ChunkTable):  # a million chunks of many ranks, rendered as columns
             tensors, pieced = self.tensors.canonical_json_parts(), bool(self.tensors.pieces)
         if tensors is None:
             with _gc.paused():
                 tensors = {name: _tensor_json(t) for name, t in self.tensors.items()}
             pieced = any(c.pieces for t in self.tensors.values() for c in t.chunks)
+            transformed = any(c.transforms for t in self.tensors.values() for c in t.chunks)
         version = self.format_version
         if _older(version, PIECES_VERSION) and pieced:
             version = PIECES_VERSION
@@ -153,6 +157,8 @@ class Manifest:
         if self.world_size > 1:
             sharded["world_size"] = self.world_size
             version = WORLD_SIZE_VERSION if _older(version, WORLD_SIZE_VERSION) else version
+        if transformed and _older(version, TRANSFORMS_VERSION):
+            version = TRANSFORMS_VERSION
         return {
             **self.extra,
             **sharded,
@@ -701,11 +707,18 @@ def _chunk(name: str, c: Any, dtype: dtypes.DType, shape: tuple[int, ...], sizes
         listed = _typed(c["transforms"], list, f"{name}.transforms")
         transforms = tuple(_typed(x, dict, f"{name}.transforms[]") for x in listed)
     for x in transforms:
-        if not isinstance(x.get("name"), str) or x["name"] not in KNOWN_TRANSFORMS:
+        if not _transforms.known(x.get("name")):
             raise FormatVersionError(
-                f"tensor {name} uses byte transform {x.get('name')!r:.40}, which this trainstate does not know"
+                f"tensor {name} uses byte transform {x.get('name')!r:.40}, which this trainstate does not know: "
+                "upgrade trainstate to read it"
             )
-    if not transforms and end - begin != math.prod(cshape) * dtype.itemsize:
+    raw = math.prod(cshape) * dtype.itemsize
+    if transforms and raw > (end - begin) * _transforms.MAX_EXPANSION:  # no transform expands bytes that far
+        raise CorruptCheckpointError(
+            f"tensor {name}: a transformed chunk of {end - begin} stored bytes claims {raw} raw bytes, more than "
+            f"{_transforms.MAX_EXPANSION} per stored byte"
+        )
+    if not transforms and end - begin != raw:
         raise CorruptCheckpointError(
             f"tensor {name}: {end - begin} stored bytes do not hold {list(cshape)} × {dtype.code} "
             f"({math.prod(cshape) * dtype.itemsize} bytes)"

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from trainstate import _transforms as transforms
 from trainstate._format import checksum, dtypes
 from trainstate._format.manifest import Chunk, FileEntry, Pieces, TensorEntry
 from trainstate._save.encode import Entry
@@ -40,11 +41,10 @@ def raw_sum(chunk: Chunk) -> RawSum | None:
     """What identifies a chunk's raw bytes, or None if nothing in the manifest says (then it is rewritten)."""
     if not chunk.transforms:
         return RawSum(chunk.checksum, chunk.pieces)  # stored bytes are the raw bytes
-    # HOOK (chunk transforms, issue 12): a transformed chunk's checksum and pieces cover its STORED bytes.
-    # Return the raw checksum the write path recorded for it -- the zstd transform's params may carry one
-    # (docs/format.md, transforms) -- as RawSum(that, None); never for an encrypted chunk, which must not
-    # reveal a hash of its plaintext. Until then such a chunk counts as changed and is written again.
-    return None
+    # A transformed chunk's checksum and pieces cover its stored bytes; its raw checksum is what the writer
+    # computed (in memory: encrypted chunks never write one) or what a compressed chunk records.
+    raw = transforms.raw_checksum(chunk)
+    return None if raw is None else RawSum(raw, None)
 
 
 @dataclass(frozen=True)

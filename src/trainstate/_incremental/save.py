@@ -29,6 +29,7 @@ from trainstate._incremental.pool import POOL_DIR, save_prefix
 from trainstate._save.encode import Entry, Snapshot
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_checkpoint, write_data
 from trainstate._storage import Storage
+from trainstate._transforms import Pipeline
 from trainstate.errors import StorageError
 
 log = logging.getLogger("trainstate")
@@ -57,7 +58,16 @@ class IncrementalSaver:
             index = set(self._index.files) if self._index is not None else set()
             return self._busy | index
 
-    def save(self, final: str, snapshot: Snapshot, *, overwrite: bool, fsync: bool, threads: int) -> SaveResult:
+    def save(
+        self,
+        final: str,
+        snapshot: Snapshot,
+        *,
+        overwrite: bool,
+        fsync: bool,
+        threads: int,
+        pipeline: Pipeline | None = None,
+    ) -> SaveResult:
         """Save ``snapshot`` as the checkpoint ``final``, writing only what changed since the index.
 
         ``SaveResult.nbytes`` is what this save wrote (new pool files and the manifest), not what the
@@ -65,7 +75,9 @@ class IncrementalSaver:
         """
         start = time.perf_counter()
         if not snapshot.entries:  # nothing to share: an ordinary checkpoint, with its one (empty) data file
-            result = write_checkpoint(final, snapshot, storage=self.storage, overwrite=overwrite, fsync=fsync)
+            result = write_checkpoint(
+                final, snapshot, storage=self.storage, overwrite=overwrite, fsync=fsync, pipeline=pipeline
+            )
             with self._lock:
                 self._index = Index.empty()
             return result
@@ -79,7 +91,7 @@ class IncrementalSaver:
             self.written.update(names)  # whatever becomes of the save: if nothing names them, they may go
         try:
             tensors, files, nbytes, at = self._write(
-                final, snapshot, reused, new, groups, names, index, overwrite, fsync, threads
+                final, snapshot, reused, new, groups, names, index, overwrite, fsync, threads, pipeline
             )
         finally:
             with self._lock:
@@ -109,6 +121,7 @@ class IncrementalSaver:
         overwrite: bool,
         fsync: bool,
         threads: int,
+        pipeline: Pipeline | None,
     ) -> tuple[dict[str, TensorEntry], tuple[FileEntry, ...], int, float]:
         """Write the new tensors into the pool and commit the manifest: its tensors and files, the bytes
         written, and the clock when the manifest was written."""
@@ -119,7 +132,9 @@ class IncrementalSaver:
             written: tuple[FileEntry, ...] = ()
             fresh: dict[str, TensorEntry] = {}
             if new:
-                written, fresh = write_data(storage, self.pool, new, groups, names, fsync=fsync, threads=threads)
+                written, fresh = write_data(
+                    storage, self.pool, new, groups, names, fsync=fsync, threads=threads, pipeline=pipeline
+                )
                 if fsync:
                     _sync_directory(storage, self.pool)
             used = {c.file for chunks in reused.values() for c in chunks}

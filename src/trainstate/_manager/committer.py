@@ -29,6 +29,7 @@ from trainstate._manager.ranks import ManagerRanks
 from trainstate._restore.checkpoint import _read_manifest
 from trainstate._save import SaveResult, Snapshot, write_checkpoint
 from trainstate._storage import Storage
+from trainstate._transforms import Pipeline
 from trainstate.errors import CheckpointError, FormatVersionError, StorageError
 
 log = logging.getLogger("trainstate")
@@ -67,6 +68,7 @@ class Settings:
     metadata: dict[str, Any]
     read_only: bool
     incremental: bool = False
+    pipeline: Pipeline | None = None  # chunk transforms of every save (compression)
 
 
 class Committer:
@@ -107,14 +109,22 @@ class Committer:
         if self.ranks is None:
             if self.incremental is not None:
                 try:
-                    result = self.incremental.save(path, snapshot, overwrite=True, fsync=c.fsync, threads=c.threads)
+                    result = self.incremental.save(
+                        path, snapshot, overwrite=True, fsync=c.fsync, threads=c.threads, pipeline=c.pipeline
+                    )
                 except BaseException:
                     with contextlib.suppress(Exception):  # the save's own error is the one to report
                         self._collect_pool()  # what the failed save wrote, unless a manifest names it after all
                     raise
             else:
                 result = write_checkpoint(
-                    path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads
+                    path,
+                    snapshot,
+                    storage=c.storage,
+                    overwrite=True,
+                    fsync=c.fsync,
+                    threads=c.threads,
+                    pipeline=c.pipeline,
                 )
             deleted = self.apply_retention()
         else:

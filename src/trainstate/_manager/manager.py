@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from trainstate import _arguments as arguments
+from trainstate import _transforms as transforms
 from trainstate._distributed import rank_and_world
 from trainstate._distributed.group import Failure
 from trainstate._format.manifest import MANIFEST_NAME
@@ -103,6 +104,8 @@ class CheckpointManager:
             shared with earlier checkpoints through the run's pool ``_shared/`` (docs/incremental.md). Every
             checkpoint still loads on its own where it was saved; copy one away with ``consolidate``.
             Not yet for collective saves under a process group.
+        compression: ``"zstd"`` or ``"zstd:LEVEL"``: every checkpoint's tensors compressed in chunks, as
+            ``trainstate.save(compression=...)`` does (not yet for collective saves). Restoring needs no argument.
 
     Example:
         >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
@@ -142,6 +145,7 @@ class CheckpointManager:
         collective: bool | None = None,
         timeout: float | None = None,
         incremental: bool = False,
+        compression: str | None = None,
     ) -> None:
         # Every argument is checked before anything is acquired (lock, signal handlers, threads).
         for given, what in ((save_policies, "save_policies"), (retention_policies, "retention_policies")):
@@ -190,6 +194,7 @@ class CheckpointManager:
                 "incremental=True is not supported for collective saves under torch.distributed yet: pass "
                 "collective=False with a directory per rank, or save full checkpoints (incremental=False)"
             )
+        pipeline = transforms.pipeline(transforms.compression(compression))
         storage_, root = resolve(arguments.location(directory), storage)
         if storage_.stat_followed(storage_.join(root, MANIFEST_NAME)) is not None:
             raise InvalidArgumentError(
@@ -221,10 +226,16 @@ class CheckpointManager:
             metadata=dict(metadata or {}),
             read_only=bool(read_only),
             incremental=bool(incremental),
+            pipeline=pipeline,
         )
         self.catalog = Catalog(storage_, root)
         # under a process group (collective): built on every rank, in the same order
         self._ranks = None if read_only else manager_ranks(collective, timeout)
+        if self._ranks is not None and pipeline is not None:
+            raise InvalidArgumentError(
+                "compression is not supported in collective saves yet: build the manager without it (or with "
+                "collective=False, each rank with a directory of its own)"
+            )
         self._committer = Committer(self.catalog, self._config, self._ranks)
         self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
         self._writer.agreed_errors_only = self._ranks is not None

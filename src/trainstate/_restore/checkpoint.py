@@ -23,6 +23,7 @@ from trainstate._frameworks import adapter_for
 from trainstate._incremental import pool
 from trainstate._restore import read as engine
 from trainstate._storage import Source, Storage, resolve_source
+from trainstate._transforms import Decoders
 from trainstate.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -55,9 +56,10 @@ class Checkpoint:
         ...     w = ck.read("model.fc.weight")
     """
 
-    def __init__(self, path: Source, storage: Storage | None = None) -> None:
+    def __init__(self, path: Source, storage: Storage | None = None, *, key: Any = None) -> None:
         self.storage, self.path = resolve_source(path, storage)
         self.files = engine.DataFiles(self.storage, self.path)
+        self.decoders = Decoders(key)  # undoes chunk transforms; ``key``: the reader's key material, opaque here
         try:
             self.manifest = _read_manifest(self.storage, self.path)
             self.files.where = pool.locations(self.storage, self.path, self.manifest.files)

@@ -39,6 +39,8 @@ import numpy as np
 from trainstate import _gc
 from trainstate._format import checksum, dtypes, manifest
 from trainstate._frameworks import NUMPY, Adapter, adapter_for, adapter_named
+from trainstate._restore.transformed import batches as transformed_batches
+from trainstate._restore.transformed import transformed, verify_chunk
 from trainstate._storage import Storage
 from trainstate.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 
@@ -336,6 +338,9 @@ def read_views(
         chunks = t.chunks
         if box is not None and box[1] == t.shape:
             box = None  # a shard that is the whole tensor
+        if chunks[0].transforms if len(chunks) == 1 else transformed(t):
+            boxes.extend(transformed_batches(ck, name, t, dst, box, verify))  # compressed, encrypted: transformed.py
+            continue
         same = (
             [c for c in chunks if c.offset == box[0] and c.shape == box[1]]
             if box is not None
@@ -415,7 +420,7 @@ def read_into(ck: Checkpoint, name: str, out: Any, *, verify: bool = True) -> No
 def read_tensor(ck: Checkpoint, name: str, *, framework: str, verify: bool) -> Any:
     """One tensor: a read-only NumPy view of the map (``"numpy"``) or an array of its own."""
     t = ck.manifest.tensors[name]
-    c = t.chunks[0] if len(t.chunks) == 1 and t.nbytes else None
+    c = t.chunks[0] if len(t.chunks) == 1 and t.nbytes and not t.chunks[0].transforms else None
     mm = ck.files.map(c.file) if c is not None else None
     if c is not None and mm is not None:
         view = ck.files.mapped(mm, c.file, *c.byte_range)  # the array keeps it (and the map) alive
@@ -436,6 +441,9 @@ def verify_all(ck: Checkpoint) -> None:
     """Check every tensor against every checksum the manifest has for it: whole chunks and pieces."""
     for name, t in ck.manifest.tensors.items():
         for c in t.chunks:
+            if c.transforms:  # checked, then decoded (transformed.py)
+                verify_chunk(ck, name, t, c)
+                continue
             what = f"tensor {name} ({c.file})"
             with ck.files.stored(c, True, what) as view:  # pieces, where it has them
                 if c.pieces is not None or c.byte_range[0] == c.byte_range[1]:

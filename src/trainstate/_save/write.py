@@ -17,11 +17,15 @@ import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trainstate._format import checksum, datafile, dtypes, manifest
 from trainstate._save.encode import Entry, Snapshot
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
 from trainstate._storage import Storage
+
+if TYPE_CHECKING:
+    from trainstate._transforms import Pipeline
 
 log = logging.getLogger("trainstate")
 
@@ -52,12 +56,13 @@ def write_checkpoint(
     threads: int = DEFAULT_THREADS,
     start: float | None = None,
     workers: int | None = None,
+    pipeline: Pipeline | None = None,
 ) -> SaveResult:
     """Write a snapshot as a checkpoint and commit it: the synchronous core of every single-process save.
 
     Data files first, the manifest last, then the backend's commit; on any failure the staging
-    location is thrown away and whatever was at ``final`` before is untouched. ``workers``: see
-    :func:`write_data`.
+    location is thrown away and whatever was at ``final`` before is untouched. ``workers``, ``pipeline``:
+    see :func:`write_data`.
     """
     start = time.perf_counter() if start is None else start
     tmp = storage.begin(final, overwrite=overwrite)
@@ -65,7 +70,15 @@ def write_checkpoint(
     unnamed = names  # data files no manifest names yet: what a failure deletes
     try:
         files, tensors = write_data(
-            storage, tmp, snapshot.entries, groups, names, fsync=fsync, threads=threads, workers=workers
+            storage,
+            tmp,
+            snapshot.entries,
+            groups,
+            names,
+            fsync=fsync,
+            threads=threads,
+            workers=workers,
+            pipeline=pipeline,
         )
         unnamed = []  # a manifest write that failed may still have landed, naming them
         nbytes, written = commit_manifest(
@@ -154,12 +167,14 @@ def write_data(
     fsync: bool,
     threads: int,
     workers: int | None = None,
+    pipeline: Pipeline | None = None,
 ) -> tuple[tuple[manifest.FileEntry, ...], dict[str, manifest.TensorEntry]]:
     """Write each group of entries as its data file; the files' and the tensors' manifest entries.
 
     ``workers``: files written at once; by default ``threads`` or the storage's ``write_parallelism``,
     whichever is more. A writer that produces each tensor's bytes as it goes (``consolidate``) sets it,
-    since each file in flight holds one tensor.
+    since each file in flight holds one tensor. ``pipeline``: chunk transforms (compression, encryption),
+    each tensor cut into chunks and encoded on the way (``chunked.py``).
     """
 
     def write(name: str, group: list[Entry]) -> tuple[int, str, list[tuple[int, int]], _FileViews]:
@@ -167,6 +182,10 @@ def write_data(
 
     if workers is None:
         workers = max(threads, storage.capabilities.write_parallelism)
+    if pipeline is not None:
+        from trainstate._save.chunked import write_encoded  # imports this module
+
+        return write_encoded(storage, tmp, entries, groups, names, pipeline, fsync=fsync, workers=workers)
     workers = min(len(groups), workers)
     if workers <= 1:
         results = [write(name, group) for name, group in zip(names, groups)]

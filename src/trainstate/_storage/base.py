@@ -76,6 +76,9 @@ class Capabilities:
             state is many moderate files written at once (latency-bound stores).
         read_parallelism: reads a reader keeps in flight at once (at least the caller's ``threads``).
         write_parallelism: files a saver writes at once (at least the caller's ``threads``).
+        rewrite: ``rewrite`` overwrites bytes of a file just written, in place: a save with compression
+            then streams each data file and writes its header last. Without it, such a save holds one
+            data file's compressed bytes in memory until its header is known.
 
     Example:
         >>> class Metered(trainstate.Storage):  # forwards every call to self.inner, counting bytes
@@ -93,6 +96,7 @@ class Capabilities:
     target_file_bytes: int | None = None
     read_parallelism: int = 1
     write_parallelism: int = 1
+    rewrite: bool = False
 
 
 def is_staging_name(name: str) -> bool:
@@ -166,6 +170,16 @@ class Storage(ABC):
         """
         for name in files:
             self.delete(self.join(staging, name))
+
+    def rewrite(self, path: str, offset: int, data: bytes, *, fsync: bool) -> None:
+        """Overwrite bytes ``[offset, offset + len(data))`` of the file ``path`` that this save has just
+        written (``capabilities.rewrite`` backends), then flush the whole file if ``fsync``.
+
+        A data file's header comes first but lists sizes known only once its compressed chunks are made:
+        the saver reserves the header's room, streams the chunks and writes the header last. Where this
+        raises NotImplementedError (the default), the saver writes the file again whole.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot rewrite part of a file")
 
     def map(self, path: str) -> mmap.mmap | memoryview | None:
         """A read-only memory map of the file (``memory_map`` backends); None where there is none.

@@ -40,7 +40,7 @@ T = TypeVar("T")
 
 
 _CAPABILITIES = Capabilities(
-    atomic_rename=True, locking=True, in_place=False, memory_map=True, symlinks=True, makedirs=True
+    atomic_rename=True, locking=True, in_place=False, memory_map=True, symlinks=True, makedirs=True, rewrite=True
 )
 
 
@@ -142,6 +142,19 @@ class LocalStorage(Storage):
 
     def abort(self, staging: str, files: Sequence[str]) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # the staging directory is this save's alone
+
+    def rewrite(self, path: str, offset: int, data: bytes, *, fsync: bool) -> None:
+        fd = self._guard(path, "open", lambda: os.open(path, os.O_WRONLY | _NOFOLLOW))
+        try:
+            view = memoryview(data)
+            self._guard(path, "seek", lambda: os.lseek(fd, offset, os.SEEK_SET))
+            pos = 0
+            while pos < len(view):
+                pos += self._guard(path, "write", lambda: self._write(fd, view[pos:]))  # noqa: B023 - called at once
+            if fsync:
+                self._guard(path, "fsync", lambda: self._fsync(fd))
+        finally:
+            os.close(fd)
 
     def age(self, path: str) -> float:
         """Seconds since ``path`` or an entry directly inside it last changed (0 if it is gone)."""
