@@ -25,6 +25,7 @@ from trainstate._distributed.group import Coordinator, Failure
 from trainstate._distributed.plan import Assignment, RankPlan, assign, rank_plan
 from trainstate._format import manifest
 from trainstate._format.chunk_table import ChunkTable
+from trainstate._keys import Key
 from trainstate._save.encode import Snapshot, encode_state
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_data
 from trainstate._storage import Storage
@@ -42,6 +43,7 @@ def save_collective(
     threads: int,
     storage: Storage,
     start: float,
+    key: Key | None = None,
 ) -> SaveResult:
     """Encode this rank's ``state`` and write it with the other ranks' (:func:`write_collective`).
 
@@ -65,6 +67,7 @@ def save_collective(
             threads=threads,
             storage=storage,
             start=start,
+            key=key,
         )
 
 
@@ -79,6 +82,7 @@ def write_collective(
     threads: int,
     storage: Storage,
     start: float,
+    key: Key | None = None,
 ) -> SaveResult:
     """Write this rank's encoded ``snapshot`` (or report ``error``, its encoding's failure) with the other
     ranks' as one checkpoint at ``root``; every rank returns the same result or raises."""
@@ -109,6 +113,7 @@ def write_collective(
     entries = [snapshot.entries[i] for i in indices]
     groups, names = plan_data(storage, entries, threads, prefix=f"data-r{rank:05d}")
     try:
+        # MERGE(issue 12): the key also goes to T's write-side Pipeline here (each rank encrypts its chunks).
         files, tensors = write_data(storage, tmp, entries, groups, names, fsync=fsync, threads=threads)
         result: Any = (_written(files, tensors), names, parts)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the save for every rank
@@ -123,7 +128,9 @@ def write_collective(
     if rank == 0:
         assert written is not None
         assert plan is not None
-        outcome = _commit(written, plan, snapshot, storage, tmp, root, overwrite=overwrite, fsync=fsync, start=start)
+        outcome = _commit(
+            written, plan, snapshot, storage, tmp, root, overwrite=overwrite, fsync=fsync, start=start, key=key
+        )
     outcome = coord.broadcast(outcome, "checkpoint save (commit)")
     if isinstance(outcome, Failure):
         if error is not None:
@@ -174,6 +181,7 @@ def _commit(
     overwrite: bool,
     fsync: bool,
     start: float,
+    key: Key | None = None,
 ) -> Any:
     """Rank 0: merge every rank's entries into one manifest and commit; (bytes, seconds...) or a Failure."""
     names = [n for w in written if not isinstance(w, Failure) for n in w[1]]
@@ -185,7 +193,17 @@ def _commit(
     try:
         full, files, tensors = merge(written, plan, snapshot)
         nbytes, wrote = commit_manifest(
-            storage, tmp, root, full, files, tensors, names, overwrite=overwrite, fsync=fsync, world_size=len(written)
+            storage,
+            tmp,
+            root,
+            full,
+            files,
+            tensors,
+            names,
+            overwrite=overwrite,
+            fsync=fsync,
+            world_size=len(written),
+            key=key,
         )
     except Exception as e:  # noqa: BLE001 - sent to every rank, which raises it
         storage.abort(tmp, names)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from trainstate._keys import Key
 from trainstate._manager import naming
 from trainstate._manager.catalog import Catalog
 from trainstate._manager.policies import CheckpointInfo, RetentionPlan, RetentionPolicy, SavePolicy, plan_retention
@@ -55,6 +56,7 @@ class Settings:
     threads: int
     metadata: dict[str, Any]
     read_only: bool
+    key: Key | None = None  # encrypt every checkpoint, authenticate every manifest (its repr shows no bytes)
 
 
 class Committer:
@@ -90,7 +92,7 @@ class Committer:
         path = self.catalog.path(naming.name_for(step))
         if self.ranks is None:
             result = write_checkpoint(
-                path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads
+                path, snapshot, storage=c.storage, overwrite=True, fsync=c.fsync, threads=c.threads, key=c.key
             )
             deleted = self.apply_retention()
         else:
@@ -138,6 +140,7 @@ class Committer:
             threads=c.threads,
             storage=c.storage,
             start=time.perf_counter(),
+            key=c.key,
         )
         deleted: tuple[str, ...] = ()
         failure: Exception | None = None

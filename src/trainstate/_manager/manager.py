@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from trainstate import _arguments as arguments
+from trainstate import _keys
 from trainstate._distributed.group import Failure
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager import naming
@@ -54,6 +55,7 @@ from trainstate.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
     DistributedError,
+    EncryptionKeyError,
     FormatVersionError,
     InvalidArgumentError,
     StateMismatchError,
@@ -98,6 +100,10 @@ class CheckpointManager:
             manager its own (give each rank a directory of its own then).
         timeout: seconds a rank waits for the others under a process group before it raises
             DistributedError (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
+        key: encrypt every checkpoint with this key (32 bytes, 64 hex digits or base64) and authenticate every
+            manifest it reads with it, for listing, retention and resuming (docs/encryption.md). A run's
+            checkpoints all use one key: with a key the manager refuses plain or differently keyed ones.
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Example:
         >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
@@ -136,6 +142,8 @@ class CheckpointManager:
         read_only: bool = False,
         collective: bool | None = None,
         timeout: float | None = None,
+        key: _keys.KeyLike | None = None,
+        key_env: str | None = None,
     ) -> None:
         # Every argument is checked before anything is acquired (lock, signal handlers, threads).
         for given, what in ((save_policies, "save_policies"), (retention_policies, "retention_policies")):
@@ -178,6 +186,7 @@ class CheckpointManager:
             arguments.flag(value, name)
         if collective is not None:
             arguments.flag(collective, "collective")
+        resolved_key = _keys.resolve(key, key_env)
         storage_, root = resolve(arguments.location(directory), storage)
         if storage_.stat_followed(storage_.join(root, MANIFEST_NAME)) is not None:
             raise InvalidArgumentError(
@@ -208,8 +217,9 @@ class CheckpointManager:
             threads=threads,
             metadata=dict(metadata or {}),
             read_only=bool(read_only),
+            key=resolved_key,
         )
-        self.catalog = Catalog(storage_, root)
+        self.catalog = Catalog(storage_, root, resolved_key)
         # under a process group (collective): built on every rank, in the same order
         self._ranks = None if read_only else manager_ranks(collective, timeout)
         self._committer = Committer(self.catalog, self._config, self._ranks)
@@ -253,9 +263,10 @@ class CheckpointManager:
     def __setattr__(self, name: str, value: Any) -> None:
         if "_finalizer" in self.__dict__ and not name.startswith("_") and name not in self.__dict__:
             if name in Settings.__dataclass_fields__:
+                shown = "..." if name == "key" else f"{value!r:.40}"  # never echo a key
                 raise InvalidArgumentError(
                     f"CheckpointManager.{name} is fixed when the manager is built; create a new manager "
-                    f"with {name}={value!r:.40} (close() this one first)"
+                    f"with {name}={shown} (close() this one first)"
                 )
             raise InvalidArgumentError(
                 f"CheckpointManager has no setting {name!r} to change: settings are arguments of the "
@@ -376,8 +387,8 @@ class CheckpointManager:
         why: str | None = None
         try:
             self._restore_into(self.catalog.path(name), state, **load_kwargs)
-        except (StateMismatchError, FormatVersionError, InvalidArgumentError) as e:
-            fatal = e
+        except (StateMismatchError, FormatVersionError, InvalidArgumentError, EncryptionKeyError) as e:
+            fatal = e  # (a key that does not fit is not damage: trying older checkpoints would not help)
         except CheckpointError as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__  # the first line says what failed
         if self._ranks is None:
@@ -414,7 +425,7 @@ class CheckpointManager:
         """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state
         (optional: a checkpoint saved with ``capture_rng=False`` has none)."""
         target, added = self._rng.wrap(state)
-        load_from(path, target, storage=self.storage, optional=added, **load_kwargs)
+        load_from(path, target, storage=self.storage, optional=added, key=self._config.key, **load_kwargs)
         self._rng.unwrap(target, state)
         return state
 

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from trainstate import _arguments as arguments
-from trainstate import _gc
+from trainstate import _gc, _keys
 from trainstate._distributed import coordinator
 from trainstate._save.encode import Snapshot, TensorTable, encode_state
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
@@ -38,6 +38,8 @@ def save(
     storage: Storage | None = None,
     collective: bool | None = None,
     timeout: float | None = None,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> SaveResult:
     """Save ``state`` as a checkpoint directory at ``path``, atomically.
 
@@ -56,15 +58,21 @@ def save(
             state alone, as outside a process group.
         timeout: seconds a collective save waits for the other ranks before it raises DistributedError
             (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
+        key: encrypt the checkpoint with this key (AES-256-GCM; 32 bytes, 64 hex digits or base64; make one
+            with ``trainstate.generate_key()``). Tensor bytes are encrypted; names, shapes and plain values
+            stay readable in the manifest, which is authenticated (docs/encryption.md). The key is never stored.
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Returns:
         A :class:`SaveResult` with the path, bytes written and seconds taken.
 
     Example:
         >>> trainstate.save("ckpt/step_1200", {"model": model, "step": 1200}, metadata={"run": "exp1"})
+        >>> trainstate.save("secret/step_1200", state, key_env="TRAINSTATE_KEY")  # encrypted
     """
     start = time.perf_counter()
     threads = arguments.positive_int(threads, "threads")
+    resolved = _keys.resolve(key, key_env)
     backend, root = resolve(path, storage)
     coord = coordinator(timeout=timeout) if collective is not False else None
     if coord is not None:
@@ -80,9 +88,17 @@ def save(
             threads=threads,
             storage=backend,
             start=start,
+            key=resolved,
         )
     with _gc.paused():  # a state of many small tensors would otherwise spend a quarter of the save collecting
         snapshot = encode_state(state, metadata)
         return write_checkpoint(
-            root, snapshot, storage=backend, overwrite=overwrite, fsync=fsync, threads=threads, start=start
+            root,
+            snapshot,
+            storage=backend,
+            overwrite=overwrite,
+            fsync=fsync,
+            threads=threads,
+            start=start,
+            key=resolved,
         )
