@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 from trainstate import _arguments as arguments
-from trainstate import _gc
+from trainstate import _gc, _keys
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
 from trainstate._restore.checkpoint import Checkpoint
@@ -43,6 +43,8 @@ def consolidate(
     threads: int = 1,
     storage: Storage | None = None,
     dst_storage: Storage | None = None,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> SaveResult:
     """Rewrite the checkpoint ``src`` (saved by many ranks) at ``dst`` as one process would have saved it.
 
@@ -61,6 +63,8 @@ def consolidate(
         threads: data files written at once, each holding one tensor in memory at a time.
         storage: where ``src`` is (default: chosen from its path).
         dst_storage: where ``dst`` goes (default: chosen from its path).
+        key: the key of an encrypted source checkpoint, which also encrypts the result (docs/encryption.md).
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Returns:
         A :class:`SaveResult` for ``dst``.
@@ -75,8 +79,9 @@ def consolidate(
     """
     start = time.perf_counter()
     threads = arguments.positive_int(threads, "threads")
+    resolved = _keys.resolve(key, key_env)
     backend, root = resolve(dst, dst_storage)
-    with Checkpoint(src, storage) as ck, _gc.paused():
+    with Checkpoint(src, storage, key=resolved) as ck, _gc.paused():
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ck.world_size:
             saved_by = (
                 f"{ck.world_size} ranks: pick one of 0 to {ck.world_size - 1}"
@@ -98,6 +103,7 @@ def consolidate(
             fsync=fsync,
             threads=threads,
             start=start,
+            key=resolved,
             workers=threads,
         )
 
