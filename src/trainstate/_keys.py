@@ -9,7 +9,7 @@ exception's args, and it refuses to be pickled. Every error about a key says wha
 
 What the key protects is derived from it with HKDF-SHA256 (RFC 5869, :func:`hkdf_sha256`): the AES-GCM key
 of every chunk (``_transforms/aes_gcm.py``), and per checkpoint the manifest's MAC key and its key check
-(``_format/manifest_mac.py``). The derivations are in docs/format.md §11.
+(``_format/manifest_mac.py``). The derivations are in docs/format.md §12.
 """
 
 from __future__ import annotations

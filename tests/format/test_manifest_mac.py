@@ -1,4 +1,4 @@
-"""The authenticated manifest of an encrypted checkpoint (``_format/manifest_mac.py``, docs/format.md §11.3):
+"""The authenticated manifest of an encrypted checkpoint (``_format/manifest_mac.py``, docs/format.md §12.3):
 written and checked with the §5.1 prefix rule, its MAC and key check recomputed here from the spec alone,
 and every way of getting it wrong (no key, another key, a changed byte, a stripped or forged ``encryption``
 object) a clear error of its own."""
@@ -35,7 +35,7 @@ def _sealed() -> bytes:
 
 
 def _sign(body: dict[str, object]) -> bytes:
-    """A manifest file for ``body`` (no checksum member) laid out and MACed per §5.1 and §11.3, from the
+    """A manifest file for ``body`` (no checksum member) laid out and MACed per §5.1 and §12.3, from the
     spec alone: a writer in another language would do exactly this."""
     b = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
     salt = bytes.fromhex(body["encryption"]["salt"])  # type: ignore[index]

@@ -1,7 +1,7 @@
 """The ``aes-256-gcm`` chunk transform on its own (``_transforms/aes_gcm.py``), the way the chunk pipeline
 calls it: encode a chunk's raw bytes at its place, decode them from the stored bytes and the chunk's
 manifest object. The bytes it writes are checked against a decryption written here from docs/format.md
-§11 with the ``cryptography`` package alone, and every way of moving, swapping or changing a chunk fails."""
+§12 with the ``cryptography`` package alone, and every way of moving, swapping or changing a chunk fails."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ DATA = memoryview(np.arange(6, dtype=np.float32).tobytes())
 
 
 def _spec_decrypt(stored: bytes, nonce_hex: str, place: Place) -> bytes:
-    """docs/format.md §11, with nothing from trainstate: HKDF-SHA256 of the key (no salt, the info string)
+    """docs/format.md §12, with nothing from trainstate: HKDF-SHA256 of the key (no salt, the info string)
     is the AES-256 key; the associated data is the prefix, the length-prefixed name and dtype, the rank and
     the box as little-endian integers."""
     aes_key = HKDF(hashes.SHA256(), 32, None, b"trainstate aes-256-gcm chunk key v1").derive(RAW_KEY)

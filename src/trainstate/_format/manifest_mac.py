@@ -11,7 +11,7 @@ TAMPERED manifest (:class:`TamperedCheckpointError`: the key check matches, the 
 nothing about the key: like the MAC it is a pseudorandom function of it. A reader given a key refuses a
 plain manifest (:class:`NotEncryptedError`), since anyone can write one: a key promises authenticity.
 
-``manifest.py`` calls :func:`seal` when it writes and :func:`verifier` when it parses; docs/format.md §11
+``manifest.py`` calls :func:`seal` when it writes and :func:`verifier` when it parses; docs/format.md §12
 is the normative description.
 """
 

@@ -12,7 +12,7 @@ checkpoint may refer to an earlier one's chunk by copying its manifest entry (in
 Random 96-bit nonces under one key stay below NIST's 2^-32 collision bound for 2^32 chunks (at 4 MiB a
 chunk, 16 PiB encrypted under one key); docs/encryption.md says so.
 
-docs/format.md §11 is the normative description.
+docs/format.md §12 is the normative description.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class AesGcm:
 def associated_data(place: Place) -> bytes:
     """The bytes GCM authenticates beside a chunk: :data:`AAD_PREFIX`, then the tensor name (UTF-8) and
     the dtype code (ASCII), each after its length as a u32, then the rank as a u32 and the box's offset and
-    shape as u64s, all little-endian (docs/format.md §11.2)."""
+    shape as u64s, all little-endian (docs/format.md §12.2)."""
     name = place.tensor.encode("utf-8", "surrogatepass")  # a lone surrogate (JSON allows one) as WTF-8
     dtype = place.dtype.encode("ascii")
     rank = len(place.shape)
