@@ -16,6 +16,7 @@ from trainstate._convert.onnx import export_onnx
 from trainstate._convert.pack import pack
 from trainstate._distributed.consolidate import consolidate
 from trainstate._format.manifest import FORMAT_VERSION
+from trainstate._keys import generate_key
 from trainstate._manager import CheckpointInfo, CheckpointManager, SaveRecord
 from trainstate._manager.policies import (
     AtSteps,
@@ -43,15 +44,20 @@ from trainstate.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DistributedError,
+    EncryptionKeyError,
     FormatVersionError,
     IncompleteCheckpointError,
     InvalidArgumentError,
+    KeyRequiredError,
     MissingDependencyError,
+    NotEncryptedError,
     OnnxExportError,
     StateMismatchError,
     StorageError,
+    TamperedCheckpointError,
     UnknownKeyError,
     UnsupportedValueError,
+    WrongKeyError,
 )
 
 __version__ = "0.1.0"
@@ -86,6 +92,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "DistributedError",
+    "EncryptionKeyError",
     "EverySeconds",
     "EverySteps",
     "ExportResult",
@@ -99,8 +106,10 @@ __all__ = [
     "KeepEveryMinutes",
     "KeepEverySteps",
     "KeepLast",
+    "KeyRequiredError",
     "LocalStorage",
     "MissingDependencyError",
+    "NotEncryptedError",
     "OnnxExportError",
     "PerRank",
     "RNGState",
@@ -114,15 +123,18 @@ __all__ = [
     "Stateful",
     "Storage",
     "StorageError",
+    "TamperedCheckpointError",
     "TensorInfo",
     "UnknownKeyError",
     "UnsupportedValueError",
+    "WrongKeyError",
     "__version__",
     "average",
     "check_storage",
     "consolidate",
     "export",
     "export_onnx",
+    "generate_key",
     "import_checkpoint",
     "load",
     "open",

@@ -8,6 +8,11 @@ fit — comes out as one of these, never as a traceback from deep inside a depen
     ├── CheckpointExistsError        (also FileExistsError)
     ├── IncompleteCheckpointError    no manifest: the save never committed
     ├── CorruptCheckpointError       checksum mismatch, malformed or lying manifest / data file
+    │   └── TamperedCheckpointError  an encrypted checkpoint's manifest MAC or a chunk's tag does not verify
+    ├── EncryptionKeyError           the key given (or not given) does not fit the checkpoint: nothing was read
+    │   ├── KeyRequiredError         it is encrypted and no key was given
+    │   ├── WrongKeyError            it is encrypted with another key
+    │   └── NotEncryptedError        a key was given, but it is a plain (unauthenticated) checkpoint
     ├── FormatVersionError           written by a newer trainstate: not damage, upgrade to read it
     ├── StateMismatchError           restore target does not fit (missing / unexpected / shape / dtype)
     ├── UnsupportedValueError        (also TypeError) a value the format cannot hold
@@ -29,15 +34,20 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "DistributedError",
+    "EncryptionKeyError",
     "FormatVersionError",
     "IncompleteCheckpointError",
     "InvalidArgumentError",
+    "KeyRequiredError",
     "MissingDependencyError",
+    "NotEncryptedError",
     "OnnxExportError",
     "StateMismatchError",
     "StorageError",
+    "TamperedCheckpointError",
     "UnknownKeyError",
     "UnsupportedValueError",
+    "WrongKeyError",
 ]
 
 
@@ -59,6 +69,31 @@ class IncompleteCheckpointError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError):
     """The checkpoint's bytes do not match what its manifest promises, or the manifest is malformed."""
+
+
+class TamperedCheckpointError(CorruptCheckpointError):
+    """An encrypted checkpoint failed authentication with the right key: its manifest's MAC does not match
+    its bytes, or a chunk's AES-GCM tag does not verify (its bytes, its nonce or its place were changed, or
+    it was moved from another tensor). Damage and forgery look the same; either way nothing from it is used."""
+
+
+class EncryptionKeyError(CheckpointError):
+    """The encryption key given (or not given) does not fit the checkpoint. Nothing was read from it; the
+    checkpoint is not damaged. The subclasses say which way it does not fit."""
+
+
+class KeyRequiredError(EncryptionKeyError):
+    """The checkpoint is encrypted and no key was given: pass ``key=`` or ``key_env=`` (CLI: ``--key-env``)."""
+
+
+class WrongKeyError(EncryptionKeyError):
+    """The checkpoint is encrypted with another key (its manifest's key check does not match the key given)."""
+
+
+class NotEncryptedError(EncryptionKeyError):
+    """A key was given, but the checkpoint is a plain one. A plain checkpoint is not authenticated, so
+    where a key was expected one may have been put in place by someone without the key: trainstate does
+    not open it with a key. Open it without one to read it as a plain checkpoint."""
 
 
 class FormatVersionError(CheckpointError):

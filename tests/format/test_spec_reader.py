@@ -10,6 +10,8 @@ It also checks that the example closing the spec (§9) shows the spec-example fi
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import math
 import re
@@ -23,6 +25,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 import xxhash
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -91,8 +96,43 @@ def parse_cost(m: bytes) -> int:
     )
 
 
+# -- §12: encryption ----------------------------------------------------------------------------------------
+KEYS = {"v1.3-encrypted": bytes(range(32))}  # the fixtures' TEST keys (§12.4), by fixture folder
+
+
+def hkdf(key: bytes, salt: bytes | None, info: str, length: int) -> bytes:
+    return HKDF(hashes.SHA256(), length, salt, info.encode()).derive(key)
+
+
+def check_mac(m: dict[str, Any], covered: bytes, c: str, key: bytes | None) -> None:
+    """§12.3: the encryption object, the key check, then the MAC over the bytes §5.1 covers."""
+    enc = m["encryption"]
+    if not isinstance(enc, dict) or enc.get("algorithm") != "aes-256-gcm" or enc.get("kdf") != "hkdf-sha256":
+        raise SpecError(f"unknown encryption {enc!r:.80}")
+    if key is None:
+        raise SpecError("an encrypted checkpoint, and no key")
+    salt = bytes.fromhex(enc["salt"])
+    if len(salt) != 16 or bytes.fromhex(enc["key_check"]) != hkdf(key, salt, "trainstate key check v1", 16):
+        raise SpecError("another key")
+    mac = hmac.new(hkdf(key, salt, "trainstate manifest hmac-sha256 v1", 32), covered, hashlib.sha256)
+    if c != "hmac-sha256:" + mac.hexdigest():
+        raise SpecError("manifest MAC mismatch")
+
+
+def aes_256_gcm(
+    key: bytes, name: str, t: dict[str, Any], c: dict[str, Any], params: dict[str, Any], data: bytes
+) -> bytes:
+    """§12.2: undo the transform; the associated data binds the chunk to its tensor and box."""
+    n, d, rank = name.encode("utf-8", "surrogatepass"), t["dtype"].encode(), len(c["shape"])
+    aad = b"trainstate aes-256-gcm chunk v1\x00" + struct.pack(
+        f"<I{len(n)}sI{len(d)}sI{rank}Q{rank}Q", len(n), n, len(d), d, rank, *c["offset"], *c["shape"]
+    )
+    chunk_key = hkdf(key, None, "trainstate aes-256-gcm chunk key v1", 32)
+    return AESGCM(chunk_key).decrypt(bytes.fromhex(params["nonce"]), data, aad)
+
+
 # -- §3 and §5.1: the manifest ---------------------------------------------------------------------------
-def read_manifest(raw: bytes) -> dict[str, Any]:
+def read_manifest(raw: bytes, key: bytes | None = None) -> dict[str, Any]:
     if len(raw) > 1 << 30 or parse_cost(raw) > 18 * len(raw) + (1 << 28):
         raise SpecError("manifest over the limits")
     m = json.loads(raw)
@@ -109,7 +149,10 @@ def read_manifest(raw: bytes) -> dict[str, Any]:
     prefix = b'{"checksum":"' + c.encode() + b'",'
     if not raw.startswith(prefix):  # the re-formatted-manifest rule is a MAY: this reader does not take it
         raise SpecError("manifest does not begin with its checksum")
-    check(b"{" + raw[len(prefix) :].rstrip(b"\n"), c, "manifest")
+    if "encryption" in m:  # 1.3: the checksum is a MAC
+        check_mac(m, b"{" + raw[len(prefix) :].rstrip(b"\n"), c, key)
+    else:
+        check(b"{" + raw[len(prefix) :].rstrip(b"\n"), c, "manifest")
     for field, kind in [("created", (int, float)), ("writer", str), ("files", list), ("tensors", dict)]:
         if not isinstance(m.get(field), kind) or isinstance(m[field], bool):
             raise SpecError(f"manifest field {field} is missing or mistyped")
@@ -141,6 +184,14 @@ def unzstd(stored: bytes, raw_size: int, name: str) -> bytes:
     return bytes(raw)
 
 
+def zstd(key: bytes, name: str, t: dict[str, Any], c: dict[str, Any], params: dict[str, Any], data: bytes) -> bytes:
+    """§5b: undo the transform (the box's raw size is what the frame must declare)."""
+    return unzstd(data, count(c["shape"]) * DTYPES[t["dtype"]].itemsize, name)
+
+
+TRANSFORMS = {"zstd": zstd, "aes-256-gcm": aes_256_gcm}  # name -> how to undo it (§5b, §12)
+
+
 def plain_name(name: Any) -> str:
     if not isinstance(name, str) or not FILE_NAME.fullmatch(name) or len(name) > 201 or name == "manifest.json":
         raise SpecError(f"illegal file name {name!r}")
@@ -159,14 +210,15 @@ def ints(value: Any, what: str) -> list[int]:
 
 # -- the reader -------------------------------------------------------------------------------------------
 class SpecReader:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, key: bytes | None = None) -> None:
         self.path = path
+        self.key = key
         mpath = path / "manifest.json"
         if not mpath.exists():
             raise SpecError("no manifest.json: an incomplete checkpoint")
         if not stat.S_ISREG(mpath.lstat().st_mode):
             raise SpecError("manifest.json is not a regular file")
-        self.manifest = read_manifest(mpath.read_bytes())
+        self.manifest = read_manifest(mpath.read_bytes(), key)
         self.sizes: dict[str, int] = {}
         self.where: dict[str, Path] = {}  # §11: a "pool" file is in the run's _shared directory
         for f in self.manifest["files"]:
@@ -221,9 +273,9 @@ class SpecReader:
             transforms = c.get("transforms", [])
             if not isinstance(transforms, list) or not all(isinstance(x, dict) for x in transforms):
                 raise SpecError(f"{name}: transforms is not an array of objects")
-            for x in transforms:  # §5b: 1.3 defines zstd
-                if x.get("name") != "zstd":
-                    raise SpecError(f"{name}: transform {x.get('name')!r} unknown")
+            unknown = [x.get("name") for x in transforms if x.get("name") not in TRANSFORMS]
+            if unknown:  # §5b, §12: 1.3 defines zstd and aes-256-gcm
+                raise SpecError(f"{name}: transform {unknown[0]!r} unknown")
             if transforms and count(cshape) * itemsize > (end - begin) * 2**15:
                 raise SpecError(f"{name}: a transformed chunk claims more than 2^15 raw bytes per stored byte")
             if not transforms and end - begin != count(cshape) * itemsize:
@@ -260,16 +312,16 @@ class SpecReader:
         for c in t["chunks"]:
             stored = self.read(c["file"], *c["byte_range"])
             check(stored, c["checksum"], f"tensor {name}")
-            raw = stored
-            for x in reversed(c.get("transforms", [])):  # §5b, undone in reverse order (zstd: the only name)
-                assert x["name"] == "zstd"
-                raw = unzstd(raw, count(c["shape"]) * dtype.itemsize, name)
+            for params in reversed(c.get("transforms", [])):  # undone in reverse order (§4)
+                stored = TRANSFORMS[params["name"]](self.key, name, t, c, params, stored)  # type: ignore[arg-type]
+            if len(stored) != count(c["shape"]) * dtype.itemsize:
+                raise SpecError(f"{name}: {len(stored)} bytes do not hold the box")
             if c.get("transforms") and "raw_checksum" in c["transforms"][0]:
-                check(raw, c["transforms"][0]["raw_checksum"], f"tensor {name}, decompressed")
-            pieces.append((c, raw))
-        for c, raw in pieces:
+                check(stored, c["transforms"][0]["raw_checksum"], f"tensor {name}, decompressed")
+            pieces.append((c, stored))
+        for c, stored in pieces:
             box = tuple(slice(o, o + s) for o, s in zip(c["offset"], c["shape"]))
-            out[box] = np.frombuffer(raw, dtype=dtype, count=count(c["shape"])).reshape(c["shape"])
+            out[box] = np.frombuffer(stored, dtype=dtype, count=count(c["shape"])).reshape(c["shape"])
         value = out[()] if t["kind"] == "numpy-scalar" else out
         self.arrays[name] = value
         return value
@@ -394,11 +446,19 @@ def all_fixtures() -> list[Path]:
 
 @pytest.mark.parametrize("fixture", all_fixtures(), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_fixture_verifies_and_decodes(fixture):
-    reader = SpecReader(fixture)
+    reader = SpecReader(fixture, KEYS.get(fixture.parent.name))
     reader.verify()
     reader.load()
     reader.metadata()
     assert len(reader.arrays) == len(reader.manifest["tensors"]) > 0
+
+
+def test_the_encrypted_fixture_needs_its_key():
+    encrypted = FIXTURES / "v1.3-encrypted" / "basic"
+    with pytest.raises(SpecError, match="no key"):
+        SpecReader(encrypted)
+    with pytest.raises(SpecError, match="another key"):
+        SpecReader(encrypted, bytes(32))
 
 
 def test_the_basic_fixture_holds_its_values():

@@ -64,8 +64,8 @@ def test_restore_latest_on_an_empty_directory(tmp_path):
 
 def test_force_metrics_epoch_and_best(tmp_path):
     state = small_state()
-    with trainstate.CheckpointManager(tmp_path, keep_best=("val", "min", 2)) as mgr:
-        assert not mgr.save(1, state, metrics={"val": 1.0})  # no save policy: nothing happens
+    with trainstate.CheckpointManager(tmp_path, every_steps=100, keep_best=("val", "min", 2)) as mgr:
+        assert not mgr.save(1, state, metrics={"val": 1.0})  # not a step the policy saves
         for step, val in [(1, 0.9), (2, 0.3), (3, 0.5), (4, 0.8)]:
             assert mgr.save(step, state, metrics={"val": val}, epoch=step // 2, force=True)
         mgr.save(5, state, force=True)  # no metric: keep_best never deletes it
@@ -332,3 +332,12 @@ def test_prepare_reserves_the_staging_buffer_before_the_first_save(tmp_path, all
         assert len(allocations) == 1  # reserved on a helper thread
         mgr.save(0, state)
     assert len(allocations) == 1  # the first save reused it
+
+
+def test_without_a_save_policy_every_save_call_saves(tmp_path):
+    """A manager made with retention only (as in a notebook) used to save nothing, silently."""
+    with trainstate.CheckpointManager(tmp_path, keep_last=2) as mgr:
+        assert all(mgr.save(step, small_state()) for step in (1, 2, 3))
+    assert [c.step for c in mgr.list()] == [2, 3]
+    with trainstate.CheckpointManager(tmp_path, at_steps=[5]) as mgr:  # a schedule given: only it saves
+        assert not mgr.save(4, small_state()) and mgr.save(5, small_state())

@@ -14,8 +14,11 @@ Commands::
     trainstate pack CKPT OUT          one file holding the checkpoint (CKPT arguments accept it too)
     trainstate prune DIR --keep-...   apply retention policies now (--dry-run to only show the plan)
     trainstate pin DIR STEP           keep a checkpoint whatever the retention says; unpin undoes it
+    trainstate keygen                 print a new random encryption key (docs/encryption.md)
     trainstate demo                   train, get killed, resume, check the result is bit-identical
 
+Every command that opens or writes checkpoints takes ``--key-env NAME``: the environment variable that
+holds the key of encrypted checkpoints (never the key itself on the command line, where ``ps`` shows it).
 Every command but ``demo`` takes ``--json``: then stdout holds one JSON document and nothing else
 (non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``).
 
@@ -37,6 +40,7 @@ from trainstate.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    EncryptionKeyError,
     FormatVersionError,
     IncompleteCheckpointError,
     InvalidArgumentError,
@@ -52,7 +56,8 @@ EXIT_CODES = """
 
     0  success; diff: the states are identical
     1  diff: the states differ
-    2  usage error (bad arguments, or a path of the wrong kind)
+    2  usage error (bad arguments, or a path of the wrong kind); also a missing or wrong
+       encryption key (--key-env), or one given for a plain checkpoint
     3  not found (no such file, directory, checkpoint or step)
     4  incomplete checkpoint (no manifest: its save never committed)
     5  corrupt checkpoint (checksum mismatch, malformed manifest), or one written by a newer
@@ -75,6 +80,7 @@ def exit_code(error: BaseException) -> int:
     table: list[tuple[type[BaseException], int]] = [
         (UsageError, USAGE),
         (InvalidArgumentError, USAGE),  # an argument the library refused: the command line's to fix
+        (EncryptionKeyError, USAGE),  # the key given (or not) does not fit: an argument to fix, not damage
         (CheckpointNotFoundError, NOT_FOUND),
         (IncompleteCheckpointError, INCOMPLETE),
         (CorruptCheckpointError, CORRUPT),
@@ -157,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"trainstate {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def command(name: str, help: str) -> argparse.ArgumentParser:
+    def command(name: str, help: str, *, keyed: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(
             name,
             help=help,
@@ -166,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+        if keyed:
+            p.add_argument(
+                "--key-env",
+                metavar="NAME",
+                help="the environment variable holding the key of encrypted checkpoints (make one with "
+                "'trainstate keygen'); outputs are encrypted with it too (not export's)",
+            )
         return p
 
     p = command("ls", "list the checkpoints of a manager directory (or show one checkpoint)")
@@ -248,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="DIR")
     p.add_argument("step", type=_step, metavar="STEP")
 
+    command("keygen", "print a new random encryption key (64 hex digits) for --key-env / key=", keyed=False)
+
     sub.add_parser(
         "demo", help="train, get killed, resume in a fresh process, check it is bit-identical", add_help=False
     )
@@ -258,17 +273,33 @@ def _run(args: argparse.Namespace) -> int:
     from trainstate._cli._output import Printer
 
     out = Printer(args.json)
+    if args.command == "keygen":
+        from trainstate._keys import generate_key
+
+        key = generate_key()
+        if out.json_mode:
+            out.json({"key": key})
+        else:
+            print(key)  # plain, for $(trainstate keygen) and key files
+        return OK
+    key_env = args.key_env
     if args.command in ("ls", "inspect"):
         from trainstate._cli import _show
 
         if args.command == "ls":
-            return _show.ls(out, args.path)
-        return _show.inspect(out, args.path, args.filter, chunks=args.chunks)
+            return _show.ls(out, args.path, key_env=key_env)
+        return _show.inspect(out, args.path, args.filter, chunks=args.chunks, key_env=key_env)
     if args.command == "consolidate":
         from trainstate._cli import _consolidate
 
         return _consolidate.consolidate(
-            out, args.path, args.out, rank=args.rank, overwrite=args.overwrite, compression=args.compression
+            out,
+            args.path,
+            args.out,
+            rank=args.rank,
+            overwrite=args.overwrite,
+            compression=args.compression,
+            key_env=key_env,
         )
     if args.command == "export-onnx":
         from trainstate._cli import _onnx
@@ -289,22 +320,25 @@ def _run(args: argparse.Namespace) -> int:
                 copy_from=args.copy_from,
                 format=args.format,
                 overwrite=args.overwrite,
+                key_env=key_env,
             )
         if args.command == "import":
-            return _convert.import_(out, args.src, args.out, prefix=args.prefix, overwrite=args.overwrite)
-        return _convert.average(out, args.paths, args.out, overwrite=args.overwrite)
+            return _convert.import_(
+                out, args.src, args.out, prefix=args.prefix, overwrite=args.overwrite, key_env=key_env
+            )
+        return _convert.average(out, args.paths, args.out, overwrite=args.overwrite, key_env=key_env)
     if args.command == "verify":
         from trainstate._cli import _verify
 
-        return _verify.verify(out, args.path)
+        return _verify.verify(out, args.path, key_env=key_env)
     if args.command == "diff":
         from trainstate._cli import _diff
 
-        return _diff.diff(out, args.a, args.b)
+        return _diff.diff(out, args.a, args.b, key_env=key_env)
     if args.command == "pack":
         from trainstate._cli import _pack
 
-        return _pack.pack(out, args.path, args.out, overwrite=args.overwrite)
+        return _pack.pack(out, args.path, args.out, overwrite=args.overwrite, key_env=key_env)
     from trainstate._cli import _retention
 
     if args.command == "prune":
@@ -316,10 +350,11 @@ def _run(args: argparse.Namespace) -> int:
             keep_every_minutes=args.keep_every_minutes,
             keep_best=args.keep_best,
             dry_run=args.dry_run,
+            key_env=key_env,
         )
     if args.command == "pin":
-        return _retention.pin(out, args.path, args.step, args.reason)
-    return _retention.unpin(out, args.path, args.step)
+        return _retention.pin(out, args.path, args.step, args.reason, key_env=key_env)
+    return _retention.unpin(out, args.path, args.step, key_env=key_env)
 
 
 def _library_warnings() -> None:

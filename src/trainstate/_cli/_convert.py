@@ -23,6 +23,7 @@ def export(
     copy_from: str | None,
     format: str,
     overwrite: bool,
+    key_env: str | None = None,
 ) -> int:
     from trainstate._convert.export import export as export_weights
 
@@ -37,6 +38,7 @@ def export(
             copy_from=copy_from,
             format=format,
             overwrite=overwrite,
+            key_env=key_env,
         )
     except CheckpointExistsError as e:
         raise _flag(e) from None
@@ -63,15 +65,17 @@ def export(
     return 0
 
 
-def import_(out: Printer, src: str, dst: str, *, prefix: str | None, overwrite: bool) -> int:
+def import_(
+    out: Printer, src: str, dst: str, *, prefix: str | None, overwrite: bool, key_env: str | None = None
+) -> int:
     from trainstate._convert.import_ import import_checkpoint
     from trainstate._restore.checkpoint import Checkpoint
 
     try:
-        r = import_checkpoint(src, dst, prefix=prefix, overwrite=overwrite)
+        r = import_checkpoint(src, dst, prefix=prefix, overwrite=overwrite, key_env=key_env)
     except CheckpointExistsError as e:
         raise _flag(e) from None
-    with Checkpoint(dst) as ck:
+    with Checkpoint(dst, key_env=key_env) as ck:
         tensors = len(ck.manifest.tensors)
         meta = ck.metadata
     record = meta.get("imported_from") if isinstance(meta, dict) else None
@@ -86,11 +90,11 @@ def import_(out: Printer, src: str, dst: str, *, prefix: str | None, overwrite: 
     return 0
 
 
-def average(out: Printer, paths: list[str], dst: str, *, overwrite: bool) -> int:
+def average(out: Printer, paths: list[str], dst: str, *, overwrite: bool, key_env: str | None = None) -> int:
     from trainstate._convert.average import average as average_checkpoints
 
     try:
-        r = average_checkpoints(paths, dst, overwrite=overwrite)
+        r = average_checkpoints(paths, dst, overwrite=overwrite, key_env=key_env)
     except CheckpointExistsError as e:
         raise _flag(e) from None
     report = {"path": dst, "sources": paths, "nbytes": r.nbytes, "seconds": round(r.seconds, 3)}

@@ -117,8 +117,8 @@ def _detail(c: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def diff(out: Printer, path_a: str, path_b: str) -> int:
-    with open_ckpt(path_a) as ca, open_ckpt(path_b) as cb:
+def diff(out: Printer, path_a: str, path_b: str, *, key_env: str | None = None) -> int:
+    with open_ckpt(path_a, key_env) as ca, open_ckpt(path_b, key_env) as cb:
         ca.verify_headers()  # what load() would refuse, diff does not call identical
         cb.verify_headers()
         progress = Progress(out, sum(ca.info(n).nbytes for n in ca.keys() if n in cb), "comparing")

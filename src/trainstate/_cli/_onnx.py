@@ -92,6 +92,7 @@ def export_onnx(out: Printer, args: argparse.Namespace) -> int:
                 atol=args.atol,
                 external_data=args.external_data,
                 overwrite=args.overwrite,
+                key_env=args.key_env,
             )
     except CheckpointExistsError as e:  # the library names its argument; here it is a flag
         raise CheckpointExistsError(str(e).replace("pass overwrite=True", "pass --overwrite")) from None

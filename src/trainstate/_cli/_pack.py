@@ -14,12 +14,12 @@ from trainstate._cli._show import open_ckpt
 from trainstate.errors import CheckpointExistsError
 
 
-def pack(out: Printer, path: str, dst: str, *, overwrite: bool) -> int:
+def pack(out: Printer, path: str, dst: str, *, overwrite: bool, key_env: str | None = None) -> int:
     start = time.perf_counter()
-    with open_ckpt(path) as ck:  # a manager's directory given as CKPT is a usage error, as for inspect
+    with open_ckpt(path, key_env) as ck:  # a manager's directory given as CKPT is a usage error, as for inspect
         tensors, files = len(ck.manifest.tensors), len(ck.manifest.files)
     try:
-        nbytes = pack_checkpoint(path, dst, overwrite=overwrite)
+        nbytes = pack_checkpoint(path, dst, overwrite=overwrite, key_env=key_env)
     except CheckpointExistsError as e:  # the library names its argument; here it is a flag
         raise CheckpointExistsError(str(e).replace("pass overwrite=True", "pass --overwrite")) from None
     seconds = time.perf_counter() - start

@@ -42,6 +42,7 @@ def prune(
     keep_every_minutes: float | None,
     keep_best: tuple[str, str, int] | None,
     dry_run: bool,
+    key_env: str | None = None,
 ) -> int:
     policies: dict[str, Any] = {
         "keep_last": keep_last,
@@ -56,12 +57,12 @@ def prune(
     require_dir(directory)
     pool_before = _pool_bytes(directory)
     if dry_run:
-        mgr = CheckpointManager(directory, read_only=True, **policies)  # no lock, no sweep, no deletes
+        mgr = CheckpointManager(directory, read_only=True, key_env=key_env, **policies)  # no lock, sweep, deletes
         infos = mgr.list()
         plan = mgr.prune(dry_run=True)
-        swept = [r["name"] for r in _directory_rows(directory) if r["status"] == "incomplete"]
+        swept = [r["name"] for r in _directory_rows(directory, key_env) if r["status"] == "incomplete"]
     else:
-        with _writable(directory, **policies) as mgr:
+        with _writable(directory, key_env=key_env, **policies) as mgr:
             infos = mgr.list()
             plan = mgr.prune()
             swept = list(mgr.swept)
@@ -110,17 +111,17 @@ def prune(
     return OK
 
 
-def _find(directory: str, step: int) -> CheckpointInfo:
+def _find(directory: str, step: int, key_env: str | None) -> CheckpointInfo:
     require_dir(directory)
-    for info in CheckpointManager(directory, read_only=True).list():
+    for info in CheckpointManager(directory, read_only=True, key_env=key_env).list():
         if info.step == step:
             return info
     raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {directory}")
 
 
-def pin(out: Printer, directory: str, step: int, reason: str) -> int:
-    info = _find(directory, step)
-    added = CheckpointManager(directory, read_only=True).pin(step, reason)  # safe beside a running job
+def pin(out: Printer, directory: str, step: int, reason: str, *, key_env: str | None = None) -> int:
+    info = _find(directory, step, key_env)
+    added = CheckpointManager(directory, read_only=True, key_env=key_env).pin(step, reason)  # safe beside a running job
     kept = reason if added else info.pin_reason
     if out.json_mode:
         out.json({"path": directory, "name": info.name, "step": step, "pinned": True, "reason": kept, "changed": added})
@@ -134,9 +135,9 @@ def pin(out: Printer, directory: str, step: int, reason: str) -> int:
     return OK
 
 
-def unpin(out: Printer, directory: str, step: int) -> int:
-    info = _find(directory, step)
-    CheckpointManager(directory, read_only=True).unpin(step)
+def unpin(out: Printer, directory: str, step: int, *, key_env: str | None = None) -> int:
+    info = _find(directory, step, key_env)
+    CheckpointManager(directory, read_only=True, key_env=key_env).unpin(step)
     if out.json_mode:
         out.json({"path": directory, "name": info.name, "step": step, "pinned": False, "was_pinned": info.pinned})
         return OK

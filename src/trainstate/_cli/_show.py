@@ -50,10 +50,11 @@ def _parent_and_name(backend: Storage, root: str) -> tuple[str, str]:
     return posixpath.dirname(root.rstrip("/")), posixpath.basename(root.rstrip("/"))
 
 
-def open_ckpt(path: str) -> Checkpoint:
-    """Open one checkpoint; a directory that exists but is none (a manager's) is a usage error."""
+def open_ckpt(path: str, key_env: str | None = None) -> Checkpoint:
+    """Open one checkpoint (an encrypted one with the key in the variable ``key_env``); a directory that
+    exists but is none (a manager's) is a usage error."""
     try:
-        return open_checkpoint(path)
+        return open_checkpoint(path, key_env=key_env)
     except CheckpointNotFoundError as e:
         backend, root = resolve(path)
         info = backend.stat_followed(root)
@@ -114,10 +115,10 @@ def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -
     }
 
 
-def _probe(backend: Storage, name: str, path: str) -> dict[str, Any] | None:
+def _probe(backend: Storage, name: str, path: str, key_env: str | None) -> dict[str, Any] | None:
     """A row for a step directory the catalog did not list: incomplete, damaged, or committed just now."""
     try:
-        with open_checkpoint(path, backend) as ck:
+        with open_checkpoint(path, backend, key_env=key_env) as ck:
             info = CheckpointInfo(name, step_of(name) or 0, ck.created, nbytes=ck.nbytes)
             return _row(info, path)
     except IncompleteCheckpointError:
@@ -130,13 +131,13 @@ def _probe(backend: Storage, name: str, path: str) -> dict[str, Any] | None:
         return None  # deleted meanwhile
 
 
-def _directory_rows(directory: str) -> list[dict[str, Any]]:
+def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str, Any]]:
     backend, root = resolve(directory)
     logger = logging.getLogger("trainstate")
     level = logger.level
     logger.setLevel(logging.ERROR)  # damaged checkpoints become rows below, not warnings
     try:
-        infos = CheckpointManager(root, read_only=True, storage=backend).list()
+        infos = CheckpointManager(root, read_only=True, storage=backend, key_env=key_env).list()
     finally:
         logger.setLevel(level)
     rows = [_row(i, backend.join(root, i.name)) for i in infos]
@@ -146,7 +147,7 @@ def _directory_rows(directory: str) -> list[dict[str, Any]]:
         if name in listed or not (step_of(name) is not None or is_staging_name(name)) or not _is_dir(backend, path):
             continue
         if step_of(name) is not None:
-            row = _probe(backend, name, path)
+            row = _probe(backend, name, path, key_env)
             if row is not None:
                 rows.append(row)
         else:
@@ -156,10 +157,10 @@ def _directory_rows(directory: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _single_row(path: str, ck: Checkpoint) -> dict[str, Any]:
+def _single_row(path: str, ck: Checkpoint, key_env: str | None) -> dict[str, Any]:
     parent, name = _parent_and_name(ck.storage, ck.path)
     if step_of(name) is not None:
-        for info in CheckpointManager(parent, read_only=True, storage=ck.storage).list():
+        for info in CheckpointManager(parent, read_only=True, storage=ck.storage, key_env=key_env).list():
             if info.name == name:
                 return _row(info, path)
     row = _row(CheckpointInfo(name, 0, ck.created, nbytes=ck.nbytes), path)
@@ -167,20 +168,20 @@ def _single_row(path: str, ck: Checkpoint) -> dict[str, Any]:
     return row
 
 
-def ls(out: Printer, path: str) -> int:
+def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
     path = path.rstrip("/") or "/"
     require_dir(path)
     kind = "checkpoint"
     try:
-        with open_checkpoint(path) as ck:
-            rows = [_single_row(path, ck)]
+        with open_checkpoint(path, key_env=key_env) as ck:
+            rows = [_single_row(path, ck, key_env)]
     except (IncompleteCheckpointError, CheckpointNotFoundError):  # not one checkpoint: list the directory
         backend, root = resolve(path)
         name = _parent_and_name(backend, root)[1]
         if step_of(name) is not None or is_staging_name(name):
             rows = [_other_row(backend, name, root, "incomplete", "no manifest")]
         else:
-            kind, rows = "directory", _directory_rows(path)
+            kind, rows = "directory", _directory_rows(path, key_env)
     pool = _pool_bytes(path) if kind == "directory" else None
     if out.json_mode:
         out.json({"path": path, "kind": kind, "checkpoints": rows, **({"pool_nbytes": pool} if pool else {})})
@@ -256,9 +257,9 @@ def _stored(t: TensorEntry) -> tuple[int, list[str]]:
     return sum(c.byte_range[1] - c.byte_range[0] for c in t.chunks), sorted(names)
 
 
-def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = False) -> int:
+def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = False, key_env: str | None = None) -> int:
     """The manifest's contents; ``chunks``: each tensor's chunks too (box and data file: who wrote what)."""
-    with open_ckpt(path) as ck:
+    with open_ckpt(path, key_env) as ck:
 
         def wanted(name: str) -> bool:
             return pattern is None or fnmatch.fnmatchcase(name, pattern)
@@ -277,6 +278,7 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
             "created": ck.created,
             "created_iso": local_time(ck.created),
             "world_size": ck.world_size,
+            "encrypted": ck.encrypted,
             "files": len(ck.manifest.files),
             "nbytes": ck.nbytes,
             "shared_nbytes": sum(f.size for f in ck.manifest.files if f.pool and not f.new),
@@ -318,6 +320,7 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
             ("writer", str(head["writer"])),
             ("created", str(head["created_iso"])),
             ("saved by", f"{ck.world_size} ranks" if ck.world_size > 1 else "1 process"),
+            *([("encrypted", "yes: AES-256-GCM, manifest authenticated")] if ck.encrypted else []),
             ("on disk", f"{size(ck.nbytes)} in {head['files']} data file(s)" + _shared_text(head)),
             ("tensors", str(head["tensor_count"])),
             *(

@@ -16,10 +16,10 @@ from trainstate._cli._show import open_ckpt
 from trainstate.errors import CorruptCheckpointError
 
 
-def verify(out: Printer, path: str) -> int:
+def verify(out: Printer, path: str, *, key_env: str | None = None) -> int:
     start = time.perf_counter()
     errors: list[dict[str, Any]] = []
-    with open_ckpt(path) as ck:
+    with open_ckpt(path, key_env) as ck:
         names = ck.keys()
         total = sum(ck.info(n).nbytes for n in names)
         try:

@@ -25,7 +25,7 @@ from functools import partial
 
 import numpy as np
 
-from trainstate import _gc
+from trainstate import _gc, _keys
 from trainstate import _tree as tree
 from trainstate._format import dtypes
 from trainstate._format.added_keys import FACTS_KEY
@@ -42,7 +42,12 @@ _WIDE = {"F32": np.float64, "F64": np.float64, "C64": np.complex128, "C128": np.
 
 
 def average(
-    ckpts: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], *, overwrite: bool = False
+    ckpts: Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> SaveResult:
     """Write at ``out`` the mean of the checkpoints ``ckpts`` (see the module docs for what is averaged).
 
@@ -50,6 +55,8 @@ def average(
         ckpts: two or more checkpoints of the same state (any storage).
         out: the checkpoint to write (a path or URL).
         overwrite: replace a checkpoint at ``out`` (atomically).
+        key: the key of encrypted checkpoints (all of them), which also encrypts the result (docs/encryption.md).
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Raises:
         InvalidArgumentError: fewer than two checkpoints, a checkpoint saved by several ranks (consolidate
@@ -61,9 +68,10 @@ def average(
     start = time.perf_counter()
     if isinstance(ckpts, (str, os.PathLike)) or len(ckpts) < 2:
         raise InvalidArgumentError(f"average needs two or more checkpoints, got {ckpts!r:.80}")
+    resolved = _keys.resolve(key, key_env)
     backend, root = resolve(out, None)
     with ExitStack() as stack, _gc.paused():
-        cks = [stack.enter_context(Checkpoint(p)) for p in ckpts]
+        cks = [stack.enter_context(Checkpoint(p, key=resolved)) for p in ckpts]
         for ck in cks:
             ck.verify_headers()
             if ck.world_size > 1:
@@ -84,7 +92,9 @@ def average(
             else:
                 entries.append(stored_entry(newest, name, name))
         snapshot = Snapshot(newest.manifest.tree, _metadata(newest, cks), entries)
-        return write_checkpoint(root, snapshot, storage=backend, overwrite=overwrite, threads=1, start=start, workers=1)
+        return write_checkpoint(
+            root, snapshot, storage=backend, overwrite=overwrite, threads=1, start=start, workers=1, key=resolved
+        )
 
 
 def newest_index(cks: list[Checkpoint]) -> int:

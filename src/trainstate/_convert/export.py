@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from trainstate import _gc
+from trainstate import _gc, _keys
 from trainstate._convert import safetensors_file, torch_file
 from trainstate._convert.output import copy_beside, fsync_path, model_folder, parse_size, staged
 from trainstate._convert.select import Weight, weights
@@ -81,6 +81,8 @@ def export(
     copy_from: str | os.PathLike[str] | None = None,
     format: str = "hf",
     overwrite: bool = False,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> ExportResult:
     """Write the model weights of checkpoint ``ckpt`` at ``out`` for inference tools (see the module docs).
 
@@ -95,6 +97,9 @@ def export(
         copy_from: a model folder whose other files (config, tokenizer) are copied beside the weights.
         format: ``"hf"``, ``"safetensors"`` or ``"torch"``.
         overwrite: replace ``out`` (atomically) if it exists.
+        key: the key of an encrypted checkpoint. The files written are NOT encrypted: inference tools read
+            plain safetensors / torch files (docs/encryption.md).
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Raises:
         InvalidArgumentError: a bad argument, or a selection that finds no weights (the message says why).
@@ -106,6 +111,7 @@ def export(
         >>> model = transformers.AutoModel.from_pretrained("release/")
     """
     start = time.perf_counter()
+    resolved = _keys.resolve(key, key_env)
     if format not in FORMATS:
         raise InvalidArgumentError(f"format must be one of {list(FORMATS)}, got {format!r:.40}")
     cast = None if dtype is None else CASTS.get(str(dtype).lower())
@@ -120,7 +126,7 @@ def export(
         raise InvalidArgumentError(f"copy_from needs a folder to copy into; {target} is a file: give a folder as OUT")
     if copy_from is not None:
         model_folder(copy_from)
-    with Checkpoint(ckpt) as ck, _gc.paused():
+    with Checkpoint(ckpt, key=resolved) as ck, _gc.paused():
         ck.verify_headers()
         picked = weights(ck, select, strip_prefix)
         tensors = _plan(ck, picked, cast, format)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainstate import _gc
+from trainstate import _gc, _keys
 from trainstate._convert import dcp, safetensors_file, source, torch_file
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._save.write import SaveResult, write_checkpoint
@@ -40,6 +40,8 @@ def import_checkpoint(
     *,
     prefix: str | None = None,
     overwrite: bool = False,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> SaveResult:
     """Write the weights (or state) of ``src`` as a trainstate checkpoint at ``ckpt``.
 
@@ -49,6 +51,8 @@ def import_checkpoint(
         ckpt: the checkpoint to write (a path or URL).
         prefix: put the state under this key (``"model"``: ``{"model": <the weights>}``; dotted nests deeper).
         overwrite: replace a checkpoint at ``ckpt`` (atomically).
+        key: encrypt the checkpoint with this key (docs/encryption.md).
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Returns:
         A :class:`SaveResult` for ``ckpt``.
@@ -66,6 +70,7 @@ def import_checkpoint(
     start = time.perf_counter()
     if prefix is not None and (not isinstance(prefix, str) or not all(prefix.split("."))):
         raise InvalidArgumentError(f"prefix must be a key like 'model' (dotted nests deeper), got {prefix!r:.40}")
+    resolved = _keys.resolve(key, key_env)
     path = Path(src)
     kind, state, meta = read_source(path)
     record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
@@ -73,7 +78,9 @@ def import_checkpoint(
     snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
     backend, root = resolve(ckpt, None)
     with _gc.paused():
-        return write_checkpoint(root, snapshot, storage=backend, overwrite=overwrite, threads=1, start=start, workers=1)
+        return write_checkpoint(
+            root, snapshot, storage=backend, overwrite=overwrite, threads=1, start=start, workers=1, key=resolved
+        )
 
 
 def read_source(path: Path) -> tuple[str, Any, dict[str, str]]:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainstate import _keys
 from trainstate._convert.select import weights
 from trainstate._optional import optional
 from trainstate._restore.checkpoint import Checkpoint
@@ -56,6 +57,8 @@ def export_onnx(
     dynamic_shapes: Any = None,
     external_data: bool = False,
     overwrite: bool = False,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> Path:
     """Export a checkpoint's model to an ONNX file, checked in onnxruntime against torch.
 
@@ -84,6 +87,8 @@ def export_onnx(
             example's sizes.
         external_data: write the weights to ``<out>.data`` beside the graph (models over 2 GB always do).
         overwrite: replace an existing ``out``.
+        key: the key of an encrypted checkpoint (given as a path). The ONNX file is not encrypted.
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Returns:
         The path of the written file.
@@ -116,7 +121,7 @@ def export_onnx(
         raise CheckpointExistsError(f"{target} already exists: pass overwrite=True to replace it")
     args, kwargs = _inputs(example_inputs)
 
-    ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
+    ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt, key=key, key_env=key_env)
     try:
         names = {w.name: w.stored for w in weights(ck, select, strip_prefix)}
         try:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, overload
 
+from trainstate import _keys
 from trainstate._format import archive, manifest
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import LocalStorage, Source, Storage
@@ -29,7 +30,14 @@ BLOCK = 16 << 20  # bytes copied at a time from a data file
 
 @overload
 def pack(
-    ckpt: Source, out: None = None, *, storage: Storage | None = None, overwrite: bool = False, fsync: bool = True
+    ckpt: Source,
+    out: None = None,
+    *,
+    storage: Storage | None = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> bytes: ...
 
 
@@ -41,6 +49,8 @@ def pack(
     storage: Storage | None = None,
     overwrite: bool = False,
     fsync: bool = True,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> int: ...
 
 
@@ -51,6 +61,8 @@ def pack(
     storage: Storage | None = None,
     overwrite: bool = False,
     fsync: bool = True,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> bytes | int:
     """Pack the checkpoint ``ckpt`` into one archive: returned as bytes, or written to ``out``.
 
@@ -62,6 +74,9 @@ def pack(
         storage: where ``ckpt`` is read from (default: chosen from the path).
         overwrite: replace an existing file at the path ``out``.
         fsync: flush the file at ``out`` to stable storage before it is renamed into place.
+        key: the key of an encrypted checkpoint: it is authenticated before it is packed, and packed as it
+            is (still encrypted; it opens with the same key).
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Returns:
         The archive's bytes when ``out`` is None, else how many bytes were written.
@@ -71,7 +86,7 @@ def pack(
         >>> trainstate.load(blob, state)                          # checked like the directory
         >>> trainstate.pack("ckpt/step_1200", "model.tsar")       # a file; trainstate.load("model.tsar")
     """
-    with Checkpoint(ckpt, storage) as ck:
+    with Checkpoint(ckpt, storage, key=key, key_env=key_env) as ck:
         if any(f.pool for f in ck.manifest.files):  # an archive holds one checkpoint's files, no run's pool
             raise InvalidArgumentError(
                 f"{ck.path} is an incremental checkpoint: part of its data is in its run's shared pool, which an "
@@ -107,7 +122,7 @@ def _manifest_bytes(ck: Checkpoint) -> bytes:
     info = ck.storage.stat(path)
     raw = bytearray(info.size if info is not None else 0)
     got = ck.storage.read_into(path, 0, memoryview(raw)) if info is not None else -1
-    again = manifest.parse(raw, path) if got == len(raw) else None
+    again = manifest.parse(raw, path, ck._key) if got == len(raw) else None
     if again is None or again.files != ck.manifest.files or again.created != ck.manifest.created:
         raise CorruptCheckpointError(f"{ck.path} changed while it was packed (a save replaced it?): pack it again")
     return bytes(raw)

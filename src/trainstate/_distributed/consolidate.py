@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 from trainstate import _arguments as arguments
-from trainstate import _gc
+from trainstate import _gc, _keys
 from trainstate import _transforms as transforms
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
@@ -45,6 +45,8 @@ def consolidate(
     storage: Storage | None = None,
     dst_storage: Storage | None = None,
     compression: str | None = None,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> SaveResult:
     """Rewrite the checkpoint ``src`` (saved by many ranks) at ``dst`` as one process would have saved it.
 
@@ -65,6 +67,8 @@ def consolidate(
         dst_storage: where ``dst`` goes (default: chosen from its path).
         compression: ``"zstd"`` or ``"zstd:LEVEL"`` to compress ``dst`` (each tensor then in chunks, as
             ``trainstate.save`` compresses); by default ``dst`` is written uncompressed, whatever ``src`` is.
+        key: the key of an encrypted source checkpoint, which also encrypts the result (docs/encryption.md).
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Returns:
         A :class:`SaveResult` for ``dst``.
@@ -79,9 +83,10 @@ def consolidate(
     """
     start = time.perf_counter()
     threads = arguments.positive_int(threads, "threads")
-    pipeline = transforms.pipeline(transforms.compression(compression))
+    resolved = _keys.resolve(key, key_env)
+    pipeline = transforms.pipeline(transforms.compression(compression), transforms.encryption(resolved))
     backend, root = resolve(dst, dst_storage)
-    with Checkpoint(src, storage) as ck, _gc.paused():
+    with Checkpoint(src, storage, key=resolved) as ck, _gc.paused():
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ck.world_size:
             saved_by = (
                 f"{ck.world_size} ranks: pick one of 0 to {ck.world_size - 1}"
@@ -103,6 +108,7 @@ def consolidate(
             fsync=fsync,
             threads=threads,
             start=start,
+            key=resolved,
             workers=threads,
             pipeline=pipeline,
         )

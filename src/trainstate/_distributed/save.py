@@ -25,10 +25,11 @@ from trainstate._distributed.group import Coordinator, Failure
 from trainstate._distributed.plan import Assignment, RankPlan, assign, rank_plan
 from trainstate._format import manifest
 from trainstate._format.chunk_table import ChunkTable
+from trainstate._keys import Key
 from trainstate._save.encode import Snapshot, encode_state
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_data
 from trainstate._storage import Storage
-from trainstate.errors import DistributedError
+from trainstate.errors import DistributedError, InvalidArgumentError
 
 
 def save_collective(
@@ -42,6 +43,7 @@ def save_collective(
     threads: int,
     storage: Storage,
     start: float,
+    key: Key | None = None,
 ) -> SaveResult:
     """Encode this rank's ``state`` and write it with the other ranks' (:func:`write_collective`).
 
@@ -65,6 +67,7 @@ def save_collective(
             threads=threads,
             storage=storage,
             start=start,
+            key=key,
         )
 
 
@@ -79,9 +82,12 @@ def write_collective(
     threads: int,
     storage: Storage,
     start: float,
+    key: Key | None = None,
 ) -> SaveResult:
     """Write this rank's encoded ``snapshot`` (or report ``error``, its encoding's failure) with the other
     ranks' as one checkpoint at ``root``; every rank returns the same result or raises."""
+    if key is not None:  # its chunks would be written in the clear under an authenticated manifest
+        raise InvalidArgumentError("encryption is not supported in a collective save yet")
     rank = coord.rank
     mine: Any
     if error is None:
@@ -109,6 +115,8 @@ def write_collective(
     entries = [snapshot.entries[i] for i in indices]
     groups, names = plan_data(storage, entries, threads, prefix=f"data-r{rank:05d}")
     try:
+        # No chunk transforms here: trainstate.save and the manager refuse compression and encryption in a
+        # collective save (the merge of the ranks' entries assumes one chunk per rank and tensor).
         files, tensors = write_data(storage, tmp, entries, groups, names, fsync=fsync, threads=threads)
         result: Any = (_written(files, tensors), names, parts)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the save for every rank
@@ -123,7 +131,9 @@ def write_collective(
     if rank == 0:
         assert written is not None
         assert plan is not None
-        outcome = _commit(written, plan, snapshot, storage, tmp, root, overwrite=overwrite, fsync=fsync, start=start)
+        outcome = _commit(
+            written, plan, snapshot, storage, tmp, root, overwrite=overwrite, fsync=fsync, start=start, key=key
+        )
     outcome = coord.broadcast(outcome, "checkpoint save (commit)")
     if isinstance(outcome, Failure):
         if error is not None:
@@ -174,6 +184,7 @@ def _commit(
     overwrite: bool,
     fsync: bool,
     start: float,
+    key: Key | None = None,
 ) -> Any:
     """Rank 0: merge every rank's entries into one manifest and commit; (bytes, seconds...) or a Failure."""
     names = [n for w in written if not isinstance(w, Failure) for n in w[1]]
@@ -185,7 +196,17 @@ def _commit(
     try:
         full, files, tensors = merge(written, plan, snapshot)
         nbytes, wrote = commit_manifest(
-            storage, tmp, root, full, files, tensors, names, overwrite=overwrite, fsync=fsync, world_size=len(written)
+            storage,
+            tmp,
+            root,
+            full,
+            files,
+            tensors,
+            names,
+            overwrite=overwrite,
+            fsync=fsync,
+            world_size=len(written),
+            key=key,
         )
     except Exception as e:  # noqa: BLE001 - sent to every rank, which raises it
         storage.abort(tmp, names)

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from trainstate import _gc, _transforms, _tree
-from trainstate._format import checksum, dtypes
+from trainstate._format import dtypes, manifest_mac
+from trainstate._keys import Key
 from trainstate.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 
 FORMAT_NAME = "trainstate"
@@ -107,9 +108,11 @@ class Manifest:
     format_version: str = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)  # fields from a newer minor version, kept as-is
     world_size: int = 1  # ranks that wrote it together (format 1.2; written only when more than one)
+    encrypted: bool = False  # read from an encrypted checkpoint (format 1.3); writing: to_json_bytes(key)
 
-    def to_json_bytes(self) -> bytes:
-        """The manifest file's bytes.
+    def to_json_bytes(self, key: Key | None = None) -> bytes:
+        """The manifest file's bytes; with ``key``, an encrypted checkpoint's, authenticated by a MAC
+        (``_format/manifest_mac.py``).
 
         Raises:
             UnsupportedValueError: a reader would refuse them as too large or too costly to parse.
@@ -121,8 +124,8 @@ class Manifest:
         }
         if isinstance(body["tensors"], list):  # rendered from columns already (a ChunkTable), in parts
             trees["tensors"] = body.pop("tensors")
+        hasher = manifest_mac.seal(body, key)  # with a key: adds the "encryption" object, MACs instead
         text = _canonical_parts(body, trees)  # joined once, below: a merged manifest can be 100s of MB
-        hasher = checksum.Hasher()
         for part in text:
             hasher.update(part)
         # The checksum goes first, whatever other fields sort before it: a reader hashes the bytes after it
@@ -276,11 +279,13 @@ def over_limits(raw: bytes | bytearray) -> str | None:
     return None
 
 
-def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME) -> Manifest:
-    """Parse, checksum-check and validate manifest bytes.
+def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME, key: Key | None = None) -> Manifest:
+    """Parse, checksum-check and validate manifest bytes; an encrypted checkpoint's are authenticated
+    with ``key`` (``_format/manifest_mac.py``).
 
     Raises:
         FormatVersionError: written by a newer major format version.
+        EncryptionKeyError: the key given, or its absence, does not fit the checkpoint.
         CorruptCheckpointError: anything else wrong with it.
     """
     problem = over_limits(raw)  # before json.loads: a hostile file is refused before it costs anything
@@ -301,12 +306,13 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME) -> Manifest:
     expected = body.pop("checksum", None)
     if not isinstance(expected, str):
         raise CorruptCheckpointError(f"{what} has no checksum")
+    check = manifest_mac.verifier(body, expected, key, what)  # xxh3, or an encrypted checkpoint's MAC
     prefix = b'{"checksum":' + json.dumps(expected).encode() + b","
     if raw.startswith(prefix):  # as every writer lays it out: the checksum covers the bytes after it
-        checksum.check(b"{" + raw[len(prefix) :].rstrip(b"\n"), expected, what)
+        check(b"{" + raw[len(prefix) :].rstrip(b"\n"))
     else:  # re-indented or re-ordered by hand or by a tool: Python's canonical form (docs/format.md §5.1, MAY)
         try:
-            checksum.check(_canonical(body), expected, what)
+            check(_canonical(body))
         except ValueError as e:  # non-finite floats smuggled in
             raise CorruptCheckpointError(f"{what}: {e}") from None
     with malformed(what), _gc.paused():
@@ -341,6 +347,7 @@ def _check_version(version: object, what: str) -> None:
 
 
 _KNOWN_FIELDS = {"format", "format_version", "created", "writer", "metadata", "files", "tensors", "tree", "world_size"}
+_KNOWN_FIELDS.add(manifest_mac.FIELD)  # checked with the checksum, before _build
 
 
 def _build(body: dict[str, Any]) -> Manifest:
@@ -364,6 +371,7 @@ def _build(body: dict[str, Any]) -> Manifest:
         format_version=body["format_version"],
         extra={k: v for k, v in body.items() if k not in _KNOWN_FIELDS},
         world_size=_world_size(body.get("world_size", 1)),
+        encrypted=manifest_mac.FIELD in body,
     )
 
 

@@ -125,5 +125,5 @@ class PoolCollector:
         return names
 
 
-_HEAD = 64  # enough for '{"checksum":"xxh3_64:<16 hex digits>"' (docs/format.md §3: the manifest's first member)
-_CHECKSUM = re.compile(rb'\{"checksum":"([a-z0-9_]{1,16}:[0-9a-f]{1,64})"')
+_HEAD = 128  # enough for '{"checksum":"hmac-sha256:<64 hex digits>"' (docs/format.md §3: the first member)
+_CHECKSUM = re.compile(rb'\{"checksum":"([a-z0-9_-]{1,16}:[0-9a-f]{1,64})"')

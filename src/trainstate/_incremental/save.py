@@ -26,6 +26,7 @@ from pathlib import Path
 from trainstate._format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from trainstate._incremental.index import Index
 from trainstate._incremental.pool import POOL_DIR, save_prefix
+from trainstate._keys import Key
 from trainstate._save.encode import Entry, Snapshot
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_checkpoint, write_data
 from trainstate._storage import Storage
@@ -67,6 +68,7 @@ class IncrementalSaver:
         fsync: bool,
         threads: int,
         pipeline: Pipeline | None = None,
+        key: Key | None = None,
     ) -> SaveResult:
         """Save ``snapshot`` as the checkpoint ``final``, writing only what changed since the index.
 
@@ -76,7 +78,7 @@ class IncrementalSaver:
         start = time.perf_counter()
         if not snapshot.entries:  # nothing to share: an ordinary checkpoint, with its one (empty) data file
             result = write_checkpoint(
-                final, snapshot, storage=self.storage, overwrite=overwrite, fsync=fsync, pipeline=pipeline
+                final, snapshot, storage=self.storage, overwrite=overwrite, fsync=fsync, pipeline=pipeline, key=key
             )
             with self._lock:
                 self._index = Index.empty()
@@ -91,7 +93,7 @@ class IncrementalSaver:
             self.written.update(names)  # whatever becomes of the save: if nothing names them, they may go
         try:
             tensors, files, nbytes, at = self._write(
-                final, snapshot, reused, new, groups, names, index, overwrite, fsync, threads, pipeline
+                final, snapshot, reused, new, groups, names, index, overwrite, fsync, threads, pipeline, key
             )
         finally:
             with self._lock:
@@ -122,6 +124,7 @@ class IncrementalSaver:
         fsync: bool,
         threads: int,
         pipeline: Pipeline | None,
+        key: Key | None,
     ) -> tuple[dict[str, TensorEntry], tuple[FileEntry, ...], int, float]:
         """Write the new tensors into the pool and commit the manifest: its tensors and files, the bytes
         written, and the clock when the manifest was written."""
@@ -149,7 +152,7 @@ class IncrementalSaver:
                 for e in snapshot.entries
             }
             size, at = commit_manifest(
-                storage, tmp, final, snapshot, files, tensors, [], overwrite=overwrite, fsync=fsync
+                storage, tmp, final, snapshot, files, tensors, [], overwrite=overwrite, fsync=fsync, key=key
             )
         except BaseException:
             # Its pool files stay: whether a manifest names them (one whose write failed may still have

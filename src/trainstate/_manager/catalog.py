@@ -21,6 +21,7 @@ from trainstate._format.added_keys import FACTS_KEY, declaration
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._incremental.gc import PoolCollector
 from trainstate._incremental.pool import POOL_DIR
+from trainstate._keys import Key
 from trainstate._manager import naming
 from trainstate._manager.policies import CheckpointInfo
 from trainstate._restore.checkpoint import _read_manifest
@@ -43,9 +44,10 @@ PIN_SETTLE_SECONDS = 2.0  # how long a pin waits for a retention pass that is lo
 
 
 class Catalog:
-    def __init__(self, storage: Storage, root: str) -> None:
+    def __init__(self, storage: Storage, root: str, key: Key | None = None) -> None:
         self.storage = storage
         self.root = root
+        self.key = key  # an encrypted run's: every manifest is authenticated with it
         self._cache: dict[str, tuple[float, int, CheckpointInfo]] = {}
         self.newer: dict[str, str] = {}  # checkpoints written by a newer trainstate: name -> why
         self.damaged: dict[str, str] = {}  # committed, but the manifest is unreadable: name -> why
@@ -81,7 +83,7 @@ class Catalog:
         if cached is not None and cached[:2] == (stamp.mtime, stamp.size):
             return _with_pin(cached[2], pin)
         try:
-            m = _read_manifest(self.storage, self.path(name))
+            m = _read_manifest(self.storage, self.path(name), self.key)
         except (CheckpointNotFoundError, IncompleteCheckpointError):
             return None  # deleted (or being deleted) since we listed the directory
         except FormatVersionError as e:

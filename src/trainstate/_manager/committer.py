@@ -15,6 +15,7 @@ from typing import Any
 
 from trainstate._format.manifest import Manifest
 from trainstate._incremental.save import IncrementalSaver
+from trainstate._keys import Key
 from trainstate._manager import naming
 from trainstate._manager.catalog import Catalog
 from trainstate._manager.policies import (
@@ -69,6 +70,7 @@ class Settings:
     read_only: bool
     incremental: bool = False
     pipeline: Pipeline | None = None  # chunk transforms of every save (compression)
+    key: Key | None = None  # encrypt every checkpoint, authenticate every manifest (its repr shows no bytes)
 
 
 class Committer:
@@ -110,7 +112,13 @@ class Committer:
             if self.incremental is not None:
                 try:
                     result = self.incremental.save(
-                        path, snapshot, overwrite=True, fsync=c.fsync, threads=c.threads, pipeline=c.pipeline
+                        path,
+                        snapshot,
+                        overwrite=True,
+                        fsync=c.fsync,
+                        threads=c.threads,
+                        pipeline=c.pipeline,
+                        key=c.key,
                     )
                 except BaseException:
                     with contextlib.suppress(Exception):  # the save's own error is the one to report
@@ -125,6 +133,7 @@ class Committer:
                     fsync=c.fsync,
                     threads=c.threads,
                     pipeline=c.pipeline,
+                    key=c.key,
                 )
             deleted = self.apply_retention()
         else:
@@ -172,6 +181,7 @@ class Committer:
             threads=c.threads,
             storage=c.storage,
             start=time.perf_counter(),
+            key=c.key,
         )
         deleted: tuple[str, ...] = ()
         failure: Exception | None = None
@@ -217,7 +227,7 @@ class Committer:
         when this process has not saved yet."""
         for info in sorted(self.list(), key=saved_order, reverse=True):
             try:
-                return _read_manifest(self.config.storage, self.catalog.path(info.name))
+                return _read_manifest(self.config.storage, self.catalog.path(info.name), self.config.key)
             except CheckpointError as e:
                 log.warning("not deduplicating against %s: %s", info.name, e)
         return None

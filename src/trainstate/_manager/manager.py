@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from trainstate import _arguments as arguments
+from trainstate import _keys
 from trainstate import _transforms as transforms
 from trainstate._distributed import rank_and_world
 from trainstate._distributed.group import Failure
@@ -56,6 +57,7 @@ from trainstate.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
     DistributedError,
+    EncryptionKeyError,
     FormatVersionError,
     InvalidArgumentError,
     StateMismatchError,
@@ -69,7 +71,8 @@ class CheckpointManager:
 
     Args:
         directory: where the checkpoints go, one ``step_00001200`` directory each.
-        every_steps: save when ``step % every_steps == 0``.
+        every_steps: save when ``step % every_steps == 0``. Without any save policy (no ``every_steps``,
+            ``every_seconds``, ``at_steps`` or ``save_policies``) every ``save()`` call saves.
         every_seconds: save when this much wall time passed since the last save.
         at_steps: save at these steps.
         keep_last: keep the newest N.
@@ -106,6 +109,10 @@ class CheckpointManager:
             Not yet for collective saves under a process group.
         compression: ``"zstd"`` or ``"zstd:LEVEL"``: every checkpoint's tensors compressed in chunks, as
             ``trainstate.save(compression=...)`` does (not yet for collective saves). Restoring needs no argument.
+        key: encrypt every checkpoint with this key (32 bytes, 64 hex digits or base64) and authenticate every
+            manifest it reads with it, for listing, retention and resuming (docs/encryption.md). A run's
+            checkpoints all use one key: with a key the manager refuses plain or differently keyed ones.
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Example:
         >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
@@ -146,6 +153,8 @@ class CheckpointManager:
         timeout: float | None = None,
         incremental: bool = False,
         compression: str | None = None,
+        key: _keys.KeyLike | None = None,
+        key_env: str | None = None,
     ) -> None:
         # Every argument is checked before anything is acquired (lock, signal handlers, threads).
         for given, what in ((save_policies, "save_policies"), (retention_policies, "retention_policies")):
@@ -158,6 +167,8 @@ class CheckpointManager:
             save_list.append(EverySeconds(arguments.positive_number(every_seconds, "every_seconds")))
         if at_steps:
             save_list.append(AtSteps(frozenset(arguments.step(s, "at_steps[]") for s in at_steps)))
+        if not save_list and at_steps is None:  # no schedule given: each save() saves (a notebook's manager
+            save_list.append(EverySteps(1))  # that saved nothing, silently, lost work)
         keep: list[RetentionPolicy] = list(retention_policies or [])
         if keep_last is not None:
             keep.append(KeepLast(arguments.positive_int(keep_last, "keep_last")))
@@ -194,7 +205,8 @@ class CheckpointManager:
                 "incremental=True is not supported for collective saves under torch.distributed yet: pass "
                 "collective=False with a directory per rank, or save full checkpoints (incremental=False)"
             )
-        pipeline = transforms.pipeline(transforms.compression(compression))
+        resolved_key = _keys.resolve(key, key_env)
+        pipeline = transforms.pipeline(transforms.compression(compression), transforms.encryption(resolved_key))
         storage_, root = resolve(arguments.location(directory), storage)
         if storage_.stat_followed(storage_.join(root, MANIFEST_NAME)) is not None:
             raise InvalidArgumentError(
@@ -227,14 +239,15 @@ class CheckpointManager:
             read_only=bool(read_only),
             incremental=bool(incremental),
             pipeline=pipeline,
+            key=resolved_key,
         )
-        self.catalog = Catalog(storage_, root)
+        self.catalog = Catalog(storage_, root, resolved_key)
         # under a process group (collective): built on every rank, in the same order
         self._ranks = None if read_only else manager_ranks(collective, timeout)
         if self._ranks is not None and pipeline is not None:
             raise InvalidArgumentError(
-                "compression is not supported in collective saves yet: build the manager without it (or with "
-                "collective=False, each rank with a directory of its own)"
+                "compression and encryption are not supported in collective saves yet: build the manager without "
+                "them (or with collective=False, each rank with a directory of its own)"
             )
         self._committer = Committer(self.catalog, self._config, self._ranks)
         self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
@@ -277,9 +290,10 @@ class CheckpointManager:
     def __setattr__(self, name: str, value: Any) -> None:
         if "_finalizer" in self.__dict__ and not name.startswith("_") and name not in self.__dict__:
             if name in Settings.__dataclass_fields__:
+                shown = "..." if name == "key" else f"{value!r:.40}"  # never echo a key
                 raise InvalidArgumentError(
                     f"CheckpointManager.{name} is fixed when the manager is built; create a new manager "
-                    f"with {name}={value!r:.40} (close() this one first)"
+                    f"with {name}={shown} (close() this one first)"
                 )
             raise InvalidArgumentError(
                 f"CheckpointManager has no setting {name!r} to change: settings are arguments of the "
@@ -401,8 +415,8 @@ class CheckpointManager:
         why: str | None = None
         try:
             self._restore_into(self.catalog.path(name), state, **load_kwargs)
-        except (StateMismatchError, FormatVersionError, InvalidArgumentError) as e:
-            fatal = e
+        except (StateMismatchError, FormatVersionError, InvalidArgumentError, EncryptionKeyError) as e:
+            fatal = e  # (a key that does not fit is not damage: trying older checkpoints would not help)
         except CheckpointError as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__  # the first line says what failed
         if self._ranks is None:
@@ -439,7 +453,7 @@ class CheckpointManager:
         """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state
         (optional: a checkpoint saved with ``capture_rng=False`` has none)."""
         target, added = self._rng.wrap(state)
-        load_from(path, target, storage=self.storage, optional=added, **load_kwargs)
+        load_from(path, target, storage=self.storage, optional=added, key=self._config.key, **load_kwargs)
         self._rng.unwrap(target, state)
         return state
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainstate import _arguments as arguments
-from trainstate import _gc, _tree
+from trainstate import _gc, _keys, _tree
 from trainstate._distributed import rank_and_world
 from trainstate._frameworks import after_restore, bind
 from trainstate._restore.checkpoint import Checkpoint
@@ -82,13 +82,15 @@ def load_from(
     verify: bool = True,
     threads: int = 2,
     optional: tuple[str, ...] = (),
+    key: _keys.Key | None = None,
 ) -> Any:
     """The one way a checkpoint is loaded: ``trainstate.load`` and ``CheckpointManager`` both come here.
 
-    Opens the checkpoint (manifest validated), checks every data-file header when ``verify``, then
-    plans and reads. Any damage surfaces as a CheckpointError subclass.
+    Opens the checkpoint (manifest validated; authenticated with ``key`` when it is encrypted), checks
+    every data-file header when ``verify``, then plans and reads. Any damage surfaces as a CheckpointError
+    subclass.
     """
-    with Checkpoint(path, storage) as ck, _gc.paused():  # many small tensors: no collections meanwhile
+    with Checkpoint(path, storage, key=key) as ck, _gc.paused():  # many small tensors: no collections meanwhile
         return restore(
             ck,
             target,
@@ -116,6 +118,8 @@ def load(
     verify: bool = True,
     threads: int = 2,
     storage: Storage | None = None,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> Any:
     """Load a checkpoint: into ``target`` in place, or as a fresh nested structure.
 
@@ -134,6 +138,8 @@ def load(
         verify: check every tensor's checksum.
         threads: reader threads.
         storage: where to read from (default: chosen from ``path``).
+        key: the key of an encrypted checkpoint (32 bytes, 64 hex digits or base64; docs/encryption.md).
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Returns:
         The restored target, or the nested state when no target was given.
@@ -146,6 +152,7 @@ def load(
     if framework not in ("numpy", "torch"):
         raise InvalidArgumentError(f"framework must be 'numpy' or 'torch', got {framework!r:.40}")
     threads = arguments.positive_int(threads, "threads")
+    resolved = _keys.resolve(key, key_env)
     return load_from(
         path,
         ABSENT if target is _NO_TARGET else target,
@@ -156,4 +163,5 @@ def load(
         framework=framework if target is _NO_TARGET else None,
         verify=verify,
         threads=threads,
+        key=resolved,
     )

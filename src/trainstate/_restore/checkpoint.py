@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from trainstate import _keys
 from trainstate import _tree as tree
 from trainstate._format import checksum, datafile, manifest
 from trainstate._frameworks import adapter_for
@@ -56,12 +57,21 @@ class Checkpoint:
         ...     w = ck.read("model.fc.weight")
     """
 
-    def __init__(self, path: Source, storage: Storage | None = None, *, key: Any = None) -> None:
+    def __init__(
+        self,
+        path: Source,
+        storage: Storage | None = None,
+        *,
+        key: _keys.KeyLike | None = None,
+        key_env: str | None = None,
+    ) -> None:
+        # The key is resolved before anything is opened; it is kept for reading encrypted chunks.
+        self._key = _keys.resolve(key, key_env)
         self.storage, self.path = resolve_source(path, storage)
         self.files = engine.DataFiles(self.storage, self.path)
-        self.decoders = Decoders(key)  # undoes chunk transforms; ``key``: the reader's key material, opaque here
+        self.decoders = Decoders(self._key)  # undoes chunk transforms (decrypting with the resolved key)
         try:
-            self.manifest = _read_manifest(self.storage, self.path)
+            self.manifest = _read_manifest(self.storage, self.path, self._key)
             self.files.where = pool.locations(self.storage, self.path, self.manifest.files)
             self._check_files()
             for f in self.manifest.files:  # map now: a checkpoint deleted after this stays readable (POSIX)
@@ -80,6 +90,11 @@ class Checkpoint:
     @property
     def created(self) -> float:
         return self.manifest.created
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether its tensors are encrypted (it was opened with its key, and authenticated with it)."""
+        return self.manifest.encrypted
 
     @property
     def world_size(self) -> int:
@@ -231,7 +246,7 @@ def _no_tensor(name: str) -> Any:
     raise CorruptCheckpointError(f"metadata refers to tensor {name!r}")
 
 
-def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
+def _read_manifest(storage: Storage, path: str, key: _keys.Key | None = None) -> manifest.Manifest:
     # ``path`` itself may be a link the user made (``run/latest -> step_00000100``): followed. Every
     # name inside the checkpoint is checked with stat(), which sees links, so those are refused.
     info = storage.stat_followed(path)
@@ -283,18 +298,29 @@ def _read_manifest(storage: Storage, path: str) -> manifest.Manifest:
         raise
     if got != minfo.size:
         raise CorruptCheckpointError(f"{mpath} changed while it was read")
-    return manifest.parse(raw, mpath)  # no copy: a refused manifest costs its size, once
+    return manifest.parse(raw, mpath, key)  # no copy: a refused manifest costs its size, once
 
 
-def open_checkpoint(path: Source, storage: Storage | None = None) -> Checkpoint:
+def open_checkpoint(
+    path: Source,
+    storage: Storage | None = None,
+    *,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
+) -> Checkpoint:
     """Open a checkpoint lazily: reads the manifest now, tensors when asked.
 
     ``path`` is a checkpoint directory or URL, or a packed checkpoint (``trainstate.pack``): bytes, a buffer,
     a binary file open for reading, or a packed file's path. A buffer is read in place, not copied.
 
+    An encrypted checkpoint opens only with its key: ``key`` (32 bytes, 64 hex digits or base64) or
+    ``key_env``, the name of an environment variable holding it (docs/encryption.md). Its manifest is
+    authenticated with the key before anything else is read.
+
     Example:
         >>> with trainstate.open("ckpt/step_1200") as ck:
         ...     print(ck.metadata, ck.keys()[:3], ck.info("model.fc.weight"))
         >>> ck = trainstate.open(trainstate.pack("ckpt/step_1200"))  # from bytes
+        >>> ck = trainstate.open("secret/step_1200", key_env="TRAINSTATE_KEY")  # an encrypted one
     """
-    return Checkpoint(path, storage)
+    return Checkpoint(path, storage, key=key, key_env=key_env)

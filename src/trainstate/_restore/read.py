@@ -526,7 +526,7 @@ def fill(
             read_views(ck, reads, verify=verify, threads=threads)
             _read_to_device(ck, on_device, verify=verify, threads=threads)
         except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(
+            raise type(e)(  # the same kind (a TamperedCheckpointError stays one), with what that left behind
                 f"{e}\nThe target is partly restored, and no byte that failed its checksum was written: tensors "
                 "read before the damaged one hold the checkpoint's values and the rest keep their own, except that "
                 "a tensor stored in pieces that was being read may hold some of the checkpoint's verified pieces. "

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from trainstate import _arguments as arguments
-from trainstate import _gc
+from trainstate import _gc, _keys
 from trainstate import _transforms as transforms
 from trainstate._distributed import coordinator
 from trainstate._save.encode import Snapshot, TensorTable, encode_state
@@ -41,6 +41,8 @@ def save(
     collective: bool | None = None,
     timeout: float | None = None,
     compression: str | None = None,
+    key: _keys.KeyLike | None = None,
+    key_env: str | None = None,
 ) -> SaveResult:
     """Save ``state`` as a checkpoint directory at ``path``, atomically.
 
@@ -62,22 +64,28 @@ def save(
         compression: ``"zstd"`` or ``"zstd:LEVEL"`` (LEVEL -7 to 22, default 3) compresses each tensor in
             chunks of 4 MiB, each stored raw where compressing it does not pay (needs
             ``pip install "trainstate[zstd]"``; docs/format.md §5b). Loading needs no argument.
+        key: encrypt the checkpoint with this key (AES-256-GCM; 32 bytes, 64 hex digits or base64; make one
+            with ``trainstate.generate_key()``). Tensor bytes are encrypted; names, shapes and plain values
+            stay readable in the manifest, which is authenticated (docs/encryption.md). The key is never stored.
+        key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Returns:
         A :class:`SaveResult` with the path, bytes written and seconds taken.
 
     Example:
         >>> trainstate.save("ckpt/step_1200", {"model": model, "step": 1200}, metadata={"run": "exp1"})
+        >>> trainstate.save("secret/step_1200", state, key_env="TRAINSTATE_KEY")  # encrypted
     """
     start = time.perf_counter()
     threads = arguments.positive_int(threads, "threads")
+    resolved = _keys.resolve(key, key_env)
     backend, root = resolve(path, storage)
-    pipeline = transforms.pipeline(transforms.compression(compression))
+    pipeline = transforms.pipeline(transforms.compression(compression), transforms.encryption(resolved))
     coord = coordinator(timeout=timeout) if collective is not False else None
     if coord is not None and pipeline is not None:
         raise InvalidArgumentError(
-            "compression is not supported in a collective save yet: save without it (or with collective=False, "
-            "each rank its own checkpoint)"
+            "compression and encryption are not supported in a collective save yet: save without them (or with "
+            "collective=False, each rank its own checkpoint)"
         )
     if coord is not None:
         from trainstate._distributed.save import save_collective
@@ -92,6 +100,7 @@ def save(
             threads=threads,
             storage=backend,
             start=start,
+            key=resolved,
         )
     with _gc.paused():  # a state of many small tensors would otherwise spend a quarter of the save collecting
         snapshot = encode_state(state, metadata)
@@ -104,4 +113,5 @@ def save(
             threads=threads,
             start=start,
             pipeline=pipeline,
+            key=resolved,
         )

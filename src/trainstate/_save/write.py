@@ -19,12 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trainstate import _transforms as transforms
 from trainstate._format import checksum, datafile, dtypes, manifest
 from trainstate._save.encode import Entry, Snapshot
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
 from trainstate._storage import Storage
 
 if TYPE_CHECKING:
+    from trainstate._keys import Key
     from trainstate._transforms import Pipeline
 
 log = logging.getLogger("trainstate")
@@ -57,14 +59,17 @@ def write_checkpoint(
     start: float | None = None,
     workers: int | None = None,
     pipeline: Pipeline | None = None,
+    key: Key | None = None,
 ) -> SaveResult:
     """Write a snapshot as a checkpoint and commit it: the synchronous core of every single-process save.
 
     Data files first, the manifest last, then the backend's commit; on any failure the staging
     location is thrown away and whatever was at ``final`` before is untouched. ``workers``, ``pipeline``:
-    see :func:`write_data`.
+    see :func:`write_data`. With ``key`` the manifest is authenticated (docs/encryption.md); the pipeline
+    then holds the encryption transform that encrypts the chunks.
     """
     start = time.perf_counter() if start is None else start
+    pipeline = transforms.encrypting(pipeline, key)  # an authenticated manifest never names plaintext chunks
     tmp = storage.begin(final, overwrite=overwrite)
     groups, names = plan_data(storage, snapshot.entries, threads)
     unnamed = names  # data files no manifest names yet: what a failure deletes
@@ -82,7 +87,7 @@ def write_checkpoint(
         )
         unnamed = []  # a manifest write that failed may still have landed, naming them
         nbytes, written = commit_manifest(
-            storage, tmp, final, snapshot, files, tensors, names, overwrite=overwrite, fsync=fsync
+            storage, tmp, final, snapshot, files, tensors, names, overwrite=overwrite, fsync=fsync, key=key
         )
     except BaseException:
         storage.abort(tmp, unnamed)
@@ -104,13 +109,15 @@ def commit_manifest(
     overwrite: bool,
     fsync: bool,
     world_size: int = 1,
+    key: Key | None = None,
 ) -> tuple[int, float]:
     """Write the manifest naming ``files`` and ``tensors`` into ``tmp`` and commit it to ``final``.
 
     ``world_size``: the ranks that wrote the files (a collective save), recorded in the manifest.
+    ``key``: the checkpoint is encrypted; its manifest is authenticated with a MAC from this key.
     Returns the checkpoint's bytes and the clock when the manifest was written (before the commit).
     """
-    raw = manifest_bytes(snapshot, files, tensors, world_size)
+    raw = manifest_bytes(snapshot, files, tensors, world_size, key)
     storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
     written = time.perf_counter()
     storage.commit(tmp, final, [*names, manifest.MANIFEST_NAME], overwrite=overwrite, fsync=fsync)
@@ -122,9 +129,10 @@ def manifest_bytes(
     files: tuple[manifest.FileEntry, ...],
     tensors: Mapping[str, manifest.TensorEntry],
     world_size: int = 1,
+    key: Key | None = None,
 ) -> bytes:
     """The manifest file naming ``files`` and ``tensors``, for the state in ``snapshot`` (saved by
-    ``world_size`` ranks, when a collective save wrote it)."""
+    ``world_size`` ranks, when a collective save wrote it); authenticated with ``key`` when given."""
     return manifest.Manifest(
         tree=snapshot.tree,
         tensors=tensors,
@@ -133,7 +141,7 @@ def manifest_bytes(
         created=time.time(),
         writer=f"trainstate {_version()}",
         world_size=world_size,
-    ).to_json_bytes()
+    ).to_json_bytes(key)
 
 
 def _version() -> str:
