@@ -33,10 +33,11 @@ import numpy as np
 
 from trainstate import _gc, _keys
 from trainstate._convert import safetensors_file, torch_file
-from trainstate._convert.output import copy_beside, fsync_path, model_folder, parse_size, staged
+from trainstate._convert.output import copy_beside, model_folder, parse_size, staged
 from trainstate._convert.select import Weight, weights
 from trainstate._format import dtypes
 from trainstate._restore.checkpoint import Checkpoint
+from trainstate._storage.local import fsync_path
 from trainstate.errors import InvalidArgumentError, UnsupportedValueError
 
 FORMATS = ("hf", "safetensors", "torch")

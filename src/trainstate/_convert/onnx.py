@@ -26,6 +26,7 @@ from trainstate._convert.select import weights
 from trainstate._optional import optional
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import Source
+from trainstate._storage.local import fsync_path
 from trainstate.errors import (
     CheckpointExistsError,
     InvalidArgumentError,
@@ -288,17 +289,9 @@ def _commit(staging: Path, target: Path, *, overwrite: bool) -> None:
         raise CheckpointExistsError(f"{target} appeared while it was exported: pass overwrite=True to replace it")
     try:
         for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(f)
         for f in files:
             os.replace(f, target.parent / f.name)
-        fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(target.parent)
     except OSError as e:
         raise StorageError(e.errno, f"cannot write {target}: {e.strerror}") from e

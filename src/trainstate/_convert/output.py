@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._storage.local import fsync_path
 from trainstate.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -149,15 +150,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a directory's entry to stable storage."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def model_folder(src: str | os.PathLike[str]) -> Path:

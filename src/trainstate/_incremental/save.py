@@ -15,13 +15,11 @@ While a save is in flight the pool files it wrote or refers to are :meth:`Increm
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
 from trainstate._format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from trainstate._incremental.index import Index
@@ -30,6 +28,7 @@ from trainstate._keys import Key
 from trainstate._save.encode import Entry, Snapshot
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_checkpoint, write_data
 from trainstate._storage import Storage
+from trainstate._storage.local import ensure_directory, fsync_path
 from trainstate._transforms import Pipeline
 from trainstate.errors import StorageError
 
@@ -129,7 +128,8 @@ class IncrementalSaver:
         """Write the new tensors into the pool and commit the manifest: its tensors and files, the bytes
         written, and the clock when the manifest was written."""
         storage = self.storage
-        _make_directory(storage, self.pool)
+        if storage.capabilities.makedirs:  # real directories (object stores have prefixes instead)
+            ensure_directory(self.pool, "the shared pool")
         tmp = storage.begin(final, overwrite=overwrite)
         try:
             written: tuple[FileEntry, ...] = ()
@@ -138,8 +138,8 @@ class IncrementalSaver:
                 written, fresh = write_data(
                     storage, self.pool, new, groups, names, fsync=fsync, threads=threads, pipeline=pipeline
                 )
-                if fsync:
-                    _sync_directory(storage, self.pool)
+                if fsync and storage.capabilities.makedirs:  # the new names durable before a manifest names them
+                    _fsync_directory(self.pool)
             used = {c.file for chunks in reused.values() for c in chunks}
             files = (
                 *(replace(f, pool=True, new=True) for f in written),
@@ -204,24 +204,8 @@ def _unchanged(index: Index, entries: list[Entry], threads: int) -> dict[str, tu
         return {name: chunks for part in pool.map(check, lanes) for name, chunks in part.items()}
 
 
-def _make_directory(storage: Storage, path: str) -> None:
-    """Create the pool directory where directories are real (object stores have prefixes instead)."""
-    if storage.capabilities.makedirs:
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StorageError(e.errno, f"cannot create the shared pool {path}: {e.strerror}") from e
-
-
-def _sync_directory(storage: Storage, path: str) -> None:
-    """Make the pool's new names durable before the manifest that names them (where directories are real)."""
-    if not storage.capabilities.makedirs:
-        return
+def _fsync_directory(path: str) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
     except OSError as e:
         raise StorageError(e.errno, f"fsync failed for {path}: {e.strerror}") from e

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Collection
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from trainstate import _tree as tree
@@ -286,11 +285,3 @@ def facts(
         "seq": seq,
         **declaration(added_keys),
     }
-
-
-def ensure_directory(storage: Storage, root: str) -> None:
-    if storage.capabilities.makedirs:
-        try:
-            Path(root).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StorageError(e.errno, f"cannot create checkpoint directory {root}: {e.strerror}") from e

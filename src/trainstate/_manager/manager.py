@@ -26,7 +26,7 @@ from trainstate._distributed.group import Failure
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager import naming
 from trainstate._manager.async_writer import AsyncWriter
-from trainstate._manager.catalog import META_KEY, Catalog, ensure_directory, facts
+from trainstate._manager.catalog import META_KEY, Catalog, facts
 from trainstate._manager.committer import Committer, SaveRecord, Settings, raise_background
 from trainstate._manager.lock import DirectoryLock
 from trainstate._manager.policies import (
@@ -52,6 +52,7 @@ from trainstate._manager.rng_capture import RNGCapture
 from trainstate._restore import load_from
 from trainstate._save import DEFAULT_THREADS, encode_state
 from trainstate._storage import Storage, resolve
+from trainstate._storage.local import ensure_directory
 from trainstate.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -265,7 +266,8 @@ class CheckpointManager:
             failed: BaseException | None = None
             try:
                 if not read_only and leader:  # one rank locks and sweeps; the others wait for it below
-                    ensure_directory(storage_, root)
+                    if storage_.capabilities.makedirs:
+                        ensure_directory(root, "checkpoint directory")
                     if storage_.capabilities.locking:
                         self._lock = DirectoryLock(Path(root))
                     self.swept = self.catalog.sweep(locked=self._lock is not None)

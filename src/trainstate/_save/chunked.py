@@ -23,12 +23,11 @@ import json
 import math
 import struct
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from trainstate._format import checksum, datafile, dtypes, manifest
 from trainstate._save.encode import Entry
-from trainstate._save.write import PIECE_BYTES
+from trainstate._save.write import PIECE_BYTES, each_file
 from trainstate._storage import Storage
 from trainstate._transforms import Pipeline, Place
 
@@ -236,12 +235,7 @@ def write_encoded(
     def write(name: str, group: list[Entry]) -> tuple[int, bytes, _Chunks]:
         return _write_file(storage, storage.join(tmp, name), group, pipeline, fsync)
 
-    workers = min(len(groups), workers)
-    if workers <= 1:
-        results = [write(name, group) for name, group in zip(names, groups)]
-    else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="trainstate-save") as pool:
-            results = list(pool.map(write, names, groups))
+    results = each_file(write, names, groups, workers)
     files = []
     found: dict[str, list[manifest.Chunk]] = {}
     for name, (size, header, chunks) in zip(names, results):

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from trainstate import _transforms as transforms
 from trainstate._format import checksum, datafile, dtypes, manifest
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from trainstate._transforms import Pipeline
 
 log = logging.getLogger("trainstate")
+_R = TypeVar("_R")
 
 DEFAULT_THREADS = 2
 PIECE_BYTES = 1 << 20  # per-piece checksums for chunks larger than this; 1 MiB: a piece stays in L2 cache
@@ -194,12 +195,7 @@ def write_data(
         from trainstate._save.chunked import write_encoded  # imports this module
 
         return write_encoded(storage, tmp, entries, groups, names, pipeline, fsync=fsync, workers=workers)
-    workers = min(len(groups), workers)
-    if workers <= 1:
-        results = [write(name, group) for name, group in zip(names, groups)]
-    else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="trainstate-save") as pool:
-            results = list(pool.map(write, names, groups))
+    results = each_file(write, names, groups, workers)
     files = []
     tensors: dict[str, manifest.TensorEntry] = {}
     for name, group, (size, header_sum, ranges, views) in zip(names, groups, results):
@@ -208,6 +204,17 @@ def write_data(
             chunk = manifest.Chunk(name, rng, e.offset, e.shape, digest, (), pieces)
             tensors[e.name] = manifest.TensorEntry(e.dtype, e.global_shape, e.kind, (chunk,))
     return tuple(files), {e.name: tensors[e.name] for e in entries}
+
+
+def each_file(
+    write: Callable[[str, list[Entry]], _R], names: list[str], groups: list[list[Entry]], workers: int
+) -> list[_R]:
+    """``write(name, group)`` for every data file, ``workers`` files at once (in this thread for one)."""
+    workers = min(len(groups), workers)
+    if workers <= 1:
+        return [write(name, group) for name, group in zip(names, groups)]
+    with ThreadPoolExecutor(workers, thread_name_prefix="trainstate-save") as pool:
+        return list(pool.map(write, names, groups))
 
 
 def _write_group(

@@ -301,3 +301,20 @@ class LocalStorage(Storage):
             raise CheckpointExistsError(
                 f"{final} is a non-empty directory without a trainstate manifest; refusing to replace it"
             )
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file's or a directory's entry to stable storage (OSError as the system raised it)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def ensure_directory(path: str, what: str) -> None:
+    """Create directory ``path`` (and its parents) if missing; ``what`` names it in the error."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot create {what} {path}: {e.strerror}") from e
