@@ -51,6 +51,11 @@ class IncrementalSaver:
         self._lock = threading.Lock()
         self.written: set[str] = set()  # pool files this process's saves wrote: unnamed, they need no waiting
 
+    def rebase(self) -> None:
+        """Forget the index: the next save dedupes against the base the manager gives then."""
+        with self._lock:
+            self._index = None
+
     def protected(self) -> frozenset[str]:
         """Pool files a collection must keep whatever the manifests say: those of the save in flight, and
         those the next save may refer to."""

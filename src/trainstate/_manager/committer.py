@@ -86,6 +86,8 @@ class Committer:
         self.incremental = (
             IncrementalSaver(config.storage, config.directory, self._newest_manifest) if config.incremental else None
         )
+        self.restored_from: str | None = None  # what restore_latest restored, if it ran
+        self.unrestorable: set[str] = set()  # checkpoints restore_latest found damaged
 
     def list(self) -> builtins.list[CheckpointInfo]:
         items = self.catalog.list()
@@ -222,10 +224,25 @@ class Committer:
         if saver is not None:
             saver.written.difference_update(removed)
 
+    def resumed(self, restored: str, unrestorable: builtins.list[str]) -> None:
+        """``restore_latest`` restored ``restored`` after finding ``unrestorable`` damaged: the next
+        incremental save shares bytes with what was restored, never with a checkpoint that failed (its
+        damaged bytes would pass for unchanged ones once the replayed run reproduces them)."""
+        self.restored_from = restored
+        self.unrestorable.update(unrestorable)
+        if self.incremental is not None:
+            self.incremental.rebase()
+
     def _newest_manifest(self) -> Manifest | None:
-        """The manifest of the run's newest readable checkpoint: what an incremental save dedupes against
-        when this process has not saved yet."""
-        for info in sorted(self.list(), key=saved_order, reverse=True):
+        """The manifest an incremental save dedupes against when this process has not saved yet: the
+        checkpoint ``restore_latest`` restored, else the run's newest readable one that did not fail to
+        restore."""
+        infos = sorted(self.list(), key=saved_order, reverse=True)
+        if self.restored_from is not None:
+            infos = [i for i in infos if i.name == self.restored_from]
+        for info in infos:
+            if info.name in self.unrestorable:
+                continue
             try:
                 return _read_manifest(self.config.storage, self.catalog.path(info.name), self.config.key)
             except CheckpointError as e:

@@ -394,6 +394,7 @@ class CheckpointManager:
                 failures.append((name, why))
                 continue
             log.info("resumed from %s", name)
+            self._committer.resumed(name, [n for n, _ in failures])
             self._writer.last_step = step
             self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
             return step + 1
