@@ -166,3 +166,32 @@ def test_import_writes_encrypted_and_export_writes_plain(tmp_path: Path, key_env
     trainstate.export(tmp_path / "imp", tmp_path / "out.safetensors", format="safetensors", key=KEY)
     # inference tools read plain files: export's output is not encrypted (docs/encryption.md)
     assert list(load_file(str(tmp_path / "out.safetensors"))) == ["w"]
+
+
+def test_consolidate_rotates_the_key_and_the_result_restores_into_live_objects(
+    tmp_path: Path, key_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = pytest.importorskip("torch")
+    new = trainstate.generate_key()
+    model = torch.nn.Linear(4, 3)
+    with trainstate.CheckpointManager(tmp_path / "run", key=KEY) as mgr:
+        mgr.save(7, {"model": model}, metrics={"loss": 0.5})
+    trainstate.consolidate(tmp_path / "run" / "step_00000007", tmp_path / "rotated", key=KEY, new_key=new)
+    fresh = torch.nn.Linear(4, 3)
+    trainstate.load(tmp_path / "rotated", {"model": fresh}, key=new)  # still a model's state, not plain dicts
+    assert torch.equal(fresh.weight, model.weight)
+    with trainstate.open(tmp_path / "rotated", key=new) as ck:
+        assert ck.metadata["trainstate"]["step"] == 7 and ck.metadata["trainstate"]["metrics"] == {"loss": 0.5}
+    with pytest.raises(trainstate.WrongKeyError):
+        trainstate.open(tmp_path / "rotated", key=KEY)
+    monkeypatch.setenv("NEW_TEST_KEY", new)  # the command line, keys by variable name
+    cli(
+        "consolidate",
+        str(tmp_path / "rotated"),
+        str(tmp_path / "back"),
+        "--key-env",
+        "NEW_TEST_KEY",
+        "--new-key-env",
+        VAR,
+    )
+    trainstate.load(tmp_path / "back", {"model": fresh}, key=KEY)

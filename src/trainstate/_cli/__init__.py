@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
     p.add_argument("--compression", metavar="zstd[:LEVEL]", help="compress OUT (default: uncompressed)")
+    p.add_argument(
+        "--new-key-env", metavar="NAME", help="encrypt OUT with the key in this variable instead (key rotation)"
+    )
 
     from trainstate._cli import _onnx
 
@@ -300,6 +303,7 @@ def _run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             compression=args.compression,
             key_env=key_env,
+            new_key_env=args.new_key_env,
         )
     if args.command == "export-onnx":
         from trainstate._cli import _onnx

@@ -18,17 +18,24 @@ def consolidate(
     overwrite: bool,
     compression: str | None = None,
     key_env: str | None = None,
+    new_key_env: str | None = None,
 ) -> int:
     with open_ckpt(path, key_env) as ck:  # a manager's directory given as CKPT is a usage error, as for inspect
         world = ck.world_size
         chunks = sum(len(ck.manifest.tensors[n].chunks) for n in ck.manifest.tensors)
     try:
         result = consolidate_checkpoint(
-            path, dst, rank=rank, overwrite=overwrite, compression=compression, key_env=key_env
+            path,
+            dst,
+            rank=rank,
+            overwrite=overwrite,
+            compression=compression,
+            key_env=key_env,
+            new_key_env=new_key_env,
         )
     except CheckpointExistsError as e:  # the library names its argument; here it is a flag
         raise CheckpointExistsError(str(e).replace("pass overwrite=True", "pass --overwrite")) from None
-    with open_checkpoint(dst, key_env=key_env) as done:
+    with open_checkpoint(dst, key_env=new_key_env or key_env) as done:
         tensors = len(done.manifest.tensors)
     report = {
         "path": dst,

@@ -47,6 +47,8 @@ def consolidate(
     compression: str | None = None,
     key: _keys.KeyLike | None = None,
     key_env: str | None = None,
+    new_key: _keys.KeyLike | None = None,
+    new_key_env: str | None = None,
 ) -> SaveResult:
     """Rewrite the checkpoint ``src`` (saved by many ranks) at ``dst`` as one process would have saved it.
 
@@ -69,6 +71,8 @@ def consolidate(
             ``trainstate.save`` compresses); by default ``dst`` is written uncompressed, whatever ``src`` is.
         key: the key of an encrypted source checkpoint, which also encrypts the result (docs/encryption.md).
         key_env: the name of an environment variable that holds the key, instead of ``key``.
+        new_key, new_key_env: encrypt the result with this key instead (key rotation: ``src`` read with
+            ``key``, ``dst`` written with ``new_key``; tree, metadata and values unchanged).
 
     Returns:
         A :class:`SaveResult` for ``dst``.
@@ -84,7 +88,8 @@ def consolidate(
     start = time.perf_counter()
     threads = arguments.positive_int(threads, "threads")
     resolved = _keys.resolve(key, key_env)
-    pipeline = transforms.pipeline(transforms.compression(compression), transforms.encryption(resolved))
+    writing = _keys.resolve(new_key, new_key_env) if new_key is not None or new_key_env is not None else resolved
+    pipeline = transforms.pipeline(transforms.compression(compression), transforms.encryption(writing))
     backend, root = resolve(dst, dst_storage)
     with Checkpoint(src, storage, key=resolved) as ck, _gc.paused():
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ck.world_size:
@@ -108,7 +113,7 @@ def consolidate(
             fsync=fsync,
             threads=threads,
             start=start,
-            key=resolved,
+            key=writing,
             workers=threads,
             pipeline=pipeline,
         )
