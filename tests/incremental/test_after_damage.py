@@ -46,3 +46,18 @@ def test_saves_after_a_fallback_do_not_share_the_damaged_bytes(tmp_path: Path, k
         assert np.array_equal(back["T"], b) and back["W"][0] == step
     with trainstate.CheckpointManager(tmp_path, incremental=True, keep_last=3, **kw) as mgr:
         assert mgr.restore_latest(target) == 5
+
+
+def test_a_manifest_copied_over_another_steps_is_not_taken_for_that_step(tmp_path: Path) -> None:
+    """In an incremental run a checkpoint directory holds only its manifest: copying step 2's over step 5's
+    gave a step_00000005 that verified and loaded step 2's state (new-user trial)."""
+    with trainstate.CheckpointManager(tmp_path, incremental=True) as mgr:
+        for step in (2, 5):
+            mgr.save(step, {"w": np.full(8, step, np.float32)})
+    (tmp_path / "step_00000005" / "manifest.json").write_bytes(
+        (tmp_path / "step_00000002" / "manifest.json").read_bytes()
+    )
+    target = {"w": np.zeros(8, np.float32)}
+    with trainstate.CheckpointManager(tmp_path, incremental=True) as mgr:
+        assert [c.step for c in mgr.list()] == [2]
+        assert mgr.restore_latest(target) == 3 and target["w"][0] == 2

@@ -98,6 +98,17 @@ class Catalog:
         meta = tree.decode(m.metadata)
         facts = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
         facts = facts if isinstance(facts, dict) else {}
+        recorded = facts.get("step")
+        if type(recorded) is int and recorded != step:  # a manifest copied over another step's (its bytes
+            why = (  # are all in the run's pool, so nothing else would notice): not the checkpoint its name says
+                f"its manifest records step {recorded}, not the step {step} its name says (copied from another "
+                "checkpoint?)"
+            )
+            if self._damage_seen.get(name) != (stamp.mtime, stamp.size):
+                log.warning("skipping %s: %s", self.path(name), why)
+                self._damage_seen[name] = (stamp.mtime, stamp.size)
+            self.damaged[name] = why
+            return None
         seq = facts.get("seq")
         metrics = facts.get("metrics")
         epoch = facts.get("epoch")
