@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "--key-env",
                 metavar="NAME",
                 help="the environment variable holding the key of encrypted checkpoints (make one with "
-                "'trainstate keygen'); outputs are encrypted with it too (not export's)",
+                "'trainstate keygen'); checkpoints this command writes are encrypted with it too (export and "
+                "export-onnx write plain files)",
             )
         return p
 

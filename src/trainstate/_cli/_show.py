@@ -253,8 +253,8 @@ def _boxes(t: TensorEntry) -> list[dict[str, Any]]:
 
 def _stored(t: TensorEntry) -> tuple[int, list[str]]:
     """A tensor's stored bytes (after compression, encryption) and the transforms its chunks use."""
-    names = {str(x.get("name")) for c in t.chunks for x in c.transforms}
-    return sum(c.byte_range[1] - c.byte_range[0] for c in t.chunks), sorted(names)
+    names = dict.fromkeys(str(x.get("name")) for c in t.chunks for x in c.transforms)  # in the order applied
+    return sum(c.byte_range[1] - c.byte_range[0] for c in t.chunks), list(names)
 
 
 def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = False, key_env: str | None = None) -> int:
@@ -267,7 +267,7 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
         infos = [ck.info(n) for n in ck if wanted(n)]
         boxes = {i.name: _boxes(ck.manifest.tensors[i.name]) for i in infos} if chunks else {}
         stored = {i.name: _stored(ck.manifest.tensors[i.name]) for i in infos}
-        transforms = sorted({n for _, names in stored.values() for n in names})
+        transforms = list(dict.fromkeys(n for _, names in stored.values() for n in names))  # in the order applied
         values = [(p, v) for p, v in _values.leaves(ck.manifest.tree) if wanted(p)]
         metadata = ck.metadata
         metadata_values = _values.leaves(ck.manifest.metadata)
@@ -391,7 +391,9 @@ def _shared_text(head: dict[str, Any]) -> str:
 
 def _ratio(raw: int, stored: int) -> str:
     """``stored`` bytes and how many times smaller than ``raw`` that is."""
-    return f"{size(stored)} ({raw / stored:.2f}x smaller)" if stored else size(stored)
+    if not stored or stored >= raw:  # nothing compressed (encryption alone adds a 16-byte tag per chunk)
+        return size(stored)
+    return f"{size(stored)} ({raw / stored:.2f}x smaller)"
 
 
 def _pin_text(row: dict[str, Any]) -> str:
