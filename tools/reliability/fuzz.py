@@ -15,7 +15,9 @@ and a pickle payload stored as bytes and as a tensor):
 Every example is loaded with ``trainstate.load`` and ``trainstate.open`` (keys, metadata, info, read of
 every listed name, verify) under these invariants:
 
-- every exception is a ``trainstate.CheckpointError`` (a ``KeyError`` only for a name not in ``keys()``);
+- every exception is a ``trainstate.CheckpointError`` (a ``KeyError`` only for a name not in ``keys()``),
+  and damage is never reported as a key that does not fit (an ``EncryptionKeyError``, which stops a manager
+  instead of making it fall back to an older checkpoint) unless the manifest's ``encryption`` object changed;
 - nothing outside the checkpoint directory is opened, nothing is written, renamed or removed
   (``sys.addaudithook``), and nothing is imported, executed or spawned;
 - the traced peak allocation (tracemalloc; NumPy reports its buffers to it) stays below
@@ -66,6 +68,7 @@ import ml_dtypes
 import numpy as np
 
 import trainstate
+from trainstate import _transforms as transforms
 from trainstate._format import checksum, datafile, manifest_mac
 from trainstate._keys import Key
 
@@ -1216,6 +1219,9 @@ def _inside(path: Any, *roots: str) -> bool:
     return any(real == root or real.startswith(root + os.sep) for root in roots)
 
 
+KEY_ERRORS = {"KeyRequiredError", "WrongKeyError", "NotEncryptedError", "EncryptionKeyError"}
+
+
 class Checker:
     """Runs one hostile checkpoint through every reading API and collects invariant violations."""
 
@@ -1267,6 +1273,11 @@ class Checker:
             out.violations.append(Violation("undetected", "open", "changed manifest accepted", case.describe()))
         if case is not None and case.must_fail_verify and out.results.get("verify") == "ok":
             out.violations.append(Violation("undetected", "verify", "changed header passed verify", case.describe()))
+        if not self._key_changed(case):  # the key given fits the manifest as written: any error is damage
+            for op, result in out.results.items():
+                if result in KEY_ERRORS:
+                    detail = case.describe() if case is not None else "the base checkpoint"
+                    out.violations.append(Violation("misclassified", op, f"{result} for damage", detail))
         if case is not None and case.expect is not None:
             for op in ("load", "open"):
                 if out.results.get(op) not in (case.expect, "hang"):
@@ -1275,6 +1286,18 @@ class Checker:
                         Violation("misclassified", op, f"{found} instead of {case.expect}", case.describe())
                     )
         return out
+
+    def _key_changed(self, case: Case | None) -> bool:
+        """Whether the case's manifest declares other encryption than the base's (a salt, a key check or
+        the whole object changed, added or removed): only then may a key not fit it."""
+        if case is None:
+            return False
+        try:
+            body = json.loads(case.files[MANIFEST])
+        except (ValueError, RecursionError):
+            return False
+        declared = body.get("encryption", None) if isinstance(body, dict) else None
+        return bool(declared != self.base.body.get("encryption"))
 
     # -- the operations -------------------------------------------------------------------------
 
@@ -1429,6 +1452,9 @@ class Harness:
                 ck.verify()
         finally:
             self.remove(path)
+        decoders = transforms.Decoders(self.base.key)
+        for name in transforms.REGISTRY:  # any manifest may name one: its (trainstate) module loads on first use
+            decoders.get(name)
         warm = random.Random("warm-up")
         for mutate in MUTATORS.values():
             for _ in range(count):
