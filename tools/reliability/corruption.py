@@ -22,7 +22,9 @@ an encrypted one is read with its key, and a third read, ``load(verify=False)``,
 that a flip in a chunk's stored bytes must be caught by the chunk's AES-GCM tag alone. A flip in an
 encrypted manifest that leaves it a well-formed encrypted manifest (valid JSON, the same ``encryption``
 object and checksum form) must be reported as ``TamperedCheckpointError`` by the MAC; any other error
-there is **misclassified**. An incremental flavor saves a run of two checkpoints through a manager (a
+there is **misclassified**, as is damage anywhere reported as a key that does not fit (an
+``EncryptionKeyError``: the key given is always the right one, and a manager stops on such an error
+instead of falling back to an older checkpoint). An incremental flavor saves a run of two checkpoints through a manager (a
 frozen tensor shared through the pool, the rest written again): its data files are the pool files, and a
 flip is probed through a checkpoint that uses the flipped byte (bytes of a pool file that only the other
 checkpoint uses are drawn again).
@@ -294,7 +296,10 @@ def probe(path: Path, reference: Any = None, flavor: Flavor = PLAIN, expect: str
             errors.append(f"{how}: {type(e).__name__}: {str(e)[:160]}")
             if how == "tag":
                 tag = type(e).__name__
-            if expect is not None and type(e).__name__ != expect:
+            if isinstance(e, trainstate.EncryptionKeyError):  # the key is right: a manager would stop on it
+                wrong += 1
+                errors[-1] += " (damage read as a key that does not fit)"
+            elif expect is not None and type(e).__name__ != expect:
                 wrong += 1
                 errors[-1] += f" (expected {expect})"
         except Exception as e:  # noqa: BLE001 - this is exactly what the campaign looks for
@@ -418,8 +423,12 @@ def run(trials: int = 5000, seed: int = 0, *, with_torch: bool | None = None, fl
         if kind == "manifest" and errors:
             notes.append("errors (the MAC's): " + ", ".join(f"{k} {v}" for k, v in errors.most_common()))
         for verdict in ("undetected", "unclean", "misclassified"):
-            if verdict == "misclassified" and flavor.key is None:
-                continue
+            if (
+                verdict == "misclassified"
+                and flavor is PLAIN
+                and not any(k.outcome.verdict == verdict for k in cases[kind])
+            ):
+                continue  # the plain rows' notes stay as they were
             found = [k for k in cases[kind] if k.outcome.verdict == verdict]
             if not found:
                 notes.append(f"{verdict}: 0")
