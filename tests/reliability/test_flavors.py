@@ -49,7 +49,7 @@ def test_every_flipped_byte_is_detected_cleanly(flavor: Flavor):
 
 @pytest.fixture(scope="module", params=FLAVORED, ids=IDS)
 def harness(request):
-    h = fuzz.Harness(slow_after=2.0, hang_after=5.0, many_chunks=False, flavor=request.param, warm_up=4)
+    h = fuzz.Harness(slow_after=2.0, hang_after=5.0, many_chunks=False, flavor=request.param, warm_up=2)
     yield h
     h.close()
 
@@ -58,7 +58,7 @@ def test_hostile_checkpoints_give_only_trainstate_errors(harness):
     clean = harness.run_files(dict(harness.base.files))
     assert clean.violations == [] and clean.results["load"] == clean.results["verify"] == "ok", clean.results
     failures = []
-    for campaign, examples in (("structure", 25), ("bytes", 15), ("headers", 10)):
+    for campaign, examples in (("structure", 20), ("bytes", 15), ("headers", 10)):
         for i in range(examples):
             case = fuzz.MUTATORS[campaign](harness.base, fuzz.case_rng(5, campaign, i))
             outcome = harness.run_case(case)
