@@ -35,6 +35,7 @@ Run: ``python -m tools.reliability.corruption --trials 5000 [--flavor NAME]`` fr
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -153,7 +154,8 @@ def _torch_state(steps: int = 1) -> dict[str, Any] | None:
         head(model(torch.randn(5, 8)).detach()).pow(2).mean().backward()
         head_opt.step()
         head_opt.zero_grad()
-        states.append({"model": model, "head": head, "optim": opt, "head_optim": head_opt, "step": step})
+        live = {"model": model, "head": head, "optim": opt, "head_optim": head_opt, "step": step}
+        states.append(copy.deepcopy(live))  # this step's values: the objects train on
     return {"steps": states}
 
 
