@@ -1,6 +1,6 @@
 """Run every reliability campaign at full size and write docs/reliability.md.
 
-python -m tools.reliability                 # ~13 minutes on 2 cores; writes docs/reliability.md
+python -m tools.reliability                 # ~15 minutes on 2 cores; writes docs/reliability.md
 python -m tools.reliability --quick --print # a smaller run, printed only
 
 The crash, corruption and hostile-checkpoint campaigns run once per flavor (common.FLAVORS): plain at the
