@@ -1,7 +1,10 @@
 """Run every reliability campaign at full size and write docs/reliability.md.
 
-python -m tools.reliability                 # ~5 minutes on 2 cores; writes docs/reliability.md
+python -m tools.reliability                 # ~15 minutes on 2 cores; writes docs/reliability.md
 python -m tools.reliability --quick --print # a smaller run, printed only
+
+The crash, corruption and hostile-checkpoint campaigns run once per flavor (common.FLAVORS): plain at the
+sizes below, the other flavors (zstd, encrypted, incremental, all three) at FLAVOR_SIZES.
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ import datetime
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trainstate
 
 from . import concurrency, corruption, crash, faults, fuzz
-from .common import Row
+from .common import FLAVORS, PLAIN, Row
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 
@@ -27,6 +31,12 @@ from reading the code: processes SIGKILLed mid-save, every write / fsync / renam
 turn, a real filesystem filling up, bytes flipped at random, hostile manifests and headers, and readers
 racing a writer. Regenerate this page with `python -m tools.reliability` (the tests in
 `tests/reliability/` run the same code at a smaller size on every CI run).
+
+The crash, corruption and hostile-checkpoint campaigns run for every way trainstate stores bytes at
+rest: **plain**, **zstd** (`compression="zstd"`), **encrypted** (`key=`, AES-256-GCM chunks and an
+authenticated manifest), **incremental** (`CheckpointManager(incremental=True)`: data in the run's
+shared pool) and all three at once. A row without a bracket is plain; `[zstd]` and so on name the
+flavor. {sizes}
 """
 
 EXPLAIN = """## What each campaign checks
@@ -48,6 +58,18 @@ EXPLAIN = """## What each campaign checks
   manifest re-sealed with a valid checksum so the parser has to cope. Clean means only trainstate
   errors came out, nothing outside the checkpoint was opened (audit hook), allocation stayed within
   the files' size (tracemalloc), and every example finished in time.
+- **Flavors**: the same campaigns and the same checks, with the flavor's arguments on every save,
+  manager and read. SIGKILL: the killed child saves with them and the state of an incremental run has
+  a frozen tensor its checkpoints share; after each start no pool file may be left that no checkpoint
+  names. Corruption: an encrypted checkpoint is also read with every checksum off (`load(verify=False)`),
+  so a flip in a chunk's stored bytes must be caught by its AES-GCM tag alone; a flip that leaves an
+  encrypted manifest well-formed must be reported by its MAC (`TamperedCheckpointError`), any other error
+  class counts as a failure. An incremental run's pool files are flipped, each byte read through a
+  checkpoint that uses it. Hostile checkpoints: an encrypted manifest is re-sealed with the key's MAC (an
+  insider who holds the key: still only trainstate errors) or, a quarter of the structural and half the
+  byte mutations, not re-sealed: then it must be refused, by the MAC whenever nothing before it objects.
+  Flavors with chunk transforms also get mutated transforms (dropped, reordered, doubled, another chunk's
+  nonce), incremental ones mutated `pool` flags; the reader may open the run's pool, nothing else.
 - **Concurrency**: a second manager on a directory another process is using is refused; a reader
   listing and restoring while a writer saves with retention only ever sees whole checkpoints (a
   checkpoint deleted between listing and opening gives a clean `CheckpointNotFoundError`).
@@ -76,16 +98,38 @@ failed before its fix (the test named in the last column).
 | 15 | a 101-deep state saved, committed and never opened | one depth rule, counted the same by the writer and the validator | `::test_what_saves_also_opens_at_the_depth_limit`, `::test_a_stateful_chain_counts_levels_like_containers` |
 | 16 | a user key `_rng` was overwritten by the manager's RNG capture | refused with what to do | `tests/manager/test_never_lose_work.py::test_a_user_key_named_rng_is_never_overwritten` |
 | 21 | argument mistakes were plain ValueErrors; assorted wrong texts | `InvalidArgumentError` (a `CheckpointError`, `ValueError` and `TypeError`); see the list in the tests | `::test_bad_manager_arguments_are_checkpoint_errors_and_take_nothing`, `::test_a_bad_step_is_a_checkpoint_error`, `::test_configuration_is_fixed_after_construction`, `tests/test_optional_dependencies.py`, `tests/test_paths.py`, `tests/test_errors.py`, `tests/cli/test_cli.py::test_help_works_without_docstrings`, `::test_ls_shows_pin_reasons_and_a_second_pin_says_it_changed_nothing` |
+| 22 | a plain checkpoint whose (re-sealed) manifest called a chunk `aes-256-gcm` raised `KeyRequiredError` ("pass key="): `restore_latest` stopped on it as on a user error instead of falling back (fuzz [zstd]) | only an authenticated manifest can say a chunk is encrypted: such a chunk in a plain manifest is `CorruptCheckpointError` (`_restore/transformed.py`; docs/format.md §12.2) | `tests/reliability/test_flavor_findings.py::test_a_plain_manifest_claiming_an_encrypted_chunk_is_damage_not_a_missing_key` |
+| 23 | one flipped byte in the salt or key check of an encrypted manifest read as another key's (`WrongKeyError`): the manager refused to start the run, telling the user their key was wrong (corruption [encrypted]: 6 of 979 manifest flips) | the chunk key needs no salt: when a chunk of the checkpoint decrypts with the key, the key is right and the manifest damaged (`TamperedCheckpointError`, skipped like damage; `_restore/key_or_damage.py`, docs/format.md §12.3) | `::test_a_damaged_salt_or_key_check_is_damage_when_the_key_decrypts_the_checkpoint`, `::test_a_checkpoint_of_another_key_still_stops_the_manager` |
 """
+
+
+FLAVOR_SIZES = {"kills": 15, "trials": 2000, "examples": 300}  # per flavor other than plain (--quick: a quarter)
+
+
+def _sizes(quick: bool) -> dict[str, int]:
+    return {k: max(2, v // 4) if quick else v for k, v in FLAVOR_SIZES.items()}
+
+
+def _flavored(run: Callable[..., list[Row]], size: str, quick: bool, **plain: int) -> Callable[[], list[Row]]:
+    """The campaign for plain at its own size, then for every other flavor at FLAVOR_SIZES."""
+
+    def go() -> list[Row]:
+        rows = run(**plain)
+        for flavor in FLAVORS.values():
+            if flavor is not PLAIN:
+                rows += run(**{size: _sizes(quick)[size]}, flavor=flavor)
+        return rows
+
+    return go
 
 
 def collect(quick: bool) -> list[tuple[str, list[Row], float]]:
     sections = []
     for title, fn in [
-        ("Crashes", lambda: crash.run(kills=20 if quick else 100)),
+        ("Crashes", _flavored(crash.run, "kills", quick, kills=20 if quick else 100)),
         ("Disk full and I/O errors", lambda: faults.run(quick=quick)),
-        ("Corruption", lambda: corruption.run(trials=1000 if quick else 5000)),
-        ("Hostile checkpoints", lambda: fuzz.run(examples=300 if quick else 2000)),
+        ("Corruption", _flavored(corruption.run, "trials", quick, trials=1000 if quick else 5000)),
+        ("Hostile checkpoints", _flavored(fuzz.run, "examples", quick, examples=300 if quick else 2000)),
         ("Concurrency", lambda: concurrency.run(saves=100 if quick else 300, restarts=3 if quick else 10)),
     ]:
         start = time.perf_counter()
@@ -95,9 +139,14 @@ def collect(quick: bool) -> list[tuple[str, list[Row], float]]:
     return sections
 
 
-def render(sections: list[tuple[str, list[Row], float]]) -> str:
+def render(sections: list[tuple[str, list[Row], float]], quick: bool = False) -> str:
+    sizes = _sizes(quick)
     lines = [
-        INTRO,
+        INTRO.format(
+            sizes=f"Plain runs at the sizes of the rows; every other flavor at {sizes['kills']} SIGKILLs per save "
+            f"mode, {sizes['trials']} byte flips and {sizes['examples']} hostile checkpoints per campaign, so that "
+            "the whole page is regenerated in about a quarter of an hour on 2 cores."
+        ),
         "## Results",
         "",
         f"Run on {datetime.date.today()}, trainstate {trainstate.__version__}, Python "
@@ -109,7 +158,7 @@ def render(sections: list[tuple[str, list[Row], float]]) -> str:
     for title, rows, _ in sections:
         for row in rows:
             lines.append(f"| {title} | {row.campaign} | {row.passed} / {row.trials} {row.measure} | {row.rate} |")
-    lines += ["", "### Notes", ""]
+    lines += ["", *by_flavor(sections), "", "### Notes", ""]
     for title, rows, seconds in sections:
         lines.append(f"- **{title}** ({seconds:.0f} s)")
         for row in rows:
@@ -120,12 +169,54 @@ def render(sections: list[tuple[str, list[Row], float]]) -> str:
     return "\n".join(lines) + "\n\n" + DEFECTS + "\n" + EXPLAIN
 
 
+def by_flavor(sections: list[tuple[str, list[Row], float]]) -> list[str]:
+    """The flavored campaigns again, one line per flavor: passed / trials per campaign."""
+    columns: dict[str, dict[str, Row]] = {}
+    for _, rows, _ in sections:
+        for row in rows:
+            for flavor in FLAVORS.values():
+                if flavor is PLAIN or not row.campaign.endswith(flavor.label):
+                    continue
+                column = row.campaign[: -len(flavor.label)].replace(" in pool files", " in data files")
+                columns.setdefault(column, {})[flavor.name] = row
+    columns = {c: by for c, by in columns.items() if by}
+    if not columns:
+        return []
+    plain = {c: r for _, rows, _ in sections for r in rows if (c := r.campaign) in columns}
+    short = {c: _SHORT.get(c, c) for c in columns}
+    lines = [
+        "### By flavor",
+        "",
+        "| flavor | " + " | ".join(short.values()) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for flavor in FLAVORS.values():
+        cells = []
+        for c in columns:
+            row = plain.get(c) if flavor is PLAIN else columns[c].get(flavor.name)
+            cells.append(f"{row.passed} / {row.trials}" if row is not None else "")
+        lines.append(f"| {flavor.name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+_SHORT = {
+    "SIGKILL at a random moment, sync save loop": "SIGKILL, sync",
+    "SIGKILL at a random moment, async save loop": "SIGKILL, async",
+    "corruption: one flipped byte in data files": "flips: data (pool) files",
+    "corruption: one flipped byte in manifest.json": "flips: manifest",
+    "corruption: flipped stored tensor bytes, checksums off (AES-GCM tag)": "flips: GCM tag alone",
+    "hostile manifests (structure)": "hostile manifests",
+    "hostile bytes (manifest)": "hostile manifest bytes",
+    "hostile data-file headers": "hostile headers",
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller campaigns")
     ap.add_argument("--print", dest="print_only", action="store_true", help="print instead of writing the doc")
     args = ap.parse_args()
-    text = render(collect(args.quick))
+    text = render(collect(args.quick), args.quick)
     if args.print_only:
         print(text)
     else:

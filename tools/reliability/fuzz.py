@@ -15,7 +15,9 @@ and a pickle payload stored as bytes and as a tensor):
 Every example is loaded with ``trainstate.load`` and ``trainstate.open`` (keys, metadata, info, read of
 every listed name, verify) under these invariants:
 
-- every exception is a ``trainstate.CheckpointError`` (a ``KeyError`` only for a name not in ``keys()``);
+- every exception is a ``trainstate.CheckpointError`` (a ``KeyError`` only for a name not in ``keys()``),
+  and damage is never reported as a key that does not fit (an ``EncryptionKeyError``, which stops a manager
+  instead of making it fall back to an older checkpoint) unless the manifest's ``encryption`` object changed;
 - nothing outside the checkpoint directory is opened, nothing is written, renamed or removed
   (``sys.addaudithook``), and nothing is imported, executed or spawned;
 - the traced peak allocation (tracemalloc; NumPy reports its buffers to it) stays below
@@ -23,8 +25,19 @@ every listed name, verify) under these invariants:
 - each example finishes within ``slow_after`` seconds (a SIGALRM breaks real hangs);
 - an un-resealed change to the manifest is rejected and an un-resealed change to a header fails verify().
 
+Each run is for a flavor (common.FLAVORS) of the base checkpoint: compressed (zstd chunks), encrypted
+(AES-GCM chunks, a MAC for a checksum), incremental (the checkpoint of a run whose data files are in the
+run's pool, ``<run>/_shared``, which the reader may open as well) or all three. For an encrypted one the
+fuzzer re-seals with the key's MAC -- an insider who holds the key -- and every read is given the key;
+the same invariants hold. A manifest changed and *not* re-sealed (half the byte mutations, a quarter of
+the structural ones) must then be refused, and by the MAC (``TamperedCheckpointError``) whenever it passes
+every check a reader makes before the MAC (common.must_be_tampered). Flavors with chunk transforms also
+mutate the transforms (dropped, reordered, duplicated, nonces swapped or hostile); incremental ones the
+``pool`` / ``new`` flags of the files.
+
 Example ``i`` of a campaign draws from ``random.Random(f"{seed}/{campaign}/{i}")``, so
-``python -m tools.reliability.fuzz --seed S --replay CAMPAIGN:I`` shows exactly one example again.
+``python -m tools.reliability.fuzz --seed S --replay CAMPAIGN:I [--flavor NAME]`` shows exactly one
+example again.
 tests/reliability/test_fuzz.py drives the same mutators and checks through hypothesis.
 """
 
@@ -48,15 +61,18 @@ import traceback
 import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 import trainstate
-from trainstate._format import checksum, datafile
+from trainstate import _transforms as transforms
+from trainstate._format import checksum, datafile, manifest_mac
+from trainstate._keys import Key
 
-from .common import Row
+from .common import FLAVORS, PLAIN, Flavor, Row, must_be_tampered, save_steps
 
 MANIFEST = "manifest.json"
 SENTINEL = "trainstate_fuzz_sentinel"  # a module that flags itself when imported: it never must be
@@ -77,14 +93,31 @@ def canonical(body: Any) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-def seal(body: dict[str, Any]) -> bytes:
-    """Manifest bytes for ``body`` with a correct checksum: a lie the checksum cannot catch."""
+def seal(body: dict[str, Any], key: Key | None = None) -> bytes:
+    """Manifest bytes for ``body`` with a correct checksum: a lie the checksum cannot catch. With ``key``,
+    the checksum is the MAC an encrypted checkpoint's manifest carries (the lie of an insider with the key)."""
     body = {k: v for k, v in body.items() if k != "checksum"}
-    body["checksum"] = checksum.digest(canonical(body))
+    body["checksum"] = digest(canonical(body), body, key)
     return canonical(body) + b"\n"
 
 
-def reseal_bytes(raw: bytes, rnd: Any) -> bytes | None:
+def digest(data: bytes, body: Any, key: Key | None) -> str:
+    """The checksum member a reader expects for ``data`` (the bytes it covers): xxh3, or with ``key`` the
+    MAC keyed with the salt ``body`` declares (its base's salt where the mutated one is not one)."""
+    if key is None:
+        return checksum.digest(data)
+    enc = body.get("encryption") if isinstance(body, dict) else None
+    salt = enc.get("salt") if isinstance(enc, dict) else None
+    try:
+        salt_bytes = bytes.fromhex(salt) if isinstance(salt, str) else b"\0" * manifest_mac.SALT_BYTES
+    except ValueError:  # not hex: the reader refuses the encryption object before the MAC anyway
+        salt_bytes = b"\0" * manifest_mac.SALT_BYTES
+    mac = manifest_mac.Mac(key, salt_bytes)
+    mac.update(data)
+    return mac.result()
+
+
+def reseal_bytes(raw: bytes, rnd: Any, key: Key | None = None) -> bytes | None:
     """Fix the checksum inside (possibly non-canonical) manifest bytes in place; None if impossible."""
     try:
         body = json.loads(raw)
@@ -97,11 +130,11 @@ def reseal_bytes(raw: bytes, rnd: Any) -> bytes | None:
         return None
     prefix = b'{"checksum":' + old + b","
     if raw.startswith(prefix) and rnd.random() < 0.5:  # the reader hashes these bytes as they are
-        new = checksum.digest(b"{" + raw[len(prefix) :].rstrip(b"\n"))
+        new = digest(b"{" + raw[len(prefix) :].rstrip(b"\n"), body, key)
     else:  # the reader hashes the canonical form of what it parsed
         rest = {k: v for k, v in body.items() if k != "checksum"}
         try:
-            new = checksum.digest(canonical(rest))
+            new = digest(canonical(rest), body, key)
         except (ValueError, RecursionError):
             return None
     return raw.replace(old, json.dumps(new).encode(), 1)
@@ -133,6 +166,8 @@ class Base:
     body: dict[str, Any]
     pwned_marker: str  # a file the os.system payload would create
     many_chunks: bool = True  # let tiling make 1000+ chunks (slow by design; the tests keep it off)
+    flavor: Flavor = PLAIN
+    pool: frozenset[str] = frozenset()  # data files in the run's pool (incremental), not in the checkpoint
 
     @property
     def manifest(self) -> bytes:
@@ -142,12 +177,27 @@ class Base:
     def data_files(self) -> list[str]:
         return sorted(n for n in self.files if n != MANIFEST)
 
+    @property
+    def key(self) -> Key | None:
+        return Key(self.flavor.key) if self.flavor.key is not None else None
 
-def build_base(workdir: str) -> Base:
-    """Save the small valid checkpoint, then plant code-execution bait in its tree and metadata."""
+    @property
+    def extra_fields(self) -> list[str]:
+        """Field names the flavor's manifests add, for mutations to use (none for plain: its draws stay)."""
+        out = []
+        if self.flavor.key is not None:
+            out += ["encryption", "algorithm", "kdf", "salt", "key_check", "nonce"]
+        if self.flavor.compression is not None:
+            out += ["raw_checksum"]
+        if self.flavor.incremental:
+            out += ["pool", "new"]
+        return out
+
+
+def _base_state() -> dict[str, Any]:
     payload = pickle.dumps(_Payload(), protocol=2)
     b = np.arange(10, dtype=np.int64)
-    state = {
+    return {
         "w": np.arange(128 * 128, dtype=np.float32).reshape(128, 128),  # 64 KiB: amplification shows
         "b": b,
         "b_tied": b,
@@ -167,14 +217,40 @@ def build_base(workdir: str) -> Base:
         "payload": payload,
         "step": 7,
     }
-    path = os.path.join(workdir, "base")
-    trainstate.save(path, state, metadata={"run": "fuzz", "step": 7}, threads=2, fsync=False)
+
+
+def build_base(workdir: str, flavor: Flavor = PLAIN) -> Base:
+    """Save the small valid checkpoint, then plant code-execution bait in its tree and metadata.
+
+    An incremental flavor saves it as the second checkpoint of a run whose first had the same tensors
+    but other optimizer moments: it shares the rest through the pool and writes those again.
+    """
+    state = _base_state()
+    metadata = {"run": "fuzz", "step": 7}
+    pool: frozenset[str] = frozenset()
+    if flavor.incremental:
+        earlier = _base_state()
+        earlier["opt"]["state"][0]["m"] = np.full(5, -2.0)
+        run = os.path.join(workdir, "base-run")
+        (path_,) = save_steps(Path(run), [(6, earlier), (7, state)], flavor, metadata)[1:]
+        path = str(path_)
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            listed = json.loads(f.read())["files"]
+        pool = frozenset(f["path"] for f in listed if f.get("pool"))
+        names = [MANIFEST, *sorted(pool)]
+        where = {n: os.path.join(run, "_shared", n) if n in pool else os.path.join(path, n) for n in names}
+    else:
+        path = run = os.path.join(workdir, "base")
+        trainstate.save(path, state, metadata=metadata, threads=2, fsync=False, **flavor.save_kwargs())
+        where = {n: os.path.join(path, n) for n in sorted(os.listdir(path))}
     files = {}
-    for name in sorted(os.listdir(path)):
-        with open(os.path.join(path, name), "rb") as f:
+    for name, file in where.items():
+        with open(file, "rb") as f:
             files[name] = f.read()
-    shutil.rmtree(path)
+    shutil.rmtree(run)
+    key = Key(flavor.key) if flavor.key is not None else None
     body = json.loads(files[MANIFEST])
+    payload = state["payload"]
     marker = os.path.join(workdir, "pwned")
     bait = [
         ["os_system", {"t": "stateful", "type": "os.system", "v": f"touch {marker}"}],
@@ -187,15 +263,27 @@ def build_base(workdir: str) -> Base:
     ]
     body["tree"]["v"].extend(bait)
     body["metadata"]["v"].append(["hook", {"t": "stateful", "type": f"{SENTINEL}.Hook", "v": None}])
-    files[MANIFEST] = seal(body)
-    return Base(files, json.loads(files[MANIFEST]), marker)
+    files[MANIFEST] = seal(body, key)
+    return Base(files, json.loads(files[MANIFEST]), marker, flavor=flavor, pool=pool)
 
 
-def write_case(base: Base, files: dict[str, bytes], path: str) -> None:
+CHECKPOINT = "step_00000007"  # an incremental case's checkpoint, in its run directory beside _shared
+
+
+def write_case(base: Base, files: dict[str, bytes], path: str) -> str:
+    """Write a case's files at ``path``; returns the checkpoint's path (for an incremental base, ``path`` is
+    the run directory: the checkpoint is in it, the pool files in its ``_shared``)."""
     os.mkdir(path)
+    ckpt = path
+    if base.pool:
+        ckpt = os.path.join(path, CHECKPOINT)
+        os.mkdir(ckpt)
+        os.mkdir(os.path.join(path, "_shared"))
     for name, data in files.items():
-        with open(os.path.join(path, name), "wb") as f:
+        where = os.path.join(path, "_shared", name) if name in base.pool else os.path.join(ckpt, name)
+        with open(where, "wb") as f:
             f.write(data)
+    return ckpt
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,7 +430,7 @@ def hostile_value(rnd: Any, base: Base | None = None, depth: int = 0) -> Any:
         return [hostile_value(rnd, base, depth + 1) for _ in range(rnd.randrange(0, 4))]
     if r == 9:
         return {
-            rnd.choice(FIELD_NAMES + STRINGS[:12]): hostile_value(rnd, base, depth + 1)
+            rnd.choice(_field_names(base) + STRINGS[:12]): hostile_value(rnd, base, depth + 1)
             for _ in range(rnd.randrange(0, 4))
         }
     if r == 10:  # deep nesting, tree-like or bare
@@ -388,6 +476,10 @@ def hostile_value(rnd: Any, base: Base | None = None, depth: int = 0) -> Any:
     if r == 14:  # fake shape
         return rnd.choice([[2**40], [0, 2**63], [0, 2**64], [1] * 65, [0] * 70, [2**32, 2**32], [-1], [1.5]])
     return {"name": rnd.choice(["zstd", "aes", None, [], {}])}
+
+
+def _field_names(base: Base | None) -> list[str]:
+    return FIELD_NAMES + base.extra_fields if base is not None else FIELD_NAMES
 
 
 def _paths(node: Any, prefix: tuple = ()) -> Iterator[tuple]:
@@ -479,7 +571,7 @@ def _op_add(rnd: Any, body: dict, base: Base) -> str:
     target = _get(body, path)
     value = hostile_value(rnd, base)
     if isinstance(target, dict):
-        key = rnd.choice(FIELD_NAMES + ["extra", "x" * 300])
+        key = rnd.choice(_field_names(base) + ["extra", "x" * 300])
         if "byte_range" in target and rnd.random() < 0.5:  # a chunk: its one optional field
             key = "transforms"
         target[key] = value
@@ -651,6 +743,57 @@ def _op_files(rnd: Any, body: dict, base: Base) -> str:
     return f"files[].{key} = {_short(value)}"
 
 
+def _op_transforms(rnd: Any, body: dict, base: Base) -> str:
+    """A chunk's transforms (zstd, aes-256-gcm) lie: dropped, reordered, doubled, or a nonce that is another
+    chunk's or no nonce at all. Its checksum still covers its stored bytes, so only the decoding can tell."""
+    chunks = [c for c in _chunks(body) if isinstance(c.get("transforms"), list) and c["transforms"]]
+    if not chunks:
+        return "no transformed chunk"
+    c = rnd.choice(chunks)
+    ts = c["transforms"]
+    r = rnd.randrange(6)
+    if r == 0:
+        del ts[rnd.randrange(len(ts))]
+        return f"a transform dropped: {_short(ts)}"
+    if r == 1:
+        ts.reverse()
+        return f"transforms reversed: {_short(ts)}"
+    if r == 2:
+        ts.append(_copy(rnd.choice(ts)))
+        return f"a transform doubled: {_short(ts)}"
+    t = rnd.choice([t for t in ts if isinstance(t, dict)] or [{}])
+    if r == 3:  # another chunk's nonce (or zstd parameters) in its place
+        other = rnd.choice([x for o in chunks for x in o["transforms"] if isinstance(x, dict)])
+        t.clear()
+        t.update(_copy(other))
+        return f"a transform copied from another chunk: {_short(other)}"
+    if r == 4:
+        member = rnd.choice(["nonce", "raw_checksum", "name"])
+        value = rnd.choice(
+            [None, "", "0" * 24, "0" * 23, "g" * 24, "0" * 32, "xxh3_64:0000000000000000", "aes-256-gcm", "zstd"]
+            + [hostile_value(rnd, base)]
+        )
+        t[member] = value
+        return f"transform.{member} = {_short(value)}"
+    ts.insert(rnd.randrange(len(ts) + 1), rnd.choice([{"name": "zstd"}, {"name": "aes-256-gcm", "nonce": "0" * 24}]))
+    return f"a transform inserted: {_short(ts)}"
+
+
+def _op_pool(rnd: Any, body: dict, base: Base) -> str:
+    """A file's place lies: a pool file said to be the checkpoint's own or the reverse, or its flags hostile."""
+    files = [f for f in body.get("files") or [] if isinstance(f, dict)] if isinstance(body.get("files"), list) else []
+    if not files:
+        return "no files"
+    f = rnd.choice(files)
+    member = rnd.choice(["pool", "new"])
+    value = rnd.choice([True, False, None, 1, 0, "true", [], hostile_value(rnd, base)])
+    if value is None and rnd.random() < 0.5:
+        f.pop(member, None)
+        return f"files[{f.get('path')!r:.40}].{member} deleted"
+    f[member] = value
+    return f"files[{f.get('path')!r:.40}].{member} = {_short(value)}"
+
+
 STRUCTURE_OPS: list[tuple[str, Callable[[Any, dict, Base], str], int]] = [
     ("replace", _op_replace, 10),
     ("delete", _op_delete, 5),
@@ -686,25 +829,43 @@ class Case:
     ops: set[str] = field(default_factory=set)
     must_reject: bool = False  # un-resealed manifest change: open() must raise
     must_fail_verify: bool = False  # un-resealed header change: verify() must raise
+    expect: str | None = None  # the error open() and load() must raise (an encrypted manifest's MAC: Tampered...)
 
     def describe(self) -> str:
         return "; ".join(self.steps)
 
 
+def _structure_ops(base: Base) -> list[tuple[str, Callable[[Any, dict, Base], str], int]]:
+    """The structural mutations for ``base``: the plain ones, and those of its flavor's own fields."""
+    ops = list(STRUCTURE_OPS)
+    if base.flavor.key is not None or base.flavor.compression is not None:
+        ops.append(("transforms", _op_transforms, 3))
+    if base.flavor.incremental:
+        ops.append(("pool", _op_pool, 2))
+    return ops
+
+
 def structure_case(base: Base, rnd: Any) -> Case:
     body = _copy(base.body)
-    body.pop("checksum")
+    old_mac = body.pop("checksum")
     steps, ops = [], set()
     for _ in range(rnd.choice([1, 1, 1, 2, 3])):
-        name, fn = _weighted(rnd, STRUCTURE_OPS)
+        name, fn = _weighted(rnd, _structure_ops(base))
         ops.add(name)
         steps.append(fn(rnd, body, base))
+    outsider = base.key is not None and rnd.random() < 0.25  # changed without the key: the old MAC stays
     try:
-        raw = seal(body)
+        raw = canonical({**body, "checksum": old_mac}) + b"\n" if outsider else seal(body, base.key)
     except (ValueError, RecursionError) as e:  # nested past the encoder's limit: keep the base manifest
         raw = base.manifest
         steps.append(f"not sealable ({type(e).__name__}), unchanged")
-    return Case("structure", {**base.files, MANIFEST: raw}, steps, ops)
+        outsider = False
+    if not outsider:
+        return Case("structure", {**base.files, MANIFEST: raw}, steps, ops)
+    steps.append("not re-sealed (no key)")
+    must_reject = not _same_body(raw, base.manifest)
+    expect = "TamperedCheckpointError" if must_reject and must_be_tampered(raw, base.manifest) else None
+    return Case("structure", {**base.files, MANIFEST: raw}, steps, ops, must_reject=must_reject, expect=expect)
 
 
 BYTE_TOKENS = [
@@ -813,12 +974,15 @@ def bytes_case(base: Base, rnd: Any) -> Case:
     out = bytes(raw)
     resealed = None
     if rnd.random() < 0.5:
-        resealed = reseal_bytes(out, rnd)
+        resealed = reseal_bytes(out, rnd, base.key)
     if resealed is not None:
         steps.append("resealed")
         out = resealed
     must_reject = resealed is None and not _same_body(out, base.manifest)
-    return Case("bytes", {**base.files, MANIFEST: out}, steps, {"bytes"}, must_reject=must_reject)
+    expect = None
+    if must_reject and base.key is not None and must_be_tampered(out, base.manifest):
+        expect = "TamperedCheckpointError"
+    return Case("bytes", {**base.files, MANIFEST: out}, steps, {"bytes"}, must_reject=must_reject, expect=expect)
 
 
 HEADER_JSON = [
@@ -916,7 +1080,7 @@ def headers_case(base: Base, rnd: Any) -> Case:
                 if c["file"] == name:
                     c["byte_range"] = [c["byte_range"][0] + shift, c["byte_range"][1] + shift]
             steps.append("chunks shifted")
-        files[MANIFEST] = seal(body)
+        files[MANIFEST] = seal(body, base.key)
         steps.append("manifest resealed")
     return Case("headers", files, steps, {"headers"}, must_fail_verify=changed and not resealed)
 
@@ -1048,11 +1212,14 @@ def signature(e: BaseException) -> str:
     return sig
 
 
-def _inside(path: Any, root: str) -> bool:
+def _inside(path: Any, *roots: str) -> bool:
     if isinstance(path, int):
         return True  # an fd opened earlier (and audited then)
     real = os.path.realpath(os.fsdecode(path))
-    return real == root or real.startswith(root + os.sep)
+    return any(real == root or real.startswith(root + os.sep) for root in roots)
+
+
+KEY_ERRORS = {"KeyRequiredError", "WrongKeyError", "NotEncryptedError", "EncryptionKeyError"}
 
 
 class Checker:
@@ -1065,13 +1232,16 @@ class Checker:
         self.hang_after = hang_after
 
     def check(self, path: str, case: Case | None = None) -> Outcome:
-        root = os.path.realpath(path)
+        roots = [os.path.realpath(path)]
+        if self.base.pool:  # an incremental checkpoint: its run's pool may be read too (docs/format.md §11)
+            roots.append(os.path.join(os.path.dirname(roots[0]), "_shared"))
         out = Outcome()
         total = manifest_size = 0
-        for name in os.listdir(path):
-            st = os.lstat(os.path.join(path, name))
-            total += st.st_size
-            manifest_size += st.st_size if name == MANIFEST else 0
+        for root in roots:
+            for name in os.listdir(root) if os.path.isdir(root) else []:
+                st = os.lstat(os.path.join(root, name))
+                total += st.st_size
+                manifest_size += st.st_size if name == MANIFEST else 0
         out.bound = 2 * total + 32 * manifest_size + 4 * MiB
         events: list[tuple[str, tuple]] = []
         started_tracing = not tracemalloc.is_tracing()
@@ -1090,7 +1260,7 @@ class Checker:
             out.seconds = time.perf_counter() - t0
             if started_tracing:
                 tracemalloc.stop()
-        self._judge_events(events, root, out)
+        self._judge_events(events, roots, out)
         if SENTINEL in sys.modules or getattr(sys, "_trainstate_fuzz_sentinel", False):
             out.violations.append(Violation("code", "any", "sentinel module imported", SENTINEL))
         if os.path.exists(self.base.pwned_marker):
@@ -1103,14 +1273,39 @@ class Checker:
             out.violations.append(Violation("undetected", "open", "changed manifest accepted", case.describe()))
         if case is not None and case.must_fail_verify and out.results.get("verify") == "ok":
             out.violations.append(Violation("undetected", "verify", "changed header passed verify", case.describe()))
+        if not self._key_changed(case):  # the key given fits the manifest as written: any error is damage
+            for op, result in out.results.items():
+                if result in KEY_ERRORS:
+                    detail = case.describe() if case is not None else "the base checkpoint"
+                    out.violations.append(Violation("misclassified", op, f"{result} for damage", detail))
+        if case is not None and case.expect is not None:
+            for op in ("load", "open"):
+                if out.results.get(op) not in (case.expect, "hang"):
+                    found = out.results.get(op)
+                    out.violations.append(
+                        Violation("misclassified", op, f"{found} instead of {case.expect}", case.describe())
+                    )
         return out
+
+    def _key_changed(self, case: Case | None) -> bool:
+        """Whether the case's manifest declares other encryption than the base's (a salt, a key check or
+        the whole object changed, added or removed): only then may a key not fit it."""
+        if case is None:
+            return False
+        try:
+            body = json.loads(case.files[MANIFEST])
+        except (ValueError, RecursionError):
+            return False
+        declared = body.get("encryption", None) if isinstance(body, dict) else None
+        return bool(declared != self.base.body.get("encryption"))
 
     # -- the operations -------------------------------------------------------------------------
 
     def _run_all(self, path: str, out: Outcome, case: Case | None) -> None:
-        self._op(out, "load", lambda: trainstate.load(path))
+        kwargs = self.base.flavor.open_kwargs()
+        self._op(out, "load", lambda: trainstate.load(path, **kwargs))
         holder: list[Any] = []
-        if not self._op(out, "open", lambda: holder.append(trainstate.open(path))):
+        if not self._op(out, "open", lambda: holder.append(trainstate.open(path, **kwargs))):
             return
         ck = holder[0]
         try:
@@ -1187,14 +1382,14 @@ class Checker:
     def _text(self, e: BaseException) -> str:
         return _short(str(e).replace(self._path, "<ckpt>"))
 
-    def _judge_events(self, events: list[tuple[str, tuple]], root: str, out: Outcome) -> None:
+    def _judge_events(self, events: list[tuple[str, tuple]], roots: list[str], out: Outcome) -> None:
         for event, args in events:
             if event == "open":
                 path, mode, flags = (tuple(args) + (None, None))[:3]
                 writing = (isinstance(flags, int) and flags & _WRITE_FLAGS) or (
                     isinstance(mode, str) and any(ch in mode for ch in "wax+")
                 )
-                if path is not None and not _inside(path, root):
+                if path is not None and not _inside(path, *roots):
                     out.violations.append(
                         Violation("outside-open", "any", "opened outside the checkpoint", _short(path))
                     )
@@ -1217,7 +1412,15 @@ def _raise_hang(signum: int, frame: Any) -> None:
 class Harness:
     """A work directory, the base checkpoint, the sentinel module, and the checker."""
 
-    def __init__(self, *, slow_after: float = 2.0, hang_after: float = 5.0, many_chunks: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        slow_after: float = 2.0,
+        hang_after: float = 5.0,
+        many_chunks: bool = True,
+        flavor: Flavor = PLAIN,
+        warm_up: int = 20,
+    ) -> None:
         self.workdir = os.path.realpath(tempfile.mkdtemp(prefix="trainstate-fuzz-"))
         sentinel_dir = os.path.join(self.workdir, "sentinel")
         os.mkdir(sentinel_dir)
@@ -1229,42 +1432,49 @@ class Harness:
             )
         sys.path.insert(0, sentinel_dir)  # importable, so that importing it would show
         self._sentinel_dir = sentinel_dir
-        self.base = build_base(self.workdir)
+        self.base = build_base(self.workdir, flavor)
         self.base.many_chunks = many_chunks
         self.checker = Checker(self.base, slow_after=slow_after, hang_after=hang_after)
         self._n = 0
         install_audit_hook()
-        self._warm_up()
+        self._warm_up(warm_up)
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, count: int) -> None:
         """Exercise the success and error paths once unwatched, so lazy imports are not counted as code."""
+        kwargs = self.base.flavor.open_kwargs()
         path = self.write({**self.base.files})
         try:
-            trainstate.load(path)
-            with trainstate.open(path) as ck:
+            trainstate.load(path, **kwargs)
+            with trainstate.open(path, **kwargs) as ck:
                 names = ck.keys()
                 for name in names:
                     ck.read(name)
                 ck.verify()
         finally:
-            shutil.rmtree(path)
+            self.remove(path)
+        decoders = transforms.Decoders(self.base.key)
+        for name in transforms.REGISTRY:  # any manifest may name one: its (trainstate) module loads on first use
+            decoders.get(name)
         warm = random.Random("warm-up")
         for mutate in MUTATORS.values():
-            for _ in range(20):
+            for _ in range(count):
                 self.run_case(mutate(self.base, warm))
 
     def write(self, files: dict[str, bytes]) -> str:
+        """Write a case; returns the checkpoint's path (inside its own run directory when incremental)."""
         self._n += 1
-        path = os.path.join(self.workdir, f"case-{self._n}")
-        write_case(self.base, files, path)
-        return path
+        return write_case(self.base, files, os.path.join(self.workdir, f"case-{self._n}"))
+
+    def remove(self, path: str) -> None:
+        """Remove a case :meth:`write` wrote at ``path``, its pool included."""
+        shutil.rmtree(os.path.dirname(path) if self.base.pool else path, ignore_errors=True)
 
     def run_case(self, case: Case) -> Outcome:
         path = self.write(case.files)
         try:
             return self.checker.check(path, case)
         finally:
-            shutil.rmtree(path, ignore_errors=True)
+            self.remove(path)
 
     def run_files(self, files: dict[str, bytes], prepare: Callable[[str], None] | None = None) -> Outcome:
         """Check a checkpoint made of ``files``, after ``prepare(path)`` (e.g. to plant a symlink)."""
@@ -1274,7 +1484,7 @@ class Harness:
                 prepare(path)
             return self.checker.check(path)
         finally:
-            shutil.rmtree(path, ignore_errors=True)
+            self.remove(path)
 
     def close(self) -> None:
         if self._sentinel_dir in sys.path:
@@ -1290,13 +1500,13 @@ def case_rng(seed: int, campaign: str, i: int) -> random.Random:
 # the campaign
 
 
-def run(examples: int = 2000, seed: int = 0, *, progress: bool = False) -> list[Row]:
+def run(examples: int = 2000, seed: int = 0, *, progress: bool = False, flavor: Flavor = PLAIN) -> list[Row]:
     """``examples`` hostile checkpoints per campaign; a Row per campaign counting clean outcomes."""
-    harness = Harness()
+    harness = Harness(flavor=flavor)
     rows = []
     try:
         for campaign, title in CAMPAIGNS.items():
-            passed = 0
+            passed = unsealed = tampered = 0
             found: dict[tuple[str, str], list[Any]] = {}
             t0 = time.perf_counter()
             for i in range(examples):
@@ -1304,6 +1514,8 @@ def run(examples: int = 2000, seed: int = 0, *, progress: bool = False) -> list[
                 outcome = harness.run_case(case)
                 if not outcome.violations:
                     passed += 1
+                unsealed += case.must_reject
+                tampered += case.must_reject and outcome.results.get("open") == "TamperedCheckpointError"
                 keys = {}
                 for v in outcome.violations:  # one count per example and kind of violation
                     keys.setdefault((v.kind, v.signature), v)
@@ -1313,21 +1525,24 @@ def run(examples: int = 2000, seed: int = 0, *, progress: bool = False) -> list[
                 if progress and (i + 1) % 500 == 0:
                     print(f"  {campaign}: {i + 1}/{examples} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
             notes = []
+            replay_flavor = "" if flavor is PLAIN else f" --flavor {flavor.name}"
             for (kind, sig), (count, first, v, case) in sorted(found.items(), key=lambda kv: -kv[1][0]):
                 detail = v.detail.replace(harness.workdir, "<tmp>")
                 notes.append(
                     f"{count}x {kind}: {sig} in {v.op} ({detail}); first: --seed {seed} "
-                    f"--replay {campaign}:{first} [{_short(case.describe())}]"
+                    f"--replay {campaign}:{first}{replay_flavor} [{_short(case.describe())}]"
                 )
-            rows.append(Row(title, examples, passed, measure="clean error", notes=notes))
+            if flavor.key is not None and campaign != "headers":
+                notes.append(f"{unsealed} of them changed without re-sealing (no key): refused, {tampered} by the MAC")
+            rows.append(Row(title + flavor.label, examples, passed, measure="clean error", notes=notes))
     finally:
         harness.close()
     return rows
 
 
-def replay(spec: str, seed: int = 0) -> str:
+def replay(spec: str, seed: int = 0, flavor: Flavor = PLAIN) -> str:
     campaign, _, index = spec.partition(":")
-    harness = Harness()
+    harness = Harness(flavor=flavor)
     try:
         case = MUTATORS[campaign](harness.base, case_rng(seed, campaign, int(index)))
         outcome = harness.run_case(case)
@@ -1355,12 +1570,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--examples", type=int, default=2000, help="hostile checkpoints per campaign")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replay", metavar="CAMPAIGN:I", help="re-run one example and show it")
+    parser.add_argument("--flavor", choices=sorted(FLAVORS), default="plain")
     args = parser.parse_args(argv)
+    flavor = FLAVORS[args.flavor]
     if args.replay:
-        print(replay(args.replay, args.seed))
+        print(replay(args.replay, args.seed, flavor))
         return
     t0 = time.perf_counter()
-    rows = run(args.examples, args.seed, progress=True)
+    rows = run(args.examples, args.seed, progress=True, flavor=flavor)
     print(table(rows))
     print(f"\n{time.perf_counter() - t0:.0f} s")
 

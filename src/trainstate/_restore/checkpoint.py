@@ -22,6 +22,7 @@ from trainstate import _tree as tree
 from trainstate._format import checksum, datafile, manifest
 from trainstate._frameworks import adapter_for
 from trainstate._incremental import pool
+from trainstate._restore import key_or_damage
 from trainstate._restore import read as engine
 from trainstate._storage import Source, Storage, resolve_source
 from trainstate._transforms import Decoders
@@ -32,6 +33,7 @@ from trainstate.errors import (
     InvalidArgumentError,
     StorageError,
     UnknownKeyError,
+    WrongKeyError,
 )
 
 MAX_MANIFEST = manifest.MAX_BYTES
@@ -298,7 +300,10 @@ def _read_manifest(storage: Storage, path: str, key: _keys.Key | None = None) ->
         raise
     if got != minfo.size:
         raise CorruptCheckpointError(f"{mpath} changed while it was read")
-    return manifest.parse(raw, mpath, key)  # no copy: a refused manifest costs its size, once
+    try:
+        return manifest.parse(raw, mpath, key)  # no copy: a refused manifest costs its size, once
+    except WrongKeyError as e:  # or a damaged salt / key check: a chunk that decrypts with the key tells
+        raise key_or_damage.diagnose(storage, path, mpath, raw, key, e) if key is not None else e from None
 
 
 def open_checkpoint(

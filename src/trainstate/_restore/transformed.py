@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainstate._format import checksum, dtypes, manifest
+from trainstate._format import checksum, dtypes, manifest, manifest_mac
 from trainstate._transforms import Place
+from trainstate.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from trainstate._restore.checkpoint import Checkpoint
@@ -57,6 +58,14 @@ def _decoded(
     """A chunk's raw bytes from its stored bytes (checked already): its transforms undone."""
     if not c.transforms:
         return stored
+    if not ck.manifest.encrypted and any(p.get("name") == manifest_mac.ALGORITHM for p in c.transforms):
+        # Only an authenticated manifest can say a chunk is encrypted: asking for a key here would make a
+        # forged plain manifest stop a manager as a user error instead of being skipped as damage.
+        raise CorruptCheckpointError(
+            f"{what} is said to be encrypted ({manifest_mac.ALGORITHM}), but the checkpoint is not encrypted (its "
+            "manifest has no 'encryption' object and no MAC): the manifest was altered or damaged. Restore "
+            "another checkpoint"
+        )
     raw_nbytes = math.prod(c.shape) * dtypes.from_code(t.dtype).itemsize
     return ck.decoders.decode(
         c.transforms, stored, Place(name, t.dtype, c.offset, c.shape), raw_nbytes, verify=verify, what=what
