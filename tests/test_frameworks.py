@@ -40,6 +40,7 @@ def mypy(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # ~10 s of mypy; CI's own mypy run checks both adapters (NUMPY: Adapter, _torch() -> Adapter)
 def test_mypy_checks_every_adapter_against_the_protocol(tmp_path):
     (tmp_path / "incomplete.py").write_text("def is_array(value: object) -> bool:\n    return False\n")
     result = mypy(

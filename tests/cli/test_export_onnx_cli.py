@@ -17,6 +17,7 @@ ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 import trainstate  # noqa: E402
+from helpers import cli  # noqa: E402
 
 USER_MODULE = textwrap.dedent(
     """
@@ -45,7 +46,7 @@ def run(cwd: Path, *args: str, code: int) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def test_export_onnx_command(tmp_path: Path) -> None:
+def test_export_onnx_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "mynet.py").write_text(USER_MODULE)
     user: dict[str, object] = {}
     exec(USER_MODULE, user)  # the same code the command imports as mynet
@@ -63,10 +64,13 @@ def test_export_onnx_command(tmp_path: Path) -> None:
         want = model(x).numpy()
     np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0], want, rtol=1e-5)
 
-    again = run(tmp_path, "ckpt", "net.onnx", "--factory", "mynet:build", "--inputs", "mynet:example", code=8)
+    # The refusals, through the same main() in this process (the subprocess above tested the entry point and
+    # the import from the current directory; each subprocess costs seconds of importing torch).
+    monkeypatch.chdir(tmp_path)
+    again = cli("export-onnx", "ckpt", "net.onnx", "--factory", "mynet:build", "--inputs", "mynet:example", code=8)
     assert "pass --overwrite" in again.stderr
-    bad = run(tmp_path, "ckpt", "x.onnx", "--factory", "mynet", "--inputs", "mynet:example", code=2)
+    bad = cli("export-onnx", "ckpt", "x.onnx", "--factory", "mynet", "--inputs", "mynet:example", code=2)
     assert "--factory must be MODULE:FUNCTION" in bad.stderr
-    missing = run(tmp_path, "ckpt", "x.onnx", "--factory", "json:build", "--inputs", "mynet:example", code=2)
+    missing = cli("export-onnx", "ckpt", "x.onnx", "--factory", "json:build", "--inputs", "mynet:example", code=2)
     assert "json has no 'build'" in missing.stderr
     assert not (tmp_path / "x.onnx").exists()
