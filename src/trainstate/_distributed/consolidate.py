@@ -89,7 +89,7 @@ def consolidate(
     threads = arguments.positive_int(threads, "threads")
     resolved = _keys.resolve(key, key_env)
     writing = _keys.resolve(new_key, new_key_env) if new_key is not None or new_key_env is not None else resolved
-    pipeline = transforms.pipeline(transforms.compression(compression), transforms.encryption(writing))
+    pipeline = transforms.pipeline(transforms.compression(compression))  # encryption: write_checkpoint adds it
     backend, root = resolve(dst, dst_storage)
     with Checkpoint(src, storage, key=resolved) as ck, _gc.paused():
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ck.world_size:

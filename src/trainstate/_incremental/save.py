@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from trainstate import _transforms as transforms
 from trainstate._format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from trainstate._incremental.index import Index
 from trainstate._incremental.pool import POOL_DIR, save_prefix
@@ -80,6 +81,7 @@ class IncrementalSaver:
         checkpoint refers to.
         """
         start = time.perf_counter()
+        pipeline = transforms.encrypting(pipeline, key)  # as write_checkpoint: a key always encrypts the chunks
         if not snapshot.entries:  # nothing to share: an ordinary checkpoint, with its one (empty) data file
             result = write_checkpoint(
                 final, snapshot, storage=self.storage, overwrite=overwrite, fsync=fsync, pipeline=pipeline, key=key

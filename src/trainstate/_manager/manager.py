@@ -207,7 +207,7 @@ class CheckpointManager:
                 "collective=False with a directory per rank, or save full checkpoints (incremental=False)"
             )
         resolved_key = _keys.resolve(key, key_env)
-        pipeline = transforms.pipeline(transforms.compression(compression), transforms.encryption(resolved_key))
+        pipeline = transforms.pipeline(transforms.compression(compression))  # encryption: added from the key
         storage_, root = resolve(arguments.location(directory), storage)
         if storage_.stat_followed(storage_.join(root, MANIFEST_NAME)) is not None:
             raise InvalidArgumentError(
@@ -245,7 +245,7 @@ class CheckpointManager:
         self.catalog = Catalog(storage_, root, resolved_key)
         # under a process group (collective): built on every rank, in the same order
         self._ranks = None if read_only else manager_ranks(collective, timeout)
-        if self._ranks is not None and pipeline is not None:
+        if self._ranks is not None and (pipeline is not None or resolved_key is not None):
             raise InvalidArgumentError(
                 "compression and encryption are not supported in collective saves yet: build the manager without "
                 "them (or with collective=False, each rank with a directory of its own)"

@@ -80,9 +80,9 @@ def save(
     threads = arguments.positive_int(threads, "threads")
     resolved = _keys.resolve(key, key_env)
     backend, root = resolve(path, storage)
-    pipeline = transforms.pipeline(transforms.compression(compression), transforms.encryption(resolved))
+    pipeline = transforms.pipeline(transforms.compression(compression))  # encryption: write_checkpoint adds it
     coord = coordinator(timeout=timeout) if collective is not False else None
-    if coord is not None and pipeline is not None:
+    if coord is not None and (pipeline is not None or resolved is not None):
         raise InvalidArgumentError(
             "compression and encryption are not supported in a collective save yet: save without them (or with "
             "collective=False, each rank its own checkpoint)"

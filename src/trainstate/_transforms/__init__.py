@@ -227,18 +227,11 @@ def compression(spec: object) -> Transform | None:
     return parse(spec)
 
 
-def encryption(key: Any) -> Transform | None:
-    """The encryption transform for a resolved key (``trainstate._keys.Key``), or None without one."""
-    if key is None:
-        return None
-    from trainstate._transforms.aes_gcm import AesGcm
-
-    return AesGcm(key)
-
-
 def encrypting(pipeline: Pipeline | None, key: Any) -> Pipeline | None:
     """``pipeline`` made to end with encryption under ``key`` (a resolved key; None: left as it is): every
     writer that authenticates a manifest with a key must also encrypt its chunks."""
     if key is None or (pipeline is not None and "aes-256-gcm" in pipeline.names):
         return pipeline
-    return Pipeline([*(pipeline.transforms if pipeline is not None else ()), *filter(None, [encryption(key)])])
+    from trainstate._transforms.aes_gcm import AesGcm
+
+    return Pipeline([*(pipeline.transforms if pipeline is not None else ()), AesGcm(key)])
