@@ -36,7 +36,15 @@ from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, Generic, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checkable
 
-from trainstate._frameworks import adapter_for, rebuilt_from_checkpoint, unwrapped
+from trainstate._frameworks import (
+    adapter_for,
+    jax_tree,
+    pytree,
+    rebuilt_from_checkpoint,
+    stateful_view,
+    type_label,
+    unwrapped,
+)
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 
 MAX_DEPTH = 200
@@ -221,7 +229,9 @@ class Stateful(Protocol):
 
 
 def is_stateful(value: Any) -> bool:
-    return not isinstance(value, type) and isinstance(value, Stateful)
+    if isinstance(value, type):
+        return False
+    return isinstance(value, Stateful) or stateful_view(value) is not None
 
 
 def join(path: tuple[str, ...]) -> str:
@@ -319,11 +329,8 @@ def encode(
             )
         if is_stateful(value):
             value = unwrapped(value)
-            cls = type(value)
             source = bound.get(id(value), value)
-            return Branch(
-                [(source.state_dict(), at, False)], partial(_stateful_node, f"{cls.__module__}.{cls.__qualname__}")
-            )
+            return Branch([(source.state_dict(), at, False)], partial(_stateful_node, type_label(value)))
         if isinstance(value, Mapping):
             children: list[_Live] = []
             for k, v in value.items():
@@ -333,6 +340,16 @@ def encode(
         if isinstance(value, (list, tuple)):
             children = [(v, at + (str(i),), False) for i, v in enumerate(value)]
             return Branch(children, _tuple_node if isinstance(value, tuple) else _seq_node)
+        node = pytree(value)
+        if node is not None:  # a JAX pytree node: a dict of its children (_frameworks/jax_tree.py)
+            kids, _ = node
+            if jax_tree.is_single(value, kids):
+                return Branch([(kids[0][1], at, False)], _first)
+            children = []
+            for k, v in kids:
+                children.append((k, at, True))
+                children.append((v, at + (str(k),), False))
+            return Branch(children, _dict_node)
         raise UnsupportedValueError(
             f"{join(at) or 'the state'}: {type(value).__qualname__} cannot be stored without pickle; "
             "give it state_dict() / load_state_dict(), or convert it to arrays and plain values"

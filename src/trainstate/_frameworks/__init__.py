@@ -14,11 +14,12 @@ value or object of a framework the process has not imported cannot exist.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from trainstate._frameworks import jax_tree
 from trainstate._frameworks import numpy as numpy_adapter
 
 
@@ -111,9 +112,20 @@ def _torch() -> Adapter:
     return torch_adapter
 
 
+def _jax() -> Adapter:
+    from trainstate._frameworks import jax as jax_adapter
+
+    return jax_adapter
+
+
 def _loaded() -> list[Adapter]:
     """The adapters of the frameworks this process has imported."""
-    return [NUMPY, _torch()] if "torch" in sys.modules else [NUMPY]
+    loaded = [NUMPY]
+    if "torch" in sys.modules:
+        loaded.append(_torch())
+    if "jax" in sys.modules:
+        loaded.append(_jax())
+    return loaded
 
 
 def adapter_for(value: Any) -> Adapter | None:
@@ -124,24 +136,49 @@ def adapter_for(value: Any) -> Adapter | None:
         torch_adapter = _torch()
         if torch_adapter.is_array(value):
             return torch_adapter
+    if "jax" in sys.modules and type(value).__module__.startswith(("jax", "jaxlib")):
+        jax_adapter = _jax()
+        if jax_adapter.is_array(value):
+            return jax_adapter
     return None
 
 
 def adapter_named(kind: str) -> Adapter:
-    """The adapter for a manifest ``kind`` or a ``framework=`` argument (``"torch"``, else NumPy)."""
-    return _torch() if kind == "torch" else NUMPY
+    """The adapter for a manifest ``kind`` or a ``framework=`` argument (``"torch"``, ``"jax"``, else NumPy)."""
+    if kind == "torch":
+        return _torch()
+    return _jax() if kind == "jax" else NUMPY
+
+
+def pytree(value: Any) -> tuple[jax_tree.Children, Callable[[list[Any]], Any]] | None:
+    """A JAX pytree node's children by key and how to rebuild it (``jax_tree.node``); None for anything else,
+    and always where the process has not imported JAX."""
+    return jax_tree.node(value) if "jax" in sys.modules else None
 
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DDP / DataParallel and torch.compile add to a model's names
+
+
+def stateful_view(obj: Any) -> Any | None:
+    """An object with ``state_dict()`` / ``load_state_dict()`` standing for a framework object that has none
+    (a Flax NNX module or optimizer: ``jax_tree.NnxObject``), or None."""
+    return jax_tree.nnx_object(obj) if "jax" in sys.modules else None
+
+
+def type_label(obj: Any) -> str:
+    """The class a stateful object is recorded as (never imported): the framework object's, not its view's."""
+    cls = type(obj.obj if isinstance(obj, jax_tree.NnxObject) else obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def unwrapped(obj: Any) -> Any:
     """The module a wrapper holds (DDP's and DataParallel's ``.module``, ``torch.compile``'s
     ``._orig_mod``), else ``obj``: a wrapped model is saved and restored as the model itself, so its names
     carry no ``module.`` prefix -- as the optimizer's names, from torch's own helpers, never do -- and a
-    checkpoint of a DDP run loads into the bare model."""
+    checkpoint of a DDP run loads into the bare model. A Flax NNX object comes back as its
+    :func:`stateful_view`."""
     if "torch" not in sys.modules or not type(obj).__module__.startswith("torch"):
-        return obj
+        return stateful_view(obj) or obj
     from trainstate._frameworks import torch as torch_adapter
 
     return torch_adapter.unwrap(obj)

@@ -134,7 +134,7 @@ def load(
         include: glob patterns over dotted keys (``"model.*"``) to restore only those (with or without a
             target: without one, only the selected parts come back).
         exclude: glob patterns of keys to leave alone.
-        framework: with no target, the array type returned: ``"numpy"`` or ``"torch"``.
+        framework: with no target, the array type returned: ``"numpy"``, ``"torch"`` or ``"jax"``.
         verify: check every tensor's checksum.
         threads: reader threads.
         storage: where to read from (default: chosen from ``path``).
@@ -149,8 +149,8 @@ def load(
         >>> tree = trainstate.load("ckpt/step_1200")              # NumPy arrays and plain values
         >>> trainstate.load(packed_bytes, state)                    # from memory (trainstate.pack)
     """
-    if framework not in ("numpy", "torch"):
-        raise InvalidArgumentError(f"framework must be 'numpy' or 'torch', got {framework!r:.40}")
+    if framework not in ("numpy", "torch", "jax"):
+        raise InvalidArgumentError(f"framework must be 'numpy', 'torch' or 'jax', got {framework!r:.40}")
     threads = arguments.positive_int(threads, "threads")
     resolved = _keys.resolve(key, key_env)
     return load_from(

@@ -30,7 +30,9 @@ from trainstate._frameworks import (
     WRAPPER_PREFIXES,
     Bound,
     adapter_for,
+    jax_tree,
     load_takes_strict,
+    pytree,
     rebuilt_from_checkpoint,
     unwrapped,
 )
@@ -159,6 +161,15 @@ class Restorer:
 
     def _plan_plain(self, node: tree.Node, target: Any, path: tuple[str, ...], free: bool) -> Planned:
         key = tree.join(path)
+        if (
+            target is not _ABSENT
+            and not isinstance(target, (dict, list, tuple))
+            and adapter_for(target) is None
+            and not tree.is_stateful(target)
+        ):
+            found = pytree(target)
+            if found is not None:
+                return self._plan_pytree(node, target, found, path, free)
         if isinstance(node, tree.ValueNode):
             if not self.selected(key):
                 return lambda: target
@@ -284,7 +295,9 @@ class Restorer:
 
         return tree.Branch([(node.state, current, path, not module)], _then(finish))
 
-    def _plan_dict(self, target: Any, node: tree.DictNode, path: tuple[str, ...], free: bool) -> Planned:
+    def _plan_dict(
+        self, target: Any, node: tree.DictNode, path: tuple[str, ...], free: bool
+    ) -> tree.Branch[_Item, Finisher]:
         present = target if target is not _ABSENT and isinstance(target, Mapping) else {}
         keys: list[Any] = []
         children: list[_Item] = []
@@ -329,6 +342,32 @@ class Restorer:
             return finish
 
         return tree.Branch(children, planned)
+
+    def _plan_pytree(
+        self,
+        node: tree.Node,
+        target: Any,
+        found: tuple[jax_tree.Children, Callable[[list[Any]], Any]],
+        path: tuple[str, ...],
+        free: bool,
+    ) -> Planned:
+        """A JAX pytree node of the target (``_frameworks/jax_tree.py``): its children planned as a dict's (or
+        its one child as itself), then the node rebuilt from the target's own structure."""
+        kids, rebuild = found
+        if jax_tree.is_single(target, kids):
+            own = kids[0][1]
+            return tree.Branch([(node, own, path, free)], _then(lambda fs: rebuild([_kept(fs[0](), own)])))
+        if not isinstance(node, tree.DictNode):
+            saved = node.tag if isinstance(node, tree.SeqNode) else _describe_node(node)
+            self.mismatched.append((tree.join(path) or "<root>", type(target).__name__, saved))
+            return lambda: target
+        planned = self._plan_dict(dict(kids), node, path, free)
+
+        def combine(finishers: list[Finisher]) -> Finisher:
+            done = planned.combine(finishers)
+            return lambda: rebuild([_kept(done().get(k, _ABSENT), v) for k, v in kids])
+
+        return tree.Branch(planned.children, combine)
 
     def _plan_sequence(self, target: Any, node: tree.SeqNode, path: tuple[str, ...], free: bool) -> Planned:
         children = node.items
@@ -410,12 +449,30 @@ def _without_wrapper_prefix(node: tree.StatefulNode, own: list[str]) -> tree.Sta
 
 def _target_leaves(value: Any, path: str) -> list[str]:
     if tree.is_stateful(value):
-        value = value.state_dict()
+        value = unwrapped(value).state_dict()
+    found = None if isinstance(value, (Mapping, list, tuple)) else pytree(value)
+    if found is not None:
+        value = found[0][0][1] if jax_tree.is_single(value, found[0]) else dict(found[0])
     if isinstance(value, Mapping):
         return [p for k, v in value.items() for p in _target_leaves(v, f"{path}.{k}")]
     if isinstance(value, (list, tuple)):
         return [p for i, v in enumerate(value) for p in _target_leaves(v, f"{path}.{i}")]
     return [path]
+
+
+def _kept(value: Any, own: Any) -> Any:
+    """A restored child, or the target's own where the restore left it (excluded, or not saved)."""
+    return own if value is _ABSENT else value
+
+
+def _describe_node(node: tree.Node) -> str:
+    return (
+        "tensor"
+        if isinstance(node, tree.TensorNode)
+        else "a plain value"
+        if isinstance(node, tree.ValueNode)
+        else "state"
+    )
 
 
 def _first(finishers: list[Finisher]) -> Finisher:

@@ -428,8 +428,8 @@ def read_tensor(ck: Checkpoint, name: str, *, framework: str, verify: bool) -> A
             for span in _chunk_spans(c, None, f"tensor {name} ({c.file})"):
                 _check(view[span.begin - c.byte_range[0] : span.end - c.byte_range[0]], span)
         array = np.frombuffer(view, dtype=dtypes.from_code(t.dtype).numpy, count=math.prod(t.shape)).reshape(t.shape)
-        if framework == "torch":
-            return adapter_named("torch").from_numpy(array.copy())
+        if framework != "numpy":  # an array of its own: the map closes with the checkpoint
+            return adapter_named(framework).from_numpy(array.copy())
         return NUMPY.finish(array, t.kind)
     adapter = adapter_named(framework)
     out = adapter.empty(t.dtype, t.shape)
@@ -534,10 +534,11 @@ def fill(
             ) from None
         for name, job in jobs:
             if job.host is not None:
+                if job.target is absent:  # what the reader asked for (framework), else what the saver held
+                    job.value = adapter_named(framework or tensors[name].kind).finish(job.host, tensors[name].kind)
+                    continue
                 host = _adapter(job.host).finish(job.host, tensors[name].kind)
-                if job.target is absent:
-                    job.value = host
-                elif job.local is not job.target:  # a shard: copied into the local part, the target stays
+                if job.local is not job.target:  # a shard: copied into the local part, the target stays
                     _adapter(job.local).assign(job.local, host)
                     job.value = job.target
                 else:

@@ -1,0 +1,130 @@
+"""JAX arrays: ``jax.Array`` on any device and sharding, typed PRNG keys (``jax.random.key``) included.
+
+A JAX array is stored as the array it is, with the manifest kind ``"numpy"`` (format 1.x has no kind for it,
+docs/format.md §4): a checkpoint written from JAX reads into NumPy, torch and JAX alike, and a JAX reader
+returns JAX arrays when the target holds them or ``framework="jax"`` asks. A typed key is stored as its key
+data (``jax.random.key_data``: uint32, one more dimension); restored into a typed key it is wrapped with the
+target's implementation.
+
+Arrays are immutable, so reads land in a fresh host array and :func:`assign` makes the new array from it,
+placed on the *target's* sharding -- whatever sharding saved it: each device gets its own slice of the host
+array (``jax.make_array_from_callback``). Saving reads each array through ``np.asarray``, which assembles a
+sharded array from its shards, one replica of each; one process writes them all, so an array spread over
+several processes (``jax.distributed``, not fully addressable) is refused with a clear error.
+
+The pytrees that hold arrays (Flax, Optax) and Flax NNX objects are ``jax_tree.py``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trainstate._format import dtypes
+from trainstate._frameworks import numpy as numpy_adapter
+from trainstate._frameworks.jax_tree import NnxObject
+from trainstate._optional import optional
+from trainstate.errors import UnsupportedValueError
+
+with optional("jax", extra="jax", needed_for="JAX arrays (framework='jax')"):
+    import jax
+    import jax.numpy as jnp
+
+KIND = numpy_adapter.KIND  # see the module's docstring
+
+
+def is_array(value: Any) -> bool:
+    return isinstance(value, jax.Array)
+
+
+def is_key(value: Any) -> bool:
+    """Whether ``value`` is a typed PRNG key array (``jax.random.key``), stored as its key data."""
+    return bool(jnp.issubdtype(value.dtype, jax.dtypes.prng_key))
+
+
+def _host(value: Any) -> np.ndarray:
+    """The array's values in host memory (its key data for a typed key): assembled from its shards."""
+    if value.is_deleted():
+        raise UnsupportedValueError(
+            "this jax.Array was deleted (donated to a jitted function, or deleted by hand): save the arrays the "
+            "step returned, not the ones it consumed"
+        )
+    if not value.is_fully_addressable:
+        raise UnsupportedValueError(
+            f"a jax.Array spread over {jax.process_count()} processes (sharding {value.sharding}) cannot be saved "
+            "by one process; save it from one process after gathering it (jax.experimental.multihost_utils."
+            "process_allgather), or shard it over this process's devices only"
+        )
+    return np.asarray(jax.random.key_data(value) if is_key(value) else value)
+
+
+def describe(value: Any) -> tuple[str, tuple[int, ...], str]:
+    if value.is_deleted() or not value.is_fully_addressable:
+        _host(value)  # raises the error that says why
+    data = jax.eval_shape(jax.random.key_data, value) if is_key(value) else value
+    return dtypes.from_numpy(np.dtype(data.dtype)).code, tuple(data.shape), KIND
+
+
+def identity(value: Any) -> tuple[object, ...] | None:
+    return None  # immutable: two places holding one array are two tensors, each restored on its own
+
+
+def local_part(value: Any) -> tuple[Any, tuple[int, ...]] | None:
+    return None  # one process holds every shard it saves (see _host)
+
+
+def byte_view(value: Any) -> memoryview:
+    return numpy_adapter.byte_view(_host(value))
+
+
+def empty(code: str, shape: tuple[int, ...]) -> np.ndarray:
+    return numpy_adapter.empty(code, shape)
+
+
+def writable_view(target: Any) -> memoryview | None:
+    return None  # immutable: read into a host array, then assign() makes the new array
+
+
+def on_accelerator(value: Any) -> bool:
+    return False  # reads go through a host array whatever the device (writable_view is None)
+
+
+def staging(nbytes: int, like: Any) -> np.ndarray:
+    return numpy_adapter.staging(nbytes, like)
+
+
+def copy_in(pairs: list[tuple[Any, np.ndarray]]) -> None:
+    numpy_adapter.copy_in(pairs)
+
+
+def finish(array: np.ndarray, kind: str) -> Any:
+    """A freshly read host array as a JAX array on the default device."""
+    return jax.device_put(array)
+
+
+def assign(target: Any, source: np.ndarray) -> Any:
+    """A new array holding ``source`` with ``target``'s dtype, sharding (devices) and key implementation."""
+    if is_key(target):
+        keys = jax.random.wrap_key_data(jnp.asarray(source), impl=jax.random.key_impl(target))
+        return jax.device_put(keys, target.sharding)
+    host = np.asarray(source)
+    if host.dtype != np.dtype(target.dtype):  # strict=False: cast, as for every framework
+        host = host.astype(target.dtype)
+    return jax.make_array_from_callback(host.shape, target.sharding, lambda index: host[index])
+
+
+def from_numpy(array: np.ndarray) -> Any:
+    return jax.device_put(array)
+
+
+def load_takes_strict(obj: Any) -> bool:
+    return isinstance(obj, NnxObject)  # a Flax NNX module's own variables are the truth, as nn.Module's
+
+
+def rebuilt_from_checkpoint(obj: Any) -> bool:
+    return False
+
+
+def after_restore(restored: Any) -> None:
+    return None
