@@ -149,8 +149,7 @@ def load(
         >>> tree = trainstate.load("ckpt/step_1200")              # NumPy arrays and plain values
         >>> trainstate.load(packed_bytes, state)                    # from memory (trainstate.pack)
     """
-    if framework not in ("numpy", "torch", "jax"):
-        raise InvalidArgumentError(f"framework must be 'numpy', 'torch' or 'jax', got {framework!r:.40}")
+    framework = arguments.framework(framework)
     threads = arguments.positive_int(threads, "threads")
     resolved = _keys.resolve(key, key_env)
     return load_from(

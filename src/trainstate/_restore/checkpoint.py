@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from trainstate import _arguments as arguments
 from trainstate import _keys
 from trainstate import _tree as tree
 from trainstate._format import checksum, datafile, manifest
@@ -128,13 +129,14 @@ class Checkpoint:
 
         Args:
             name: a name from :meth:`keys`.
-            framework: ``"numpy"`` (read-only, memory-mapped array) or ``"torch"`` (a tensor of its own).
+            framework: ``"numpy"`` (read-only, memory-mapped array), ``"torch"`` or ``"jax"`` (an array of its
+                own).
                 A memory-mapped array reads the file for as long as it lives; copy it (``np.array``) if the
                 file may be truncated meanwhile.
             verify: check the checksum (touches every byte once).
         """
         self._entry(name)
-        return engine.read_tensor(self, name, framework=framework, verify=verify)
+        return engine.read_tensor(self, name, framework=arguments.framework(framework), verify=verify)
 
     def read_into(self, name: str, out: Any, *, verify: bool = True) -> None:
         """Read tensor ``name`` into ``out``: a contiguous host array of the tensor's dtype and shape."""
@@ -164,6 +166,7 @@ class Checkpoint:
         """
         from trainstate._restore import ABSENT, restore  # restore builds on this module
 
+        framework = arguments.framework(framework)
         return restore(
             self, ABSENT, include=include, exclude=exclude, framework=framework, verify=verify, threads=threads
         )
