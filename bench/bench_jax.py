@@ -33,8 +33,9 @@ before (os.sync, untimed).
   of ``save()`` (the training loop's pause); "until durable" runs from that call until ``mgr.wait()`` /
   ``wait_until_finished()`` returns. Each manager's last checkpoint is restored and checked at the end.
 - floor: one file of the arrays' raw bytes, unbuffered os.write (with fsync: file, directory and parent, as
-  trainstate does); read back with readinto into fresh NumPy arrays, ``jax.device_put`` and
-  ``tree_unflatten`` with the target's treedef.
+  trainstate does); read back as a user would by hand: readinto fresh NumPy arrays, then ``jax.device_put``
+  (a second copy) and ``tree_unflatten`` with the target's treedef -- a floor for saves, a plain baseline
+  for restores (trainstate's restore can beat it).
 
 fsync, as strace shows on this machine (orbax-checkpoint 0.12.8, tensorstore 0.1.86): trainstate with
 fsync=True fsyncs every data file, the manifest and the temporary directory, renames it, then fsyncs the
@@ -47,8 +48,8 @@ its commit is not. "fsync" rows set that beside trainstate's fsync=True. For the
 context defaults around those saves only (strace: no fsync left).
 
 Needs jax, flax, optax, orbax-checkpoint and zstandard (``pip install -e ".[jax,zstd]" flax optax
-orbax-checkpoint``). Run from the repo root (full size: ~6 minutes on 2 cores, ~8 GB of memory and ~6 GB of
-disk under --dir at peak):
+orbax-checkpoint``). Run from the repo root (full size: 12 minutes on 2 cores shared with a test run, 11 GB
+peak memory, ~8 GB of disk under --dir at peak; --quick: under a minute):
     .venv/bin/python bench/bench_jax.py                     # the 1.49 GB state, 3 rounds
     .venv/bin/python bench/bench_jax.py --quick             # a 25 MB state: smoke run
     .venv/bin/python bench/bench_jax.py --rounds 5 --dir /data/tmp
@@ -413,7 +414,8 @@ def report(s: Samples, nbytes: int, leaves: int, load: tuple[float, float], shap
         "fsync=True, Orbax default.",
         "- restore: trainstate into a fresh zeros tree (a real target: it takes no abstract one); Orbax into its "
         "abstract ShapeDtypeStruct tree. Every restored tree was asserted identical to the saved state (treedef, "
-        "dtypes, bytes); warm page cache.",
+        "dtypes, bytes); warm page cache. The restore 'floor' is a hand-written raw read plus jax.device_put (two "
+        "copies), not a lower bound.",
     ]
     return "\n".join(lines)
 
