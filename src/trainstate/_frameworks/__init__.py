@@ -159,6 +159,14 @@ def pytree(value: Any) -> tuple[jax_tree.Children, Callable[[list[Any]], Any]] |
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DDP / DataParallel and torch.compile add to a model's names
 
 
+def rebuilt_on_restore(value: Any) -> bool:
+    """Whether restoring into ``value`` makes a new object instead of filling it: a JAX array, or a JAX
+    pytree node other than a dict, list or tuple (a ``TrainState``, an ``nnx.State``)."""
+    if "jax" not in sys.modules or isinstance(value, (dict, list, tuple)):
+        return False
+    return adapter_for(value) is _jax() or jax_tree.node(value) is not None
+
+
 def stateful_view(obj: Any) -> Any | None:
     """An object with ``state_dict()`` / ``load_state_dict()`` standing for a framework object that has none
     (a Flax NNX module or optimizer: ``jax_tree.NnxObject``), or None."""

@@ -24,6 +24,7 @@ from trainstate import _transforms as transforms
 from trainstate._distributed import rank_and_world
 from trainstate._distributed.group import Failure
 from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._frameworks import rebuilt_on_restore
 from trainstate._manager import naming
 from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
@@ -383,6 +384,13 @@ class CheckpointManager:
             StateMismatchError: ``state`` does not fit the newest checkpoint (a user error, not damage).
             FormatVersionError: a checkpoint here was written by a newer trainstate.
         """
+        if rebuilt_on_restore(state):
+            raise InvalidArgumentError(
+                f"restore_latest restores in place, and a {type(state).__name__} cannot be changed in place: JAX "
+                "arrays and pytrees such as a TrainState are immutable, so a restore makes new ones. Keep them in "
+                "a dict and read them back from it: state = {'train_state': ts}; mgr.restore_latest(state); "
+                "ts = state['train_state'] (or use mgr.restore(step, ts), which returns the restored value)"
+            )
         candidates = [(info.name, info.step) for info in sorted(self.list(), key=saved_order, reverse=True)]
         failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]
         if self._ranks is not None:  # rank 0's list, on every rank
@@ -456,9 +464,9 @@ class CheckpointManager:
         """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state
         (optional: a checkpoint saved with ``capture_rng=False`` has none)."""
         target, added = self._rng.wrap(state)
-        load_from(path, target, storage=self.storage, optional=added, key=self._config.key, **load_kwargs)
+        restored = load_from(path, target, storage=self.storage, optional=added, key=self._config.key, **load_kwargs)
         self._rng.unwrap(target, state)
-        return state
+        return restored if target is state else state  # a new object where the root is immutable (a TrainState)
 
     # -- save ---------------------------------------------------------------------------------------
 
