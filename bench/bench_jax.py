@@ -47,8 +47,7 @@ its commit is not. "fsync" rows set that beside trainstate's fsync=True. For the
 ``file_io_sync`` off, which it has no public option for: the bench sets it in Orbax's private TensorStore
 context defaults around those saves only (strace: no fsync left).
 
-Needs jax, flax, optax, orbax-checkpoint and zstandard (``pip install -e ".[jax,zstd]" flax optax
-orbax-checkpoint``). Run from the repo root (full size: 12 minutes on 2 cores shared with a test run, 11 GB
+Needs jax, flax, optax, orbax-checkpoint and zstandard (``pip install -e ".[bench,zstd]"``). Run from the repo root (full size: 12 minutes on 2 cores shared with a test run, 11 GB
 peak memory, ~8 GB of disk under --dir at peak; --quick: under a minute):
     .venv/bin/python bench/bench_jax.py                     # the 1.49 GB state, 3 rounds
     .venv/bin/python bench/bench_jax.py --quick             # a 25 MB state: smoke run
