@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,8 @@ def leaves(state: dict[str, Any]) -> dict[str, np.ndarray]:
 
 def assert_bit_identical(expected: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> None:
     assert expected.keys() == got.keys()
-    for path, value in expected.items():
-        assert value.dtype == got[path].dtype and np.array_equal(value, got[path]), path
+    differ = [p for p, value in expected.items() if value.dtype != got[p].dtype or not np.array_equal(value, got[p])]
+    assert not differ, f"not bit-identical: {differ}"
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +82,13 @@ def test_sigkill_mid_epoch_and_resume_in_a_new_process_is_bit_identical(tmp_path
     proc = subprocess.Popen(
         [*run, "--pause-at", str(PAUSE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env
     )
+    watchdog = threading.Timer(300, proc.kill)  # a child that hangs before its line fails the test, not CI
+    watchdog.start()
     try:
         assert proc.stdout is not None
         lines = [proc.stdout.readline() for _ in range(2)]  # "start 0", then "paused 18", waiting on stdin
     finally:
+        watchdog.cancel()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert lines == ["start 0\n", f"paused {PAUSE}\n"]
