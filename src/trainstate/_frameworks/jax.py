@@ -8,9 +8,10 @@ target's implementation.
 
 Arrays are immutable, so reads land in a fresh host array and :func:`assign` makes the new array from it,
 placed on the *target's* sharding -- whatever sharding saved it: each device gets its own slice of the host
-array (``jax.make_array_from_callback``). Saving reads each array through ``np.asarray``, which assembles a
-sharded array from its shards, one replica of each; one process writes them all, so an array spread over
-several processes (``jax.distributed``, not fully addressable) is refused with a clear error.
+array (``jax.make_array_from_callback``) -- and committed to it only when the target was. Saving reads each
+array through ``np.asarray``, which assembles a sharded array from its shards, one replica of each; one
+process writes them all, so an array spread over several processes (``jax.distributed``, not fully
+addressable) is refused with a clear error.
 
 The pytrees that hold arrays (Flax, Optax) and Flax NNX objects are ``jax_tree.py``'s.
 """
@@ -104,13 +105,22 @@ def finish(array: np.ndarray, kind: str) -> Any:
 
 
 def assign(target: Any, source: np.ndarray) -> Any:
-    """A new array holding ``source`` with ``target``'s dtype, sharding (devices) and key implementation."""
-    if is_key(target):
-        keys = jax.random.wrap_key_data(jnp.asarray(source), impl=jax.random.key_impl(target))
-        return jax.device_put(keys, target.sharding)
+    """A new array holding ``source`` with ``target``'s dtype, sharding (devices) and key implementation.
+
+    Committed to that sharding only when ``target`` was: an uncommitted array (made without naming a device)
+    is one JAX may still move, and committing it would make each jitted function compile again and refuse
+    it beside arrays on other devices.
+    """
     host = np.asarray(source)
-    if host.dtype != np.dtype(target.dtype):  # strict=False: cast, as for every framework
+    impl = jax.random.key_impl(target) if is_key(target) else None
+    if impl is None and host.dtype != np.dtype(target.dtype):  # strict=False: cast, as for every framework
         host = host.astype(target.dtype)
+    if not target.committed:  # on one device, the default one when it was made
+        with jax.default_device(next(iter(target.devices()))):
+            value = jax.device_put(host)
+            return value if impl is None else jax.random.wrap_key_data(value, impl=impl)
+    if impl is not None:
+        return jax.device_put(jax.random.wrap_key_data(jnp.asarray(host), impl=impl), target.sharding)
     return jax.make_array_from_callback(host.shape, target.sharding, lambda index: host[index])
 
 

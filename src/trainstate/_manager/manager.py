@@ -382,6 +382,8 @@ class CheckpointManager:
             CorruptCheckpointError: there are checkpoints, but none could be restored (the message lists
                 each one and why); ``state`` may be partly overwritten: do not train from it.
             StateMismatchError: ``state`` does not fit the newest checkpoint (a user error, not damage).
+            InvalidArgumentError: ``state`` cannot be restored in place (a JAX array or pytree, such as a Flax
+                ``TrainState``, at its top): keep it in a dict, or use :meth:`restore`, which returns it.
             FormatVersionError: a checkpoint here was written by a newer trainstate.
         """
         if rebuilt_on_restore(state):
@@ -425,7 +427,14 @@ class CheckpointManager:
         fatal: Exception | None = None
         why: str | None = None
         try:
-            self._restore_into(self.catalog.path(name), state, **load_kwargs)
+            if self._restore_into(self.catalog.path(name), state, **load_kwargs) is not state:
+                # what the check before listing cannot tell: a tuple at the top holding an immutable part
+                raise InvalidArgumentError(
+                    f"restore_latest restores in place and returns a step, but a {type(state).__name__} cannot "
+                    "change in place (JAX arrays and pytrees such as a Flax TrainState are immutable): keep the "
+                    "state in a dict, state = {'state': ...}, and read state['state'] after restoring; or restore "
+                    "with mgr.restore(step, state), which returns the restored state"
+                )
         except (StateMismatchError, FormatVersionError, InvalidArgumentError, EncryptionKeyError) as e:
             fatal = e  # (a key that does not fit is not damage: trying older checkpoints would not help)
         except CheckpointError as e:
@@ -457,12 +466,13 @@ class CheckpointManager:
             self._writer.reserve(lambda: encode_state(self._rng.wrap(state)[0]))  # cheap: no array is copied
 
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
-        """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`)."""
+        """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`); returns the restored
+        state: ``state`` itself, or a new one where it cannot change in place (a JAX array or pytree)."""
         return self._restore_into(self.path_for(step), state, **load_kwargs)
 
     def _restore_into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
         """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state
-        (optional: a checkpoint saved with ``capture_rng=False`` has none)."""
+        (optional: a checkpoint saved with ``capture_rng=False`` has none); returns what that returned."""
         target, added = self._rng.wrap(state)
         restored = load_from(path, target, storage=self.storage, optional=added, key=self._config.key, **load_kwargs)
         self._rng.unwrap(target, state)

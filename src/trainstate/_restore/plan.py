@@ -354,9 +354,13 @@ class Restorer:
         """A JAX pytree node of the target (``_frameworks/jax_tree.py``): its children planned as a dict's (or
         its one child as itself), then the node rebuilt from the target's own structure."""
         kids, rebuild = found
+
+        def rebuilt(values: list[Any]) -> Any:  # the target itself when every child changed in place
+            return target if all(v is own for v, (_, own) in zip(values, kids)) else rebuild(values)
+
         if jax_tree.is_single(target, kids):
             own = kids[0][1]
-            return tree.Branch([(node, own, path, free)], _then(lambda fs: rebuild([_kept(fs[0](), own)])))
+            return tree.Branch([(node, own, path, free)], _then(lambda fs: rebuilt([_kept(fs[0](), own)])))
         if not isinstance(node, tree.DictNode):
             saved = node.tag if isinstance(node, tree.SeqNode) else _describe_node(node)
             self.mismatched.append((tree.join(path) or "<root>", type(target).__name__, saved))
@@ -365,7 +369,7 @@ class Restorer:
 
         def combine(finishers: list[Finisher]) -> Finisher:
             done = planned.combine(finishers)
-            return lambda: rebuild([_kept(done().get(k, _ABSENT), v) for k, v in kids])
+            return lambda: rebuilt([_kept(done().get(k, _ABSENT), v) for k, v in kids])
 
         return tree.Branch(planned.children, combine)
 
@@ -384,6 +388,8 @@ class Restorer:
 
         def finish(finishers: list[Finisher]) -> Any:
             values = [v for v in (f() for f in finishers) if v is not _ABSENT]
+            if isinstance(have, tuple) and len(values) == len(have) and all(v is h for v, h in zip(values, have)):
+                return have  # every element changed in place: the tuple is the restored one
             if node.is_tuple:
                 if isinstance(have, tuple) and hasattr(have, "_fields"):
                     return type(have)(*values)
