@@ -56,9 +56,9 @@ def test_read_into_an_array_of_the_wrong_dtype_or_shape_is_refused(tmp_path):
         lambda d: trainstate.save("", {"x": 1}),
         lambda d: trainstate.save(d / "new", {"x": 1}, threads=0),
         lambda d: trainstate.load(d / "c", threads=0),
-        lambda d: trainstate.load(d / "c", framework="jax"),
+        lambda d: trainstate.load(d / "c", framework="tensorflow"),
     ],
-    ids=["load-None", "open-None", "save-empty-path", "save-threads-0", "load-threads-0", "load-framework-jax"],
+    ids=["load-None", "open-None", "save-empty-path", "save-threads-0", "load-threads-0", "load-framework-tensorflow"],
 )
 def test_wrong_arguments_get_a_clear_error_before_anything_is_touched(tmp_path, call):
     trainstate.save(tmp_path / "c", {"x": np.zeros(3)})
