@@ -14,6 +14,9 @@ Matching rules:
   tensors at matching paths are still filled in place.
 * An object bound to others of the state (``_frameworks.bind``: a torch optimizer and the modules that own
   its parameters) gives its own target and names; its missing and unexpected names are reported as keys.
+* Names map by path: a saved object's state restores into a plain container of the same paths and a saved
+  dict into an object's state (a torch model's into a JAX program's dicts, a JAX pytree into a torch model),
+  and a saved dict's dotted keys match the target's nested dicts and back (by_path.py).
 * Shapes must always match. Dtypes must match when ``strict``; otherwise values are cast.
 """
 
@@ -36,6 +39,7 @@ from trainstate._frameworks import (
     rebuilt_from_checkpoint,
     unwrapped,
 )
+from trainstate._restore.by_path import keyed_like
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.read import Job as _Job
 from trainstate._restore.read import fill
@@ -89,6 +93,11 @@ def _patterns(value: Any, what: str) -> list[str]:
     if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
         return list(value)
     raise InvalidArgumentError(f'{what} takes a glob pattern or a list of them ("model.*"), got {value!r:.60}')
+
+
+def _is_container(value: Any) -> bool:
+    """A plain container of the user's (not a stateful object), which a saved object's state can restore into."""
+    return isinstance(value, (Mapping, list, tuple)) and not tree.is_stateful(value)
 
 
 def _is_structure(value: Any) -> bool:
@@ -161,6 +170,7 @@ class Restorer:
 
     def _plan_plain(self, node: tree.Node, target: Any, path: tuple[str, ...], free: bool) -> Planned:
         key = tree.join(path)
+        found = None
         if (
             target is not _ABSENT
             and not isinstance(target, (dict, list, tuple))
@@ -168,8 +178,14 @@ class Restorer:
             and not tree.is_stateful(target)
         ):
             found = pytree(target)
-            if found is not None:
-                return self._plan_pytree(node, target, found, path, free)
+        # An object's state and a plain container of the same paths stand for each other, whichever side holds
+        # the object: a torch model's state restores into a JAX program's dicts, a JAX pytree into a torch model.
+        if isinstance(node, tree.StatefulNode) and (found is not None or _is_container(target)):
+            node = node.state
+        elif isinstance(node, tree.DictNode) and target is not _ABSENT and tree.is_stateful(target):
+            return self._plan_stateful(target, tree.StatefulNode("dict", node), path)
+        if found is not None:
+            return self._plan_pytree(node, target, found, path, free)
         if isinstance(node, tree.ValueNode):
             if not self.selected(key):
                 return lambda: target
@@ -299,6 +315,8 @@ class Restorer:
         self, target: Any, node: tree.DictNode, path: tuple[str, ...], free: bool
     ) -> tree.Branch[_Item, Finisher]:
         present = target if target is not _ABSENT and isinstance(target, Mapping) else {}
+        if present and not free:  # the target's keys are the truth: match the saved ones to them by path
+            node = keyed_like(node, present)
         keys: list[Any] = []
         children: list[_Item] = []
         for k, child in node.items():
