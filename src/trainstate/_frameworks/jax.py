@@ -104,14 +104,32 @@ def finish(array: np.ndarray, kind: str) -> Any:
 
 
 def assign(target: Any, source: np.ndarray) -> Any:
-    """A new array holding ``source`` with ``target``'s dtype, sharding (devices) and key implementation."""
+    """A new array holding ``source`` with ``target``'s dtype, sharding (devices) and key implementation,
+    committed to its devices only where ``target`` was (see :func:`_placed_like`)."""
     if is_key(target):
-        keys = jax.random.wrap_key_data(jnp.asarray(source), impl=jax.random.key_impl(target))
-        return jax.device_put(keys, target.sharding)
+        with jax.default_device(_device(target)):
+            data = jnp.asarray(source)
+        return _placed_like(target, jax.random.wrap_key_data(data, impl=jax.random.key_impl(target)))
     host = np.asarray(source)
     if host.dtype != np.dtype(target.dtype):  # strict=False: cast, as for every framework
         host = host.astype(target.dtype)
+    if not target.committed:
+        with jax.default_device(_device(target)):
+            return jax.device_put(host)
     return jax.make_array_from_callback(host.shape, target.sharding, lambda index: host[index])
+
+
+def _placed_like(target: Any, array: Any) -> Any:
+    """``array`` on ``target``'s sharding. An array JAX placed by default (``jnp.zeros``, a jitted step's
+    output) is not committed to its device, and neither is its restored value: committedness is part of a
+    jitted function's cache key (a committed state would compile every step again) and decides whether the
+    array follows other arrays' placement."""
+    return jax.device_put(array, target.sharding) if target.committed else array
+
+
+def _device(target: Any) -> Any:
+    """The device of an uncommitted array (one: only committed arrays span several), else the first."""
+    return next(iter(target.sharding.device_set))
 
 
 def from_numpy(array: np.ndarray) -> Any:
