@@ -26,10 +26,13 @@ import fnmatch
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
+import numpy as np
+
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
 from trainstate._format.added_keys import declared_keys
 from trainstate._frameworks import (
+    NUMPY,
     WRAPPER_PREFIXES,
     Bound,
     adapter_for,
@@ -374,18 +377,34 @@ class Restorer:
         kids, rebuild = found
         if jax_tree.is_single(target, kids):
             own = kids[0][1]
-            return tree.Branch([(node, own, path, free)], _then(lambda fs: rebuild([_kept(fs[0](), own)])))
+            leaf = self._pytree_leaf(own, node)
+            return tree.Branch([(node, leaf, path, free)], _then(lambda fs: rebuild([_as_own(own, fs[0]())])))
         if not isinstance(node, tree.DictNode):
             saved = node.tag if isinstance(node, tree.SeqNode) else _describe_node(node)
             self.mismatched.append((tree.join(path) or "<root>", type(target).__name__, saved))
             return lambda: target
-        planned = self._plan_dict(dict(kids), node, path, free)
+        node = keyed_like(node, dict(kids))
+        children = dict(node.items())
+        planned = self._plan_dict({k: self._pytree_leaf(v, children.get(k)) for k, v in kids}, node, path, free)
 
         def combine(finishers: list[Finisher]) -> Finisher:
             done = planned.combine(finishers)
-            return lambda: rebuild([_kept(done().get(k, _ABSENT), v) for k, v in kids])
+            return lambda: rebuild([_as_own(v, done().get(k, _ABSENT)) for k, v in kids])
 
         return tree.Branch(planned.children, combine)
+
+    def _pytree_leaf(self, own: Any, saved: tree.Node | None) -> Any:
+        """What a JAX pytree leaf is planned against. JAX turns a Python number into a 0-d array wherever a
+        jitted function takes or returns it (a TrainState's ``step`` is ``0`` when created, an array after a
+        jitted step), so here the two are one leaf: a saved 0-d tensor restores into a number of its kind (read
+        into a NumPy scalar array), a saved number into a 0-d array; :func:`_as_own` gives the target's type."""
+        if jax_tree.is_number(own) and isinstance(saved, tree.TensorNode):
+            entry = self.ck.manifest.tensors.get(saved.name)
+            if entry is not None and entry.shape == () and jax_tree.number_fits(own, entry.dtype):
+                return NUMPY.empty(entry.dtype, ())
+        if isinstance(saved, tree.ValueNode) and jax_tree.is_number(saved.value) and _is_scalar_array(own):
+            return saved.value
+        return own
 
     def _plan_sequence(self, target: Any, node: tree.SeqNode, path: tuple[str, ...], free: bool) -> Planned:
         children = node.items
@@ -478,9 +497,22 @@ def _target_leaves(value: Any, path: str) -> list[str]:
     return [path]
 
 
-def _kept(value: Any, own: Any) -> Any:
-    """A restored child, or the target's own where the restore left it (excluded, or not saved)."""
-    return own if value is _ABSENT else value
+def _as_own(own: Any, value: Any) -> Any:
+    """A restored pytree leaf as the target's own type (see :meth:`Restorer._pytree_leaf`); the target's own
+    where the restore left it (excluded, or not saved)."""
+    if value is _ABSENT:
+        return own
+    if jax_tree.is_number(own) and isinstance(value, np.ndarray):
+        return type(own)(value.item())
+    adapter = adapter_for(own)
+    if jax_tree.is_number(value) and adapter is not None:
+        return adapter.assign(own, np.asarray(value, dtype=own.dtype))
+    return value
+
+
+def _is_scalar_array(value: Any) -> bool:
+    adapter = adapter_for(value)
+    return adapter is not None and adapter.describe(value)[1] == ()
 
 
 def _describe_node(node: tree.Node) -> str:
