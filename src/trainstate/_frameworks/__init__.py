@@ -156,6 +156,14 @@ def pytree(value: Any) -> tuple[jax_tree.Children, Callable[[list[Any]], Any]] |
     return jax_tree.node(value) if "jax" in sys.modules else None
 
 
+def replaced_on_restore(value: Any) -> bool:
+    """Whether restoring into ``value`` makes a new value instead of filling it: a JAX array or a JAX pytree
+    node (a TrainState, a FrozenDict) is immutable. A caller that cannot hand the new value back refuses it."""
+    if "jax" not in sys.modules or isinstance(value, (dict, list, tuple)) or stateful_view(value) is not None:
+        return False
+    return _jax().is_array(value) or jax_tree.node(value) is not None
+
+
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DDP / DataParallel and torch.compile add to a model's names
 
 

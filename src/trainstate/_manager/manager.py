@@ -24,6 +24,7 @@ from trainstate import _transforms as transforms
 from trainstate._distributed import rank_and_world
 from trainstate._distributed.group import Failure
 from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._frameworks import replaced_on_restore
 from trainstate._manager import naming
 from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
@@ -383,6 +384,13 @@ class CheckpointManager:
             StateMismatchError: ``state`` does not fit the newest checkpoint (a user error, not damage).
             FormatVersionError: a checkpoint here was written by a newer trainstate.
         """
+        if replaced_on_restore(state):
+            raise InvalidArgumentError(
+                f"restore_latest restores the state in place and returns the step to continue from, but a "
+                f"{type(state).__name__} cannot change in place (JAX arrays and pytrees are immutable): put it in a "
+                "dict, state = {'train': train_state}, restore that and take it back out (state['train']), or "
+                "use mgr.restore(step, train_state), which returns the restored value"
+            )
         candidates = [(info.name, info.step) for info in sorted(self.list(), key=saved_order, reverse=True)]
         failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]
         if self._ranks is not None:  # rank 0's list, on every rank
@@ -449,15 +457,18 @@ class CheckpointManager:
             self._writer.reserve(lambda: encode_state(self._rng.wrap(state)[0]))  # cheap: no array is copied
 
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
-        """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`)."""
+        """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`); returns the restored
+        state: ``state`` itself, or a new value where ``state`` is immutable (a JAX pytree or array)."""
         return self._restore_into(self.path_for(step), state, **load_kwargs)
 
     def _restore_into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
         """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state
         (optional: a checkpoint saved with ``capture_rng=False`` has none)."""
         target, added = self._rng.wrap(state)
-        load_from(path, target, storage=self.storage, optional=added, key=self._config.key, **load_kwargs)
-        self._rng.unwrap(target, state)
+        restored = load_from(path, target, storage=self.storage, optional=added, key=self._config.key, **load_kwargs)
+        if target is state:
+            return restored
+        self._rng.unwrap(target, state)  # the wrapper is a dict, restored in place
         return state
 
     # -- save ---------------------------------------------------------------------------------------
