@@ -22,39 +22,47 @@ from trainstate import _tree as tree
 
 
 def keyed_like(node: tree.DictNode, target: Mapping[Any, Any]) -> tree.DictNode:
-    """``node`` re-keyed, by path, the way ``target`` is (see the module's docstring)."""
-    lacking = [k for k in target if isinstance(k, str) and k not in node.keys]
+    """``node`` re-keyed, by path, the way ``target`` is (see the module's docstring). Linear in the keys."""
+    saved = set(node.keys)
+    lacking = {k for k in target if isinstance(k, str) and k not in saved}
     if not lacking:
         return node
-    # saved nested, dotted in the target: flatten the saved dicts some target key reaches into
+    # saved nested, dotted in the target: flatten the saved dicts that a lacking target key reaches into
+    reached = {t[:i] for t in lacking for i, c in enumerate(t) if c == "."}
     items: list[tuple[Any, tree.Node]] = []
     for k, child in node.items():
-        if isinstance(k, str) and _named(child) and any(t.startswith(f"{k}.") for t in lacking):
+        if isinstance(k, str) and k in reached and _named(child):
             items.extend(_flattened(k, child))
         else:
             items.append((k, child))
-    # saved dotted, nested in the target: gather the saved keys under each target key that lacks them
-    saved = {k for k, _ in items}
-    groups: dict[str, list[tuple[str, tree.Node]]] = {}
-    owner: dict[Any, str] = {}
-    for t in lacking:
-        if t in saved:
-            continue
-        for k, child in items:
-            if isinstance(k, str) and k.startswith(f"{t}.") and k not in target and k not in owner:
-                owner[k] = t
-                groups.setdefault(t, []).append((k[len(t) + 1 :], child))
+    # saved dotted, nested in the target: gather the saved keys under the lacking target key they start with
+    lacking.difference_update(k for k, _ in items)
+    groups: dict[str, list[tuple[str, tree.Node]]] = {}  # by target key, in the place of its first member
     keys: list[Any] = []
-    values: list[tree.Node] = []
+    values: list[tree.Node | list[tuple[str, tree.Node]]] = []
     for k, child in items:
-        if k not in owner:
+        owner = _owner(k, lacking) if isinstance(k, str) and k not in target else None
+        if owner is None:
             keys.append(k)
             values.append(child)
-        elif owner[k] not in keys:  # the group takes the place of its first member
-            group = groups[owner[k]]
-            keys.append(owner[k])
-            values.append(tree.DictNode(tuple(g for g, _ in group), tuple(v for _, v in group)))
-    return tree.DictNode(tuple(keys), tuple(values))
+            continue
+        if owner not in groups:
+            groups[owner] = []
+            keys.append(owner)
+            values.append(groups[owner])
+        groups[owner].append((k[len(owner) + 1 :], child))
+    nodes = [
+        tree.DictNode(tuple(g for g, _ in v), tuple(c for _, c in v)) if isinstance(v, list) else v for v in values
+    ]
+    return tree.DictNode(tuple(keys), tuple(nodes))
+
+
+def _owner(key: str, lacking: set[str]) -> str | None:
+    """The shortest dotted prefix of ``key`` among ``lacking``: the target key that nests it."""
+    for i, c in enumerate(key):
+        if c == "." and key[:i] in lacking:
+            return key[:i]
+    return None
 
 
 def _named(node: tree.Node) -> bool:
