@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax_helpers import put  # noqa: E402
 
 import trainstate  # noqa: E402
 
@@ -83,16 +84,20 @@ def test_a_torch_checkpoint_reads_as_jax_arrays_bit_for_bit(torch_checkpoint: tu
     assert loaded["low.bf16"].dtype == jnp.bfloat16 and loaded["low.e5m2"].dtype == jnp.float8_e5m2
 
 
+def zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+    return put(np.zeros(shape, dtype))
+
+
 def _jax_target(nested: bool) -> dict[str, Any]:
     """What a JAX program holds for the torch run's state: its own arrays (zeros, one sharded over the mesh),
     keyed by the checkpoint's paths, as nested dicts or with torch's dotted names."""
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
     shapes = {"0.weight": (4, 3), "0.bias": (4,), "2.weight": (2, 4), "2.bias": (2,)}
-    arrays = {name: jnp.zeros(shape) for name, shape in shapes.items()}
+    arrays = {name: zeros(shape) for name, shape in shapes.items()}
     arrays["0.weight"] = jax.device_put(arrays["0.weight"], NamedSharding(mesh, P("a", None)))
 
     def moments(shape: tuple[int, ...]) -> dict[str, Any]:
-        return {"exp_avg": jnp.zeros(shape), "exp_avg_sq": jnp.zeros(shape), "step": jnp.zeros(())}
+        return {"exp_avg": zeros(shape), "exp_avg_sq": zeros(shape), "step": zeros(())}
 
     if nested:
         model = {"0": {"weight": arrays["0.weight"], "bias": arrays["0.bias"]}, "2": {"weight": arrays["2.weight"]}}
@@ -102,9 +107,9 @@ def _jax_target(nested: bool) -> dict[str, Any]:
         model = arrays
         state = {f"model.{name}": moments(shape) for name, shape in shapes.items()}
     low = {
-        "bf16": jnp.zeros(6, jnp.bfloat16),
-        "e4m3": jnp.zeros(256, jnp.float8_e4m3fn),
-        "e5m2": jnp.zeros(256, jnp.float8_e5m2),
+        "bf16": zeros((6,), jnp.bfloat16),
+        "e4m3": zeros((256,), jnp.float8_e4m3fn),
+        "e5m2": zeros((256,), jnp.float8_e5m2),
     }
     return {"model": model, "optim": {"state": state}, "low": low}
 
@@ -132,7 +137,7 @@ def test_a_torch_checkpoint_names_what_a_jax_pytree_lacks(torch_checkpoint: tupl
     path, _ = torch_checkpoint
     target = _jax_target(nested=True)
     del target["model"]["2"]["bias"]
-    target["model"]["0"]["scale"] = jnp.ones(4)
+    target["model"]["0"]["scale"] = zeros((4,))
     with pytest.raises(trainstate.StateMismatchError) as e:
         trainstate.load(path, target, include=["model", "optim.state", "low"])
     assert e.value.missing == ["model.0.scale"] and e.value.unexpected == ["model.2.bias"]
@@ -143,18 +148,21 @@ def test_a_torch_checkpoint_names_what_a_jax_pytree_lacks(torch_checkpoint: tupl
 def jax_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """A checkpoint written from JAX: a linear layer's parameters (one sharded), low-precision arrays, keys."""
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
-    key = jax.random.key(7)
+    key = jax.random.wrap_key_data(put(np.array([0, 7], dtype=np.uint32)))
+    every_byte = np.arange(256, dtype=np.uint8)
     state = {
         "model": {
-            "weight": jax.device_put(jax.random.normal(key, (2, 4)), NamedSharding(mesh, P(None, "b"))),
-            "bias": jnp.arange(2, dtype=jnp.float32),
+            "weight": jax.device_put(
+                np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4), NamedSharding(mesh, P(None, "b"))
+            ),
+            "bias": put(np.arange(2, dtype=np.float32)),
         },
         "low": {
-            "bf16": jax.random.normal(key, (6,), jnp.bfloat16),
-            "e4m3": jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn),
-            "e5m2": jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e5m2),
+            "bf16": put(np.linspace(-3, 3, 6).astype(jnp.bfloat16)),
+            "e4m3": put(every_byte.view(jnp.float8_e4m3fn)),
+            "e5m2": put(every_byte.view(jnp.float8_e5m2)),
         },
-        "rng": {"typed": key, "raw": jax.random.PRNGKey(3)},
+        "rng": {"typed": key, "raw": put(np.array([0, 3], dtype=np.uint32))},
     }
     path = tmp_path_factory.mktemp("jax") / "ckpt"
     trainstate.save(path, state)

@@ -72,6 +72,22 @@ def test_nnx_mismatch_is_refused_before_the_model_changes(trained: tuple[Path, M
     np.testing.assert_array_equal(host(wider.head.kernel[...]), before["head"]["kernel"])
 
 
+def test_an_nnx_checkpoint_restores_into_a_pytree_of_its_state(trained: tuple[Path, MLP, nnx.Optimizer]) -> None:
+    """Names map by path: the saved model's state restores into an ``nnx.State`` (a pytree, no module) and
+    into plain nested dicts of arrays, as JAX code that holds the state apart from the module would."""
+    path = trained[0]
+    saved = trainstate.load(path)["model"]
+    module = nnx_run(raw_key(1))[0]
+    as_state = trainstate.load(path, {"model": nnx.state(module)}, include="model")["model"]
+    as_dicts = trainstate.load(path, {"model": nnx.to_pure_dict(nnx.state(module))}, include="model")["model"]
+    assert type(as_state) is nnx.State and type(as_dicts) is dict
+    for restored in (nnx.to_pure_dict(as_state), as_dicts):
+        assert jax.tree.structure(jax.tree.map(host, restored)) == jax.tree.structure(saved)
+        for a, b in zip(jax.tree.leaves(jax.tree.map(host, restored)), jax.tree.leaves(saved)):
+            assert a.tobytes() == b.tobytes()
+    assert host(module.l1.kernel[...]).tobytes() != saved["l1"]["kernel"].tobytes()  # the module was not touched
+
+
 # -- Flax Linen: parameters in a flax.struct TrainState, rebuilt from the target's structure -----------------
 
 
