@@ -2,8 +2,8 @@
 
 A tensor's name is its dotted path (``model.0.weight``), whichever framework wrote it. But frameworks nest
 the same path differently: a torch ``state_dict`` is flat with dotted keys (``{"0.weight": w}``), a JAX pytree
-is nested dicts (``{"0": {"weight": w}}``). So a checkpoint written by one restores into a target built by the
-other, the planner (plan.py) re-keys each saved dict the way the target's is, by path, before matching keys:
+is nested dicts (``{"0": {"weight": w}}``). So that a checkpoint written by one restores into a target built
+by the other, the planner (plan.py) re-keys each saved dict the way the target's is, by path, before matching:
 
 * the target nests what was saved dotted: the saved ``"0.weight"`` and ``"0.bias"`` become a dict under
   ``"0"`` (the next level is re-keyed again, so ``"model.0.weight"`` can become three levels);
