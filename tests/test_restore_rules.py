@@ -111,3 +111,49 @@ def test_reading_an_unknown_tensor_is_a_checkpoint_error_and_a_key_error(tmp_pat
             ck.read("model.weight2")
         with pytest.raises(KeyError):
             ck.info("nope")
+
+
+class _Holder:
+    """An object with state (a model of some framework) whose state_dict names its arrays with dotted keys."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def state_dict(self):
+        return self.arrays
+
+    def load_state_dict(self, state):
+        self.arrays = state
+
+
+VALUES = {"0.w": np.arange(2.0), "0.b": np.arange(1.0) + 5, "1.w": np.arange(3.0) + 7}
+
+
+def _nested(values):
+    return {"0": {"w": values["0.w"], "b": values["0.b"]}, "1": {"w": values["1.w"]}}
+
+
+@pytest.mark.parametrize("saved", ["dotted", "object"])
+def test_names_map_by_path_from_dotted_keys_and_objects_into_nested_dicts(tmp_path, saved):
+    """A tensor's name is its path: dotted keys and nested dicts name the same arrays, and an object's state
+    restores into a plain container of the same paths (a torch model's state into a JAX program's dicts)."""
+    trainstate.save(tmp_path / "c", {"m": _Holder(VALUES) if saved == "object" else VALUES})
+    target = {"m": _nested({k: np.zeros_like(v) for k, v in VALUES.items()})}
+    restored = trainstate.load(tmp_path / "c", target)
+    assert restored is target and restored["m"].keys() == {"0", "1"} and restored["m"]["0"].keys() == {"w", "b"}
+    for key, value in VALUES.items():
+        outer, inner = key.split(".")
+        assert np.array_equal(restored["m"][outer][inner], value), key
+    wrong = {"m": _nested({k: np.zeros_like(v) for k, v in VALUES.items()})}
+    wrong["m"]["1"]["b"] = np.zeros(1)
+    del wrong["m"]["0"]["b"]
+    with pytest.raises(trainstate.StateMismatchError) as e:
+        trainstate.load(tmp_path / "c", wrong)
+    assert e.value.missing == ["m.1.b"] and e.value.unexpected == ["m.0.b"]
+
+
+def test_names_map_by_path_from_nested_dicts_into_dotted_keys(tmp_path):
+    trainstate.save(tmp_path / "c", {"m": _nested(VALUES)})
+    target = {"m": {k: np.zeros_like(v) for k, v in VALUES.items()}}
+    trainstate.load(tmp_path / "c", target)
+    assert target["m"].keys() == VALUES.keys() and all(np.array_equal(target["m"][k], v) for k, v in VALUES.items())

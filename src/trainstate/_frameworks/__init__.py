@@ -29,6 +29,10 @@ class Adapter(Protocol):
     def is_array(self, value: Any) -> bool:
         """Whether ``value`` is an array (or array scalar) of this framework."""
 
+    def has_values(self, value: Any) -> bool:
+        """False for a value that stands for an array without holding one (``jax.ShapeDtypeStruct``): a
+        restore target, never saved."""
+
     def describe(self, value: Any) -> tuple[str, tuple[int, ...], str]:
         """(dtype code, shape, kind) of an array; raises UnsupportedValueError for one that cannot be stored."""
 
@@ -156,15 +160,15 @@ def pytree(value: Any) -> tuple[jax_tree.Children, Callable[[list[Any]], Any]] |
     return jax_tree.node(value) if "jax" in sys.modules else None
 
 
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DDP / DataParallel and torch.compile add to a model's names
-
-
-def rebuilt_on_restore(value: Any) -> bool:
-    """Whether restoring into ``value`` makes a new object instead of filling it: a JAX array, or a JAX
-    pytree node other than a dict, list or tuple (a ``TrainState``, an ``nnx.State``)."""
-    if "jax" not in sys.modules or isinstance(value, (dict, list, tuple)):
+def replaced_on_restore(value: Any) -> bool:
+    """Whether restoring into ``value`` makes a new value instead of filling it: a JAX array or a JAX pytree
+    node (a TrainState, a FrozenDict) is immutable. A caller that cannot hand the new value back refuses it."""
+    if "jax" not in sys.modules or isinstance(value, (dict, list, tuple)) or stateful_view(value) is not None:
         return False
-    return adapter_for(value) is _jax() or jax_tree.node(value) is not None
+    return _jax().is_array(value) or jax_tree.node(value) is not None
+
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DDP / DataParallel and torch.compile add to a model's names
 
 
 def stateful_view(obj: Any) -> Any | None:

@@ -36,7 +36,13 @@ KIND = numpy_adapter.KIND  # see the module's docstring
 
 
 def is_array(value: Any) -> bool:
-    return isinstance(value, jax.Array)
+    """A ``jax.Array``, or a ``jax.ShapeDtypeStruct``: an abstract array (``jax.eval_shape``,
+    ``nnx.eval_shape``) that a restore fills with a new array of its shape, dtype and sharding."""
+    return isinstance(value, (jax.Array, jax.ShapeDtypeStruct))
+
+
+def has_values(value: Any) -> bool:
+    return not isinstance(value, jax.ShapeDtypeStruct)
 
 
 def is_key(value: Any) -> bool:
@@ -61,7 +67,7 @@ def _host(value: Any) -> np.ndarray:
 
 
 def describe(value: Any) -> tuple[str, tuple[int, ...], str]:
-    if value.is_deleted() or not value.is_fully_addressable:
+    if has_values(value) and (value.is_deleted() or not value.is_fully_addressable):
         _host(value)  # raises the error that says why
     data = jax.eval_shape(jax.random.key_data, value) if is_key(value) else value
     return dtypes.from_numpy(np.dtype(data.dtype)).code, tuple(data.shape), KIND
@@ -109,19 +115,32 @@ def assign(target: Any, source: np.ndarray) -> Any:
 
     Committed to that sharding only when ``target`` was: an uncommitted array (made without naming a device)
     is one JAX may still move, and committing it would make each jitted function compile again and refuse
-    it beside arrays on other devices.
+    it beside arrays on other devices. An abstract target (``jax.ShapeDtypeStruct``) is committed to its
+    sharding when it names one, else the new array goes to the default device.
     """
     host = np.asarray(source)
-    impl = jax.random.key_impl(target) if is_key(target) else None
+    impl = _key_impl(target) if is_key(target) else None
     if impl is None and host.dtype != np.dtype(target.dtype):  # strict=False: cast, as for every framework
         host = host.astype(target.dtype)
-    if not target.committed:  # on one device, the default one when it was made
-        with jax.default_device(next(iter(target.devices()))):
+    sharding = target.sharding
+    if sharding is None or not getattr(target, "committed", True):  # on one device: the default one, or its own
+        with jax.default_device(None if sharding is None else next(iter(sharding.device_set))):
             value = jax.device_put(host)
             return value if impl is None else jax.random.wrap_key_data(value, impl=impl)
     if impl is not None:
-        return jax.device_put(jax.random.wrap_key_data(jnp.asarray(host), impl=impl), target.sharding)
-    return jax.make_array_from_callback(host.shape, target.sharding, lambda index: host[index])
+        return jax.device_put(jax.random.wrap_key_data(jnp.asarray(host), impl=impl), sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _key_impl(target: Any) -> Any:
+    """The PRNG implementation of a typed key array, or of an abstract one (its key dtype holds it: JAX's
+    ``key_impl`` takes only arrays)."""
+    if isinstance(target, jax.ShapeDtypeStruct):
+        impl = getattr(target.dtype, "_impl", None)
+        if impl is None:
+            raise UnsupportedValueError(f"cannot tell the PRNG implementation of {target}: restore into a key array")
+        return impl
+    return jax.random.key_impl(target)
 
 
 def from_numpy(array: np.ndarray) -> Any:

@@ -17,6 +17,10 @@ def is_array(value: Any) -> bool:
     return isinstance(value, np.ndarray) or (isinstance(value, np.generic) and value.dtype.kind not in "US")
 
 
+def has_values(value: Any) -> bool:
+    return True
+
+
 def describe(value: Any) -> tuple[str, tuple[int, ...], str]:
     """(dtype code, shape, kind) of an array or NumPy scalar."""
     if value.dtype.hasobject or value.dtype.fields is not None:

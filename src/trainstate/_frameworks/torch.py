@@ -46,6 +46,10 @@ def _check_plain(t: torch.Tensor) -> None:
         raise UnsupportedValueError(f"torch dtype {t.dtype} cannot be stored")
 
 
+def has_values(value: Any) -> bool:
+    return True
+
+
 def describe(value: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     _check_plain(value)
     if _is_dtensor(value):

@@ -24,7 +24,7 @@ from trainstate import _transforms as transforms
 from trainstate._distributed import rank_and_world
 from trainstate._distributed.group import Failure
 from trainstate._format.manifest import MANIFEST_NAME
-from trainstate._frameworks import rebuilt_on_restore
+from trainstate._frameworks import replaced_on_restore
 from trainstate._manager import naming
 from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
@@ -386,12 +386,12 @@ class CheckpointManager:
                 ``TrainState``, at its top): keep it in a dict, or use :meth:`restore`, which returns it.
             FormatVersionError: a checkpoint here was written by a newer trainstate.
         """
-        if rebuilt_on_restore(state):
+        if replaced_on_restore(state):
             raise InvalidArgumentError(
-                f"restore_latest restores in place, and a {type(state).__name__} cannot be changed in place: JAX "
-                "arrays and pytrees such as a TrainState are immutable, so a restore makes new ones. Keep them in "
-                "a dict and read them back from it: state = {'train_state': ts}; mgr.restore_latest(state); "
-                "ts = state['train_state'] (or use mgr.restore(step, ts), which returns the restored value)"
+                f"restore_latest restores the state in place and returns the step to continue from, but a "
+                f"{type(state).__name__} cannot change in place (JAX arrays and pytrees are immutable): put it in a "
+                "dict, state = {'train': train_state}, restore that and take it back out (state['train']), or "
+                "use mgr.restore(step, train_state), which returns the restored value"
             )
         candidates = [(info.name, info.step) for info in sorted(self.list(), key=saved_order, reverse=True)]
         failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]

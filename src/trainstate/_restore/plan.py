@@ -14,6 +14,9 @@ Matching rules:
   tensors at matching paths are still filled in place.
 * An object bound to others of the state (``_frameworks.bind``: a torch optimizer and the modules that own
   its parameters) gives its own target and names; its missing and unexpected names are reported as keys.
+* Names map by path: a saved object's state restores into a plain container of the same paths and a saved
+  dict into an object's state (a torch model's into a JAX program's dicts, a JAX pytree into a torch model),
+  and a saved dict's dotted keys match the target's nested dicts and back (by_path.py).
 * Shapes must always match. Dtypes must match when ``strict``; otherwise values are cast.
 """
 
@@ -23,10 +26,13 @@ import fnmatch
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
+import numpy as np
+
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
 from trainstate._format.added_keys import declared_keys
 from trainstate._frameworks import (
+    NUMPY,
     WRAPPER_PREFIXES,
     Bound,
     adapter_for,
@@ -36,6 +42,7 @@ from trainstate._frameworks import (
     rebuilt_from_checkpoint,
     unwrapped,
 )
+from trainstate._restore.by_path import keyed_like
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.read import Job as _Job
 from trainstate._restore.read import fill
@@ -89,6 +96,11 @@ def _patterns(value: Any, what: str) -> list[str]:
     if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
         return list(value)
     raise InvalidArgumentError(f'{what} takes a glob pattern or a list of them ("model.*"), got {value!r:.60}')
+
+
+def _is_container(value: Any) -> bool:
+    """A plain container of the user's (not a stateful object), which a saved object's state can restore into."""
+    return isinstance(value, (Mapping, list, tuple)) and not tree.is_stateful(value)
 
 
 def _is_structure(value: Any) -> bool:
@@ -161,6 +173,7 @@ class Restorer:
 
     def _plan_plain(self, node: tree.Node, target: Any, path: tuple[str, ...], free: bool) -> Planned:
         key = tree.join(path)
+        found = None
         if (
             target is not _ABSENT
             and not isinstance(target, (dict, list, tuple))
@@ -168,8 +181,14 @@ class Restorer:
             and not tree.is_stateful(target)
         ):
             found = pytree(target)
-            if found is not None:
-                return self._plan_pytree(node, target, found, path, free)
+        # An object's state and a plain container of the same paths stand for each other, whichever side holds
+        # the object: a torch model's state restores into a JAX program's dicts, a JAX pytree into a torch model.
+        if isinstance(node, tree.StatefulNode) and (found is not None or _is_container(target)):
+            node = node.state
+        elif isinstance(node, tree.DictNode) and target is not _ABSENT and tree.is_stateful(target):
+            return self._plan_stateful(target, tree.StatefulNode("dict", node), path)
+        if found is not None:
+            return self._plan_pytree(node, target, found, path, free)
         if isinstance(node, tree.ValueNode):
             if not self.selected(key):
                 return lambda: target
@@ -299,6 +318,8 @@ class Restorer:
         self, target: Any, node: tree.DictNode, path: tuple[str, ...], free: bool
     ) -> tree.Branch[_Item, Finisher]:
         present = target if target is not _ABSENT and isinstance(target, Mapping) else {}
+        if present and not free:  # the target's keys are the truth: match the saved ones to them by path
+            node = keyed_like(node, present)
         keys: list[Any] = []
         children: list[_Item] = []
         for k, child in node.items():
@@ -360,18 +381,34 @@ class Restorer:
 
         if jax_tree.is_single(target, kids):
             own = kids[0][1]
-            return tree.Branch([(node, own, path, free)], _then(lambda fs: rebuilt([_kept(fs[0](), own)])))
+            leaf = self._pytree_leaf(own, node)
+            return tree.Branch([(node, leaf, path, free)], _then(lambda fs: rebuilt([_as_own(own, fs[0]())])))
         if not isinstance(node, tree.DictNode):
             saved = node.tag if isinstance(node, tree.SeqNode) else _describe_node(node)
             self.mismatched.append((tree.join(path) or "<root>", type(target).__name__, saved))
             return lambda: target
-        planned = self._plan_dict(dict(kids), node, path, free)
+        node = keyed_like(node, dict(kids))
+        children = dict(node.items())
+        planned = self._plan_dict({k: self._pytree_leaf(v, children.get(k)) for k, v in kids}, node, path, free)
 
         def combine(finishers: list[Finisher]) -> Finisher:
             done = planned.combine(finishers)
-            return lambda: rebuilt([_kept(done().get(k, _ABSENT), v) for k, v in kids])
+            return lambda: rebuilt([_as_own(v, done().get(k, _ABSENT)) for k, v in kids])
 
         return tree.Branch(planned.children, combine)
+
+    def _pytree_leaf(self, own: Any, saved: tree.Node | None) -> Any:
+        """What a JAX pytree leaf is planned against. JAX turns a Python number into a 0-d array wherever a
+        jitted function takes or returns it (a TrainState's ``step`` is ``0`` when created, an array after a
+        jitted step), so here the two are one leaf: a saved 0-d tensor restores into a number of its kind (read
+        into a NumPy scalar array), a saved number into a 0-d array; :func:`_as_own` gives the target's type."""
+        if jax_tree.is_number(own) and isinstance(saved, tree.TensorNode):
+            entry = self.ck.manifest.tensors.get(saved.name)
+            if entry is not None and entry.shape == () and jax_tree.number_fits(own, entry.dtype):
+                return NUMPY.empty(entry.dtype, ())
+        if isinstance(saved, tree.ValueNode) and jax_tree.is_number(saved.value) and _is_scalar_array(own):
+            return saved.value
+        return own
 
     def _plan_sequence(self, target: Any, node: tree.SeqNode, path: tuple[str, ...], free: bool) -> Planned:
         children = node.items
@@ -466,9 +503,22 @@ def _target_leaves(value: Any, path: str) -> list[str]:
     return [path]
 
 
-def _kept(value: Any, own: Any) -> Any:
-    """A restored child, or the target's own where the restore left it (excluded, or not saved)."""
-    return own if value is _ABSENT else value
+def _as_own(own: Any, value: Any) -> Any:
+    """A restored pytree leaf as the target's own type (see :meth:`Restorer._pytree_leaf`); the target's own
+    where the restore left it (excluded, or not saved)."""
+    if value is _ABSENT:
+        return own
+    if jax_tree.is_number(own) and isinstance(value, np.ndarray):
+        return type(own)(value.item())
+    adapter = adapter_for(own)
+    if jax_tree.is_number(value) and adapter is not None:
+        return adapter.assign(own, np.asarray(value, dtype=own.dtype))
+    return value
+
+
+def _is_scalar_array(value: Any) -> bool:
+    adapter = adapter_for(value)
+    return adapter is not None and adapter.describe(value)[1] == ()
 
 
 def _describe_node(node: tree.Node) -> str:

@@ -10,6 +10,7 @@ from trainstate import _tree
 from trainstate._format import dtypes
 from trainstate._format.added_keys import check_declaration
 from trainstate._frameworks import Adapter, adapter_for, bind
+from trainstate.errors import UnsupportedValueError
 
 
 @dataclass
@@ -50,6 +51,10 @@ class TensorTable:
             assert adapter is not None
             self._adapters[type(value)] = adapter
         dtype, shape, kind = adapter.describe(value)  # also refuses what cannot be stored
+        if not adapter.has_values(value):
+            raise UnsupportedValueError(
+                f"a {type(value).__name__} has a shape and dtype but no values to save (it can be a restore target)"
+            )
         global_shape, offset = shape, (0,) * len(shape)
         part = adapter.local_part(value)
         if part is not None:  # sharded over ranks: this process stores its own part

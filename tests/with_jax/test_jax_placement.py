@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("jaxlib")  # not "jax": tests/jax/ itself imports as a namespace package "jax"
+pytest.importorskip("jax")
 import jax  # noqa: E402 - after the skip
 import jax.numpy as jnp  # noqa: E402
 

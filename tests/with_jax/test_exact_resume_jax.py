@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("jaxlib")  # not "jax": tests/jax/ itself imports as a namespace package "jax"
+pytest.importorskip("jax")
 pytest.importorskip("flax.nnx")
 pytest.importorskip("optax")
 import jax  # noqa: E402 - after the skip

@@ -5,7 +5,7 @@ step count, the dropout stream (an ``nnx.Rngs`` stream inside the model: its key
 drawn) and the data order (the key of this epoch's permutation, the epoch, the position in it). Run as a
 script it trains with a CheckpointManager and resumes from the newest checkpoint it finds:
 
-    python tests/jax/resume_recipe_jax.py DIR [--steps N] [--every K] [--async] [--pause-at P]
+    python tests/with_jax/resume_recipe_jax.py DIR [--steps N] [--every K] [--async] [--pause-at P]
 
 and writes the whole final state to DIR/final. ``--pause-at P`` prints ``paused P`` after step P and waits
 on stdin, so a test can SIGKILL it at a known point between two checkpoints. docs/jax.md shows this loop.
