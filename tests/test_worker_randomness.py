@@ -170,6 +170,31 @@ def test_seed_per_sample_refuses_what_it_cannot_make_exact():
             )
 
 
+@pytest.mark.skipif(not HAS_TORCHDATA, reason="torchdata not installed")
+def test_a_dropped_stateful_loader_is_freed_at_once_and_its_workers_stop():
+    """seed_per_sample puts the loader in no reference cycle: dropped mid-epoch, a StatefulDataLoader (which
+    keeps its iterator) is freed by its last reference, and the iterator stops its workers. In a cycle, a
+    garbage collection would free them later, and torch joins each worker only after a 5 s timeout then."""
+    import gc
+    import weakref
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = trainstate.seed_per_sample(StatefulDataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2))
+    it = iter(loader)
+    next(it)
+    workers, freed = list(it._workers), weakref.ref(loader)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del it, loader
+        assert freed() is None
+        assert not any(w.is_alive() for w in workers)
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def test_saving_a_sampler_before_attach_is_a_checkpoint_error(tmp_path):
     sampler = trainstate.ResumableSampler(10)
     with pytest.raises(trainstate.CheckpointError, match="attach"):
