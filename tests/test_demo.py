@@ -1,11 +1,15 @@
 """The README's first command: ``trainstate demo`` ends with a bit-identical resumed run."""
 
+import importlib.util
+
 import pytest
 
 from helpers import cli
 
 pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+# the demo reads scikit-learn's digits file without importing sklearn; importing it here (collecting, in each
+# pytest process) would cost seconds
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="scikit-learn not installed")
 
 
 def test_demo_resumes_bit_identically(tmp_path):
