@@ -3,7 +3,7 @@
 Run as a script it trains with a CheckpointManager and can kill itself with SIGKILL at a given step:
     python tests/resume_recipe.py DIR --loader sampler|stateful --steps N [--kill-at K] [--async]
         [--workers W] [--augment] [--no-seed-per-sample]
-and writes the final model and optimizer state to DIR/final.
+and writes the final model and optimizer state to DIR/final. ``main([DIR, ...])`` runs the same in-process.
 
 ``--augment`` swaps the fixed tensors for a dataset that augments in ``__getitem__`` with Python's
 ``random``, NumPy's global generator and torch's, the way a fine-tune masks tokens in its workers.
@@ -98,7 +98,7 @@ def final_state(state: dict[str, Any]) -> dict[str, Any]:
     return {"model": state["model"], "optim": state["optim"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     ap.add_argument("--loader", default="sampler")
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--augment", action="store_true")
     ap.add_argument("--no-seed-per-sample", dest="seed_per_sample", action="store_false")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     state, loader = build(
         args.loader, init_seed=0, workers=args.workers, augment=args.augment, seed_per_sample=args.seed_per_sample
     )

@@ -24,6 +24,8 @@ from helpers import assert_same
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader, Dataset, IterableDataset  # noqa: E402 - after importorskip
 
+import resume_recipe  # noqa: E402 - after importorskip
+
 HAS_TORCHDATA = pytest.importorskip("importlib").util.find_spec("torchdata") is not None
 LOADERS = [
     "sampler",
@@ -55,8 +57,10 @@ def _run(out: Path, args: list[str]) -> tuple[int, str]:
 
 
 def _kill_and_resume(tmp_path: Path, flags: list[str], kill_at: int) -> tuple[Any, Any]:
-    rc, out = _run(tmp_path / "ref", flags)
-    assert rc == 0, out
+    """The final states of an uninterrupted run and of a run SIGKILLed at ``kill_at`` in a fresh process and
+    resumed in another. The uninterrupted run is the same recipe in this process (which process runs it is
+    not what is tested; a fresh ``python`` importing torch costs seconds of CPU)."""
+    resume_recipe.main([str(tmp_path / "ref"), *flags])
     rc, out = _run(tmp_path / "run", [*flags, "--kill-at", str(kill_at)])
     assert rc == -signal.SIGKILL, out
     assert not (tmp_path / "run" / "final").exists()
@@ -168,6 +172,31 @@ def test_seed_per_sample_refuses_what_it_cannot_make_exact():
             trainstate.seed_per_sample(
                 StatefulDataLoader(Noisy(), batch_size=2, num_workers=1, persistent_workers=True)
             )
+
+
+@pytest.mark.skipif(not HAS_TORCHDATA, reason="torchdata not installed")
+def test_a_dropped_stateful_loader_is_freed_at_once_and_its_workers_stop():
+    """seed_per_sample puts the loader in no reference cycle: dropped mid-epoch, a StatefulDataLoader (which
+    keeps its iterator) is freed by its last reference, and the iterator stops its workers. In a cycle, a
+    garbage collection would free them later, and torch joins each worker only after a 5 s timeout then."""
+    import gc
+    import weakref
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = trainstate.seed_per_sample(StatefulDataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2))
+    it = iter(loader)
+    next(it)
+    workers, freed = list(it._workers), weakref.ref(loader)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del it, loader
+        assert freed() is None
+        assert not any(w.is_alive() for w in workers)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def test_saving_a_sampler_before_attach_is_a_checkpoint_error(tmp_path):

@@ -22,6 +22,7 @@ ResumableSampler gets it from ``attach()``; any other map-style loader (torchdat
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Sized
 from typing import Any, TypeVar
 
@@ -177,18 +178,24 @@ class ResumableSampler(Sampler[int]):
 
 
 class _Hooks:
-    """Per-loader one-shot and counting behaviour, installed as an instance attribute ``_get_iterator``."""
+    """Per-loader one-shot and counting behaviour, installed as an instance attribute ``_get_iterator``.
+
+    It holds its loader weakly. A strong reference would put the loader in a reference cycle, and a
+    StatefulDataLoader keeps its live iterator: freed by the cycle collector, that iterator's workers never get
+    their stop message (the queues are finalized first), and torch waits 5 s for each before killing it.
+    """
 
     def __init__(self, loader: DataLoader[Any]) -> None:
-        self.loader = loader
-        self.original = type(loader)._get_iterator.__get__(loader)
+        self._loader = weakref.ref(loader)
+        self.original = type(loader)._get_iterator
         self.counter: ResumableSampler | None = None
         self.base_seed_rng: torch.Tensor | None = None
         self.after_start: list[Callable[[], None]] = []
         self.seed_samples = False
 
     def __call__(self) -> Any:
-        loader = self.loader
+        loader = self._loader()
+        assert loader is not None  # it is calling us
         if self.counter is not None:
             self.counter._iterator_starting()
         source, user_init = loader.generator, loader.worker_init_fn
@@ -202,7 +209,7 @@ class _Hooks:
         if self.seed_samples and loader.num_workers > 0:
             loader.worker_init_fn = seeding.SeedingWorkerInit(user_init)
         try:
-            it = self.original()
+            it = self.original(loader)
         finally:
             loader.generator, loader.worker_init_fn = source, user_init
         if self.seed_samples and loader.num_workers == 0:

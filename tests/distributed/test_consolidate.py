@@ -20,6 +20,7 @@ pytest.importorskip("torch.distributed")
 import dist_workers_consolidate as workers  # noqa: E402
 import ranks  # noqa: E402
 import trainstate  # noqa: E402
+from helpers import cli  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is missing")
 WORLD = 4
@@ -176,32 +177,22 @@ def test_the_command_line(sharded, tmp_path):
     assert report["source_world_size"] == WORLD and report["rank"] == 0 and report["path"] == str(out)
     assert report["tensors"] == len(trainstate.open(out).keys())
     _assert_holds(_load_plain(out), saved, rank=0)
-    again = subprocess.run(
-        [sys.executable, "-m", "trainstate", "consolidate", str(path), str(out)], capture_output=True, text=True
-    )
-    assert again.returncode == 8 and "already exists" in again.stderr and "--overwrite" in again.stderr
-    text = subprocess.run(
-        [sys.executable, "-m", "trainstate", "consolidate", str(path), str(out), "--overwrite", "--rank", "1"],
-        capture_output=True,
-        text=True,
-    )
-    assert text.returncode == 0 and "4 ranks" in text.stdout and "rank 1" in text.stdout, text.stdout + text.stderr
+    # the rest through the same main() in this process (the subprocess above ran the entry point)
+    again = cli("consolidate", str(path), str(out), code=8)
+    assert "already exists" in again.stderr and "--overwrite" in again.stderr
+    text = cli("consolidate", str(path), str(out), "--overwrite", "--rank", "1")
+    assert "4 ranks" in text.stdout and "rank 1" in text.stdout, text.stdout + text.stderr
     _assert_holds(_load_plain(out), saved, rank=1)
 
 
 def test_inspect_shows_the_world_size_and_each_tensors_chunks(sharded):
+    """Through the CLI's main() in this process (the entry point runs in test_the_command_line)."""
     path, _ = sharded
-
-    def cli(*args: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "trainstate", *args], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    doc = json.loads(cli("inspect", str(path), "--json"))
+    doc = json.loads(cli("inspect", str(path), "--json").stdout)
     assert doc["world_size"] == WORLD
     weight = next(t for t in doc["tensors"] if t["name"] == "model.2.weight")
     assert weight["chunks"] == WORLD and "boxes" not in weight  # the count, as before; boxes on request
-    doc = json.loads(cli("inspect", str(path), "--json", "--chunks", "--filter", "model.2.weight"))
+    doc = json.loads(cli("inspect", str(path), "--json", "--chunks", "--filter", "model.2.weight").stdout)
     (weight,) = doc["tensors"]
     assert [(b["offset"], b["shape"]) for b in weight["boxes"]] == [
         ([0, 0], [3, 24]),
@@ -210,7 +201,7 @@ def test_inspect_shows_the_world_size_and_each_tensors_chunks(sharded):
         ([9, 0], [1, 24]),
     ]
     assert [b["file"].split("-")[1] for b in weight["boxes"]] == ["r00000", "r00001", "r00002", "r00003"]
-    text = cli("inspect", str(path), "--chunks", "--filter", "columns")
+    text = cli("inspect", str(path), "--chunks", "--filter", "columns").stdout
     assert re.search(r"saved by +4 ranks", text) and "[0, 9]" in text and "[6, 0]" in text and "r00003" in text
 
 
