@@ -57,3 +57,22 @@ def test_saving_an_abstract_array_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(trainstate.UnsupportedValueError, match="w: .*no values to save"):
         trainstate.save(tmp_path / "c", {"w": jax.ShapeDtypeStruct((3,), jnp.float32)})
     assert not (tmp_path / "c").exists()
+
+
+def test_an_abstract_mesh_target_takes_the_mesh_set_around_the_restore(tmp_path: Path) -> None:
+    w = np.arange(128.0, dtype=np.float32).reshape(8, 16)
+    trainstate.save(tmp_path / "c", {"w": jnp.asarray(w)})
+    mesh = jax.make_mesh((1, 8), ("data", "model"))
+    with jax.set_mesh(mesh):  # jax.eval_shape under a mesh: the sharding is on an AbstractMesh
+        abstract = jax.eval_shape(lambda: jax.sharding.reshard(jnp.zeros((8, 16)), P(None, "model")))
+        restored = trainstate.load(tmp_path / "c", {"w": abstract})["w"]
+    assert restored.sharding == NamedSharding(mesh, P(None, "model")) and np.array_equal(restored, w)
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"w: .*abstract mesh.*jax.set_mesh"):
+        trainstate.load(tmp_path / "c", {"w": abstract})  # no mesh set: named, before anything is read
+
+
+def test_a_sharding_that_does_not_divide_the_shape_is_named(tmp_path: Path) -> None:
+    trainstate.save(tmp_path / "c", {"w": jnp.zeros((7, 16))})
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("a",)), P("a"))
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"w: its sharding does not fit its shape \[7, 16\]"):
+        trainstate.load(tmp_path / "c", {"w": jax.ShapeDtypeStruct((7, 16), jnp.float32, sharding=sharding)})

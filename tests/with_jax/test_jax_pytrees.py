@@ -294,7 +294,7 @@ def test_a_deleted_array_is_refused_with_its_path(tmp_path: Path) -> None:
     assert params["dense"]["kernel"].is_deleted()
     with pytest.raises(trainstate.UnsupportedValueError, match=r"^params\.dense\.kernel: .*deleted") as e:
         trainstate.save(tmp_path / "c", {"params": params})
-    assert "save the arrays the step returned" in str(e.value)
+    assert "use the arrays the step returned" in str(e.value)
     assert not (tmp_path / "c").exists()
     trainstate.save(tmp_path / "c", {"params": new})
     np.testing.assert_array_equal(trainstate.load(tmp_path / "c")["params"]["dense"]["kernel"], np.full((2, 2), 2.0))

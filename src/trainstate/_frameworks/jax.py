@@ -54,7 +54,7 @@ def _host(value: Any) -> np.ndarray:
     """The array's values in host memory (its key data for a typed key): assembled from its shards."""
     if value.is_deleted():
         raise UnsupportedValueError(
-            "this jax.Array was deleted (donated to a jitted function, or deleted by hand): save the arrays the "
+            "this jax.Array was deleted (donated to a jitted function, or deleted by hand): use the arrays the "
             "step returned, not the ones it consumed"
         )
     if not value.is_fully_addressable:
@@ -67,10 +67,62 @@ def _host(value: Any) -> np.ndarray:
 
 
 def describe(value: Any) -> tuple[str, tuple[int, ...], str]:
+    """(dtype code, shape, kind); refuses a traced value, a deleted or multi-process array, and an abstract
+    one JAX could not make (see :func:`_check_makeable`)."""
+    if isinstance(value, jax.core.Tracer):
+        raise UnsupportedValueError(
+            "a traced value (inside jax.jit, grad or vmap) has no values yet: save and load outside the "
+            "transformed function"
+        )
     if has_values(value) and (value.is_deleted() or not value.is_fully_addressable):
         _host(value)  # raises the error that says why
     data = jax.eval_shape(jax.random.key_data, value) if is_key(value) else value
+    if not has_values(value):
+        _check_makeable(value)
     return dtypes.from_numpy(np.dtype(data.dtype)).code, tuple(data.shape), KIND
+
+
+def _check_makeable(target: Any) -> None:
+    """Refuse, before anything is read, an abstract target whose array JAX would not make as asked."""
+    if target.sharding is not None:
+        sharding = _concrete(target.sharding)
+        try:
+            sharding.shard_shape(tuple(target.shape))
+        except ValueError as e:
+            raise UnsupportedValueError(f"its sharding does not fit its shape {list(target.shape)}: {e}") from None
+
+
+def _narrowed(array: np.ndarray) -> np.ndarray:
+    """``array`` in the dtype JAX will make of it. With ``jax_enable_x64`` off JAX makes 64-bit values 32-bit:
+    that cast is done here when it loses nothing (integers in range, floats that round-trip exactly), and
+    refused otherwise, since JAX would cut them in silence."""
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(array.dtype))
+    if dtype == array.dtype:
+        return array
+    narrow = array.astype(dtype)
+    same = np.array_equal(narrow, array, equal_nan=dtype.kind in "fc")
+    if not same:
+        raise UnsupportedValueError(
+            f"its {array.dtype} values do not fit {dtype}, and JAX makes {array.dtype} arrays only in 64-bit mode: "
+            "turn it on (jax.config.update('jax_enable_x64', True)), load as NumPy (framework='numpy'), or restore "
+            f"into a {dtype} target with strict=False to cast"
+        )
+    return narrow
+
+
+def _concrete(sharding: Any) -> Any:
+    """``sharding`` on a concrete mesh: one on an abstract mesh (``jax.eval_shape`` under ``jax.set_mesh``)
+    is put on the mesh set where the restore runs."""
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.AbstractMesh):
+        return sharding
+    current = jax.sharding.get_mesh()
+    if not isinstance(current, jax.sharding.Mesh) or current.empty or current.abstract_mesh != mesh:
+        raise UnsupportedValueError(
+            f"its sharding is on an abstract mesh ({mesh}), and no concrete mesh of that shape is set: restore "
+            "inside `with jax.set_mesh(mesh):`, or give the target a NamedSharding on a concrete mesh"
+        )
+    return jax.sharding.NamedSharding(current, sharding.spec)
 
 
 def identity(value: Any) -> tuple[object, ...] | None:
@@ -107,7 +159,7 @@ def copy_in(pairs: list[tuple[Any, np.ndarray]]) -> None:
 
 def finish(array: np.ndarray, kind: str) -> Any:
     """A freshly read host array as a JAX array on the default device."""
-    return jax.device_put(array)
+    return jax.device_put(_narrowed(array))
 
 
 def assign(target: Any, source: np.ndarray) -> Any:
@@ -122,7 +174,9 @@ def assign(target: Any, source: np.ndarray) -> Any:
     impl = _key_impl(target) if is_key(target) else None
     if impl is None and host.dtype != np.dtype(target.dtype):  # strict=False: cast, as for every framework
         host = host.astype(target.dtype)
-    sharding = target.sharding
+    if impl is None:
+        host = _narrowed(host)  # an abstract 64-bit target without x64
+    sharding = target.sharding if has_values(target) or target.sharding is None else _concrete(target.sharding)
     if sharding is None or not getattr(target, "committed", True):  # on one device: the default one, or its own
         with jax.default_device(None if sharding is None else next(iter(sharding.device_set))):
             value = jax.device_put(host)
@@ -144,7 +198,7 @@ def _key_impl(target: Any) -> Any:
 
 
 def from_numpy(array: np.ndarray) -> Any:
-    return jax.device_put(array)
+    return jax.device_put(_narrowed(array))
 
 
 def load_takes_strict(obj: Any) -> bool:

@@ -388,10 +388,10 @@ class CheckpointManager:
         """
         if replaced_on_restore(state):
             raise InvalidArgumentError(
-                f"restore_latest restores the state in place and returns the step to continue from, but a "
-                f"{type(state).__name__} cannot change in place (JAX arrays and pytrees are immutable): put it in a "
-                "dict, state = {'train': train_state}, restore that and take it back out (state['train']), or "
-                "use mgr.restore(step, train_state), which returns the restored value"
+                f"restore_latest restores the state in place and returns the step to continue from, but the state "
+                f"given is a {type(state).__name__}, which cannot change in place (JAX arrays and pytrees are "
+                "immutable): put it in a dict, state = {'train': train_state}, restore that and take it back out "
+                "(state['train']), or use mgr.restore(step, train_state), which returns the restored value"
             )
         candidates = [(info.name, info.step) for info in sorted(self.list(), key=saved_order, reverse=True)]
         failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]

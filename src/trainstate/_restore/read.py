@@ -42,7 +42,7 @@ from trainstate._frameworks import NUMPY, Adapter, adapter_for, adapter_named
 from trainstate._restore.transformed import batches as transformed_batches
 from trainstate._restore.transformed import transformed, verify_chunk
 from trainstate._storage import Storage
-from trainstate.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from trainstate.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedValueError
 
 if TYPE_CHECKING:
     from trainstate._restore.checkpoint import Checkpoint
@@ -429,7 +429,10 @@ def read_tensor(ck: Checkpoint, name: str, *, framework: str, verify: bool) -> A
                 _check(view[span.begin - c.byte_range[0] : span.end - c.byte_range[0]], span)
         array = np.frombuffer(view, dtype=dtypes.from_code(t.dtype).numpy, count=math.prod(t.shape)).reshape(t.shape)
         if framework != "numpy":  # an array of its own: the map closes with the checkpoint
-            return adapter_named(framework).from_numpy(array.copy())
+            try:
+                return adapter_named(framework).from_numpy(array.copy())
+            except UnsupportedValueError as e:
+                raise UnsupportedValueError(f"{name}: {e}") from None
         return NUMPY.finish(array, t.kind)
     adapter = adapter_named(framework)
     out = adapter.empty(t.dtype, t.shape)
@@ -534,15 +537,24 @@ def fill(
             ) from None
         for name, job in jobs:
             if job.host is not None:
-                if job.target is absent:  # what the reader asked for (framework), else what the saver held
-                    job.value = adapter_named(framework or tensors[name].kind).finish(job.host, tensors[name].kind)
-                    continue
-                host = _adapter(job.host).finish(job.host, tensors[name].kind)
-                if job.local is not job.target:  # a shard: copied into the local part, the target stays
-                    _adapter(job.local).assign(job.local, host)
-                    job.value = job.target
-                else:
-                    job.value = _adapter(job.target).assign(job.target, host)
+                try:
+                    _finish(job, tensors[name].kind, framework, absent)
+                except UnsupportedValueError as e:  # an array the framework cannot hold (JAX without x64)
+                    raise UnsupportedValueError(f"{name}: {e}") from None
+
+
+def _finish(job: Job, kind: str, framework: str | None, absent: object) -> None:
+    """A read job's host array made what the state holds: the reader's framework (else what the saver held)
+    without a target, else copied into the target (or its local shard) or made anew from it."""
+    if job.target is absent:
+        job.value = adapter_named(framework or kind).finish(job.host, kind)
+        return
+    host = _adapter(job.host).finish(job.host, kind)
+    if job.local is not job.target:  # a shard: copied into the local part, the target stays
+        _adapter(job.local).assign(job.local, host)
+        job.value = job.target
+    else:
+        job.value = _adapter(job.target).assign(job.target, host)
 
 
 STAGE_BYTES = 64 << 20  # host staging for accelerator targets: at least this, at most the largest tensor

@@ -1,0 +1,51 @@
+"""What a JAX user gets wrong, and the error that says so (from the new-user trial)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+import trainstate  # noqa: E402
+
+
+def test_64_bit_values_jax_would_cut_are_refused_and_ones_that_fit_are_narrowed(tmp_path: Path) -> None:
+    assert not jax.config.read("jax_enable_x64")  # JAX's default: 64-bit arrays are made 32-bit
+    trainstate.save(
+        tmp_path / "c",
+        {
+            "big": np.array([2**40 + 1, -1]),
+            "small": np.array([3, 4]),
+            "fine": np.array([1 + 1e-12]),
+            "half": np.array([0.5]),
+        },
+    )
+    for target in (None, {"big": jax.ShapeDtypeStruct((2,), np.int64)}):
+        with pytest.raises(trainstate.UnsupportedValueError, match=r"big: its int64 values do not fit int32"):
+            if target is None:
+                trainstate.load(tmp_path / "c", framework="jax", include="big")
+            else:
+                trainstate.load(tmp_path / "c", target, include="big")
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"fine: its float64 values do not fit float32"):
+        trainstate.load(tmp_path / "c", framework="jax", include="fine")
+    with trainstate.open(tmp_path / "c") as ck, pytest.raises(trainstate.UnsupportedValueError, match="big: "):
+        ck.read("big", framework="jax")
+    exact = trainstate.load(tmp_path / "c", framework="jax", include=["small", "half"])
+    assert exact["small"].dtype == jnp.int32 and exact["small"].tolist() == [3, 4]
+    assert exact["half"].dtype == jnp.float32 and exact["half"].tolist() == [0.5]
+
+
+def test_saving_inside_jit_names_the_traced_value(tmp_path: Path) -> None:
+    @jax.jit
+    def step(x: jax.Array) -> jax.Array:
+        trainstate.save(tmp_path / "c", {"w": x})
+        return x + 1
+
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"w: a traced value .*outside the transformed function"):
+        step(jnp.ones(2))
+    assert not (tmp_path / "c").exists()
