@@ -49,3 +49,20 @@ def test_saving_inside_jit_names_the_traced_value(tmp_path: Path) -> None:
     with pytest.raises(trainstate.UnsupportedValueError, match=r"w: a traced value .*outside the transformed function"):
         step(jnp.ones(2))
     assert not (tmp_path / "c").exists()
+
+
+def test_a_loops_step_counter_restores_whether_it_is_a_number_or_a_0d_array(tmp_path: Path) -> None:
+    """``state = {"step": 0}`` holds an array after the first jitted step; a fresh state on resume holds 0."""
+    trainstate.save(tmp_path / "c", {"step": jnp.int32(4), "loss": jnp.float32(0.5), "seen": 7})
+    fresh = {"step": 0, "loss": 0.0, "seen": jnp.int32(0)}
+    trainstate.load(tmp_path / "c", fresh)
+    assert fresh["step"] == 4 and type(fresh["step"]) is int
+    assert fresh["loss"] == 0.5 and type(fresh["loss"]) is float
+    assert isinstance(fresh["seen"], jax.Array) and int(fresh["seen"]) == 7
+    wrong = {"step": 0.0, "loss": 0, "seen": jnp.int32(0)}  # a float where an int was saved, and back
+    with pytest.raises(trainstate.StateMismatchError, match=r"(?s)step: target has float.*loss: target has int"):
+        trainstate.load(tmp_path / "c", wrong)
+    assert wrong == {"step": 0.0, "loss": 0, "seen": wrong["seen"]} and int(wrong["seen"]) == 0
+    trainstate.save(tmp_path / "big", {"n": 2**40})  # a saved number a 0-d int32 array cannot hold
+    with pytest.raises(trainstate.StateMismatchError, match="n: "):
+        trainstate.load(tmp_path / "big", {"n": jnp.int32(0)})

@@ -75,7 +75,7 @@ def is_single(value: Any, children: Children) -> bool:
 
 
 def is_number(value: Any) -> bool:
-    """A Python number, which JAX takes as a 0-d array (see ``Restorer._pytree_leaf``)."""
+    """A Python number, which JAX takes as a 0-d array (see ``Restorer._scalar_leaf``)."""
     return isinstance(value, (bool, int, float))
 
 

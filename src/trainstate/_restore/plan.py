@@ -30,6 +30,7 @@ import numpy as np
 
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
+from trainstate._format import dtypes
 from trainstate._format.added_keys import declared_keys
 from trainstate._frameworks import (
     NUMPY,
@@ -322,11 +323,15 @@ class Restorer:
             node = keyed_like(node, present)
         keys: list[Any] = []
         children: list[_Item] = []
+        converted: set[Any] = set()  # keys whose number / 0-d array is restored as the other (_scalar_leaf)
         for k, child in node.items():
             sub = path + (str(k),)
             if k in present:
                 keys.append(k)
-                children.append((child, present[k], sub, free))
+                leaf = present[k] if free else self._scalar_leaf(present[k], child)
+                if leaf is not present[k]:
+                    converted.add(k)
+                children.append((child, leaf, sub, free))
             elif free or target is _ABSENT:
                 keys.append(k)
                 children.append((child, _ABSENT, sub, free))
@@ -352,12 +357,12 @@ class Restorer:
                     for k, f in done:
                         value = f()
                         if value is not _ABSENT:
-                            base[k] = value
+                            base[k] = _as_own(present[k], value) if k in converted else value
                     return base
                 for k, f in done:
                     value = f()
                     if value is not _ABSENT:
-                        target[k] = value
+                        target[k] = _as_own(present[k], value) if k in converted else value
                 return target
 
             return finish
@@ -381,33 +386,36 @@ class Restorer:
 
         if jax_tree.is_single(target, kids):
             own = kids[0][1]
-            leaf = self._pytree_leaf(own, node)
+            leaf = self._scalar_leaf(own, node)
             return tree.Branch([(node, leaf, path, free)], _then(lambda fs: rebuilt([_as_own(own, fs[0]())])))
         if not isinstance(node, tree.DictNode):
             saved = node.tag if isinstance(node, tree.SeqNode) else _describe_node(node)
             self.mismatched.append((tree.join(path) or "<root>", type(target).__name__, saved))
             return lambda: target
         node = keyed_like(node, dict(kids))
-        children = dict(node.items())
-        planned = self._plan_dict({k: self._pytree_leaf(v, children.get(k)) for k, v in kids}, node, path, free)
+        planned = self._plan_dict(dict(kids), node, path, free)
 
         def combine(finishers: list[Finisher]) -> Finisher:
             done = planned.combine(finishers)
-            return lambda: rebuilt([_as_own(v, done().get(k, _ABSENT)) for k, v in kids])
+            return lambda: rebuilt([done().get(k, v) for k, v in kids])
 
         return tree.Branch(planned.children, combine)
 
-    def _pytree_leaf(self, own: Any, saved: tree.Node | None) -> Any:
-        """What a JAX pytree leaf is planned against. JAX turns a Python number into a 0-d array wherever a
-        jitted function takes or returns it (a TrainState's ``step`` is ``0`` when created, an array after a
-        jitted step), so here the two are one leaf: a saved 0-d tensor restores into a number of its kind (read
-        into a NumPy scalar array), a saved number into a 0-d array; :func:`_as_own` gives the target's type."""
+    def _scalar_leaf(self, own: Any, saved: tree.Node | None) -> Any:
+        """What a leaf of the target's dicts and JAX pytrees is planned against. JAX turns a Python number into
+        a 0-d array wherever a jitted function takes or returns it (a TrainState's ``step``, or a loop's
+        ``state["step"]``, is ``0`` when created and an array after a jitted step), so a number and a 0-d array
+        are one leaf: a saved 0-d tensor restores into a number of its kind (read into a NumPy scalar array), a
+        saved number into a 0-d array; :func:`_as_own` gives the target's type."""
         if jax_tree.is_number(own) and isinstance(saved, tree.TensorNode):
             entry = self.ck.manifest.tensors.get(saved.name)
             if entry is not None and entry.shape == () and jax_tree.number_fits(own, entry.dtype):
                 return NUMPY.empty(entry.dtype, ())
-        if isinstance(saved, tree.ValueNode) and jax_tree.is_number(saved.value) and _is_scalar_array(own):
-            return saved.value
+        number = saved.value if isinstance(saved, tree.ValueNode) else None
+        if isinstance(number, (bool, int, float)) and _is_scalar_array(own):
+            code = _code_of(own)
+            if jax_tree.number_fits(number, code) and _holds(code, number):
+                return number
         return own
 
     def _plan_sequence(self, target: Any, node: tree.SeqNode, path: tuple[str, ...], free: bool) -> Planned:
@@ -503,8 +511,22 @@ def _target_leaves(value: Any, path: str) -> list[str]:
     return [path]
 
 
+def _code_of(array: Any) -> str:
+    adapter = adapter_for(array)
+    assert adapter is not None
+    return adapter.describe(array)[0]
+
+
+def _holds(code: str, number: bool | int | float) -> bool:
+    """Whether a 0-d array of dtype ``code`` holds ``number`` exactly (an int in range, a float that fits)."""
+    try:
+        return bool(np.asarray(number, dtype=dtypes.from_code(code).numpy).item() == number)
+    except (OverflowError, ValueError):
+        return False
+
+
 def _as_own(own: Any, value: Any) -> Any:
-    """A restored pytree leaf as the target's own type (see :meth:`Restorer._pytree_leaf`); the target's own
+    """A restored pytree leaf as the target's own type (see :meth:`Restorer._scalar_leaf`); the target's own
     where the restore left it (excluded, or not saved)."""
     if value is _ABSENT:
         return own
@@ -512,7 +534,7 @@ def _as_own(own: Any, value: Any) -> Any:
         return type(own)(value.item())
     adapter = adapter_for(own)
     if jax_tree.is_number(value) and adapter is not None:
-        return adapter.assign(own, np.asarray(value, dtype=own.dtype))
+        return adapter.assign(own, adapter.from_numpy(np.asarray(value, dtype=dtypes.from_code(_code_of(own)).numpy)))
     return value
 
 
