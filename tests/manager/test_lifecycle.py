@@ -128,7 +128,7 @@ _CTRL_C_SCRIPT = textwrap.dedent("""
 
     class Slow(LocalStorage):
         def _write(self, fd, view):
-            time.sleep(0.2)
+            time.sleep(1.0)  # seconds in flight even on a loaded machine, where the 0.3 s timer may run late
             return super()._write(fd, view)
 
     mgr = trainstate.CheckpointManager(sys.argv[1], every_steps=1, async_save=True, storage=Slow())
@@ -243,7 +243,8 @@ def test_forked_children_do_not_act_on_the_managers_signal_handler(tmp_path):
             gc.disable()  # no finalizer of the parent's objects runs here
             try:
                 os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(1)
+                for _ in range(100):  # the handler runs within a bytecode or two; 10 s for a loaded machine
+                    time.sleep(0.1)
                 os._exit(1)  # the manager's handler swallowed it
             except KeyboardInterrupt:
                 os._exit(0)  # as if no manager existed
