@@ -202,6 +202,20 @@ def test_diff(tmp_path: Path, ckpt: Path) -> None:
     }
 
 
+def test_diff_exclude_leaves_out_what_the_patterns_take(tmp_path: Path, ckpt: Path) -> None:
+    """Two runs that differ only in what the user does not compare (a manager's captured ``_rng``, say)."""
+    other = state()
+    other["model"]["b"] = other["model"]["b"] + np.float32(1)
+    other["step"] = 8
+    changed = tmp_path / "changed"
+    trainstate.save(changed, other)
+    assert cli_json("diff", str(ckpt), str(changed), code=1)["identical"] is False
+    doc = cli_json("diff", str(ckpt), str(changed), "--exclude", "model.b", code=1)
+    assert doc["tensors"]["changed"] == [] and [c["path"] for c in doc["values"]["changed"]] == ["step"]
+    proc = cli("diff", str(ckpt), str(changed), "--exclude", "model", "--exclude", "step")
+    assert "identical state" in proc.stdout
+
+
 def test_diff_dtype_shape_and_bfloat16(tmp_path: Path) -> None:
     import ml_dtypes
 

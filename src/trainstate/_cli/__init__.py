@@ -237,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("diff", "compare two checkpoints: tensors and plain values (exit 1 if they differ)")
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
+    p.add_argument(
+        "--exclude",
+        metavar="PATTERN",
+        action="append",
+        default=[],
+        help="leave out keys matching this glob pattern and everything under them (repeatable), e.g. _rng: the "
+        "RNG state a CheckpointManager captures on its own",
+    )
 
     p = command("pack", "pack a checkpoint into one file that CKPT arguments and trainstate.load accept")
     p.add_argument("path", metavar="CKPT")
@@ -339,7 +347,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "diff":
         from trainstate._cli import _diff
 
-        return _diff.diff(out, args.a, args.b, key_env=key_env)
+        return _diff.diff(out, args.a, args.b, key_env=key_env, exclude=args.exclude)
     if args.command == "pack":
         from trainstate._cli import _pack
 

@@ -9,6 +9,7 @@ code: it says whether the saved *state* differs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from trainstate._cli import DIFFERENT, OK, _values
 from trainstate._cli._output import Printer, Progress, Table, short, size
 from trainstate._cli._show import open_ckpt
 from trainstate._restore.checkpoint import Checkpoint, TensorInfo
+from trainstate._restore.plan import matches
 
 BLOCK = 1 << 20  # elements per comparison block (8 MB per side in float64)
 
@@ -69,9 +71,9 @@ def _describe(i: TensorInfo) -> dict[str, Any]:
 
 
 def _tensor_changes(
-    ca: Checkpoint, cb: Checkpoint, progress: Progress
+    ca: Checkpoint, cb: Checkpoint, progress: Progress, kept: Callable[[str], bool]
 ) -> tuple[list[Any], list[Any], list[dict[str, Any]]]:
-    names_a, names_b = ca.keys(), cb.keys()
+    names_a, names_b = [n for n in ca.keys() if kept(n)], [n for n in cb.keys() if kept(n)]
     in_a, in_b = set(names_a), set(names_b)
     removed = [_describe(ca.info(n)) for n in names_a if n not in in_b]
     added = [_describe(cb.info(n)) for n in names_b if n not in in_a]
@@ -117,16 +119,30 @@ def _detail(c: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def diff(out: Printer, path_a: str, path_b: str, *, key_env: str | None = None) -> int:
+def diff(
+    out: Printer, path_a: str, path_b: str, *, key_env: str | None = None, exclude: list[str] | None = None
+) -> int:
+    """Compare two checkpoints' state; keys matching an ``exclude`` glob pattern (as ``load``'s: ``"_rng"``
+    takes everything under it) are left out, such as the RNG state a manager captures on its own."""
+    patterns = exclude or []
+
+    def kept(key: str) -> bool:
+        return not any(matches(key, p) for p in patterns)
+
     with open_ckpt(path_a, key_env) as ca, open_ckpt(path_b, key_env) as cb:
         ca.verify_headers()  # what load() would refuse, diff does not call identical
         cb.verify_headers()
-        progress = Progress(out, sum(ca.info(n).nbytes for n in ca.keys() if n in cb), "comparing")
+        progress = Progress(out, sum(ca.info(n).nbytes for n in ca.keys() if n in cb and kept(n)), "comparing")
         try:
-            added, removed, changed = _tensor_changes(ca, cb, progress)
+            added, removed, changed = _tensor_changes(ca, cb, progress, kept)
         finally:
             progress.close()
         values = _values.compare(_values.state_values(ca), _values.state_values(cb))
+        values = _values.Changes(
+            [c for c in values.added if kept(c[0])],
+            [c for c in values.removed if kept(c[0])],
+            [c for c in values.changed if kept(c[0])],
+        )
         metadata = _values.compare(ca.metadata, cb.metadata)
     identical = not (added or removed or changed or values)
     if out.json_mode:
