@@ -74,21 +74,6 @@ def is_single(value: Any, children: Children) -> bool:
     return len(children) == 1 and not isinstance(value, Mapping)
 
 
-def is_number(value: Any) -> bool:
-    """A Python number, which JAX takes as a 0-d array (see ``Restorer._scalar_leaf``)."""
-    return isinstance(value, (bool, int, float))
-
-
-def number_fits(number: bool | int | float, code: str) -> bool:
-    """Whether a 0-d tensor of dtype ``code`` restores into ``number``'s type: a bool from BOOL, an int from
-    an integer type, a float from a floating one."""
-    if isinstance(number, bool):
-        return code == "BOOL"
-    if isinstance(number, int):
-        return code[0] in "IU"
-    return code[0] == "F" or code == "BF16"
-
-
 def _key(entry: Any) -> Any:
     """A JAX key-path entry as a dict key: the key, attribute name or index it holds."""
     for attribute in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey

@@ -26,14 +26,10 @@ import fnmatch
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
-import numpy as np
-
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
-from trainstate._format import dtypes
 from trainstate._format.added_keys import declared_keys
 from trainstate._frameworks import (
-    NUMPY,
     WRAPPER_PREFIXES,
     Bound,
     adapter_for,
@@ -43,6 +39,7 @@ from trainstate._frameworks import (
     rebuilt_from_checkpoint,
     unwrapped,
 )
+from trainstate._restore import scalar_leaf
 from trainstate._restore.by_path import keyed_like
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.read import Job as _Job
@@ -402,21 +399,10 @@ class Restorer:
         return tree.Branch(planned.children, combine)
 
     def _scalar_leaf(self, own: Any, saved: tree.Node | None) -> Any:
-        """What a leaf of the target's dicts and JAX pytrees is planned against. JAX turns a Python number into
-        a 0-d array wherever a jitted function takes or returns it (a TrainState's ``step``, or a loop's
-        ``state["step"]``, is ``0`` when created and an array after a jitted step), so a number and a 0-d array
-        are one leaf: a saved 0-d tensor restores into a number of its kind (read into a NumPy scalar array), a
-        saved number into a 0-d array; :func:`_as_own` gives the target's type."""
-        if jax_tree.is_number(own) and isinstance(saved, tree.TensorNode):
-            entry = self.ck.manifest.tensors.get(saved.name)
-            if entry is not None and entry.shape == () and jax_tree.number_fits(own, entry.dtype):
-                return NUMPY.empty(entry.dtype, ())
-        number = saved.value if isinstance(saved, tree.ValueNode) else None
-        if isinstance(number, (bool, int, float)) and _is_scalar_array(own):
-            code = _code_of(own)
-            if jax_tree.number_fits(number, code) and _holds(code, number):
-                return number
-        return own
+        """What a leaf of the target's dicts and JAX pytrees is planned against (``scalar_leaf.py``: a number
+        and a 0-d array are one leaf); :func:`_as_own` gives the result the target's type."""
+        entry = self.ck.manifest.tensors.get(saved.name) if isinstance(saved, tree.TensorNode) else None
+        return scalar_leaf.planned_against(own, entry, saved.value if isinstance(saved, tree.ValueNode) else None)
 
     def _plan_sequence(self, target: Any, node: tree.SeqNode, path: tuple[str, ...], free: bool) -> Planned:
         children = node.items
@@ -511,36 +497,10 @@ def _target_leaves(value: Any, path: str) -> list[str]:
     return [path]
 
 
-def _code_of(array: Any) -> str:
-    adapter = adapter_for(array)
-    assert adapter is not None
-    return adapter.describe(array)[0]
-
-
-def _holds(code: str, number: bool | int | float) -> bool:
-    """Whether a 0-d array of dtype ``code`` holds ``number`` exactly (an int in range, a float that fits)."""
-    try:
-        return bool(np.asarray(number, dtype=dtypes.from_code(code).numpy).item() == number)
-    except (OverflowError, ValueError):
-        return False
-
-
 def _as_own(own: Any, value: Any) -> Any:
-    """A restored pytree leaf as the target's own type (see :meth:`Restorer._scalar_leaf`); the target's own
-    where the restore left it (excluded, or not saved)."""
-    if value is _ABSENT:
-        return own
-    if jax_tree.is_number(own) and isinstance(value, np.ndarray):
-        return type(own)(value.item())
-    adapter = adapter_for(own)
-    if jax_tree.is_number(value) and adapter is not None:
-        return adapter.assign(own, adapter.from_numpy(np.asarray(value, dtype=dtypes.from_code(_code_of(own)).numpy)))
-    return value
-
-
-def _is_scalar_array(value: Any) -> bool:
-    adapter = adapter_for(value)
-    return adapter is not None and adapter.describe(value)[1] == ()
+    """A restored leaf as the target's own type (see :meth:`Restorer._scalar_leaf`); the target's own where the
+    restore left it (excluded, or not saved)."""
+    return own if value is _ABSENT else scalar_leaf.as_own(own, value)
 
 
 def _describe_node(node: tree.Node) -> str:
