@@ -64,6 +64,16 @@ def fsdp_save(rank: int, world: int, path: str) -> Any:
     return out
 
 
+def fsdp_save_alone(rank: int, world: int, path: str) -> Any:
+    """Each rank saves its FSDP2 model on its own (collective=False): it holds only a shard of each weight."""
+    model, optim = _fsdp_model(world)
+    try:
+        trainstate.save(f"{path}-{rank}", {"model": model}, collective=False)
+    except trainstate.CheckpointError as e:
+        return {"refused": f"{type(e).__name__}: {e}"}
+    return {"refused": None}
+
+
 def fsdp_load(rank: int, world: int, path: str) -> Any:
     model, optim = _fsdp_model(world, seed=123)  # different values, a fresh optimizer: the load replaces them
     trainstate.load(path, {"model": model, "optim": optim, "step": 0})

@@ -57,6 +57,15 @@ def test_fsdp2_save_on_4_restores_on_4_on_2_and_in_one_plain_process_into_fresh_
     assert _same(got, saved)
 
 
+def test_a_shard_saved_by_its_rank_alone_is_refused_not_committed_as_a_whole_tensor(tmp_path):
+    got = ranks.ok(ranks.run(2, workers.fsdp_save_alone, str(tmp_path / "c")))
+    for rank in range(2):
+        refused = got[rank]["refused"]
+        assert refused.startswith("UnsupportedValueError: model.0.weight: this process holds only part of it")
+        assert "collective=False" in refused
+        assert not (tmp_path / f"c-{rank}").exists()
+
+
 def test_a_one_process_checkpoint_restores_into_fsdp2_on_2_ranks(tmp_path):
     path = str(tmp_path / "c")
     torch.manual_seed(0)

@@ -34,7 +34,49 @@ class Failure:
 
 
 class Coordinator:
-    """Rank, world size and the gloo group of one process group; every method is collective."""
+    """Rank, world size and the small-message exchanges of one group of processes; every method is collective.
+
+    Two kinds: :class:`GlooCoordinator` under torch.distributed, and ``jax_group.KeyValueCoordinator`` under
+    ``jax.distributed`` (the JAX runtime's key-value store). Both run apart from the training loop's own
+    collectives and time out instead of waiting forever.
+    """
+
+    rank: int
+    world: int
+    timeout: float
+
+    def gather(self, value: Any, what: str) -> list[Any] | None:
+        """Every rank's ``value`` on rank 0 (None elsewhere)."""
+        raise NotImplementedError
+
+    def broadcast(self, value: Any, what: str) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        raise NotImplementedError
+
+    def scatter(self, values: list[Any] | None, what: str) -> Any:
+        """Rank 0's ``values[rank]`` on each rank."""
+        raise NotImplementedError
+
+    def all_gather(self, value: Any, what: str) -> list[Any]:
+        raise NotImplementedError
+
+    def max(self, values: list[int], what: str) -> list[int]:
+        """The element-wise maximum of every rank's ``values``."""
+        return [max(column) for column in zip(*self.all_gather(list(values), what))]
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank if any rank failed: the first failure's message, naming its rank."""
+        mine = None if error is None else Failure(self.rank, _text(error))
+        failures = [f for f in self.all_gather(mine, what) if f is not None]
+        if error is not None:
+            raise error
+        if failures:
+            f = failures[0]
+            raise DistributedError(f"{what} failed on rank {f.rank} of {self.world}: {f.message}")
+
+
+class GlooCoordinator(Coordinator):
+    """The coordinator of a torch.distributed process group: a gloo group of its own per channel."""
 
     def __init__(self, group: Any, timeout: float, channel: str = "save") -> None:
         import torch.distributed as dist
@@ -46,19 +88,16 @@ class Coordinator:
         self.group = _gloo_group(group, timeout, channel)
 
     def gather(self, value: Any, what: str) -> list[Any] | None:
-        """Every rank's ``value`` on rank 0 (None elsewhere)."""
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         self._call(what, lambda: self.dist.gather_object(value, out, dst=self._global(0), group=self.group))
         return out
 
     def broadcast(self, value: Any, what: str) -> Any:
-        """Rank 0's ``value`` on every rank."""
         box = [value if self.rank == 0 else None]
         self._call(what, lambda: self.dist.broadcast_object_list(box, src=self._global(0), group=self.group))
         return box[0]
 
     def scatter(self, values: list[Any] | None, what: str) -> Any:
-        """Rank 0's ``values[rank]`` on each rank."""
         box: list[Any] = [None]
         self._call(
             what,
@@ -72,22 +111,12 @@ class Coordinator:
         return out
 
     def max(self, values: list[int], what: str) -> list[int]:
-        """The element-wise maximum of every rank's ``values`` (one small tensor: cheaper than objects)."""
+        """One small tensor all-reduced: cheaper than objects."""
         import torch
 
         box = torch.tensor(values, dtype=torch.int64)
         self._call(what, lambda: self.dist.all_reduce(box, op=self.dist.ReduceOp.MAX, group=self.group))
         return [int(v) for v in box.tolist()]
-
-    def agree(self, error: BaseException | None, what: str) -> None:
-        """Raise on every rank if any rank failed: the first failure's message, naming its rank."""
-        mine = None if error is None else Failure(self.rank, _text(error))
-        failures = [f for f in self.all_gather(mine, what) if f is not None]
-        if error is not None:
-            raise error
-        if failures:
-            f = failures[0]
-            raise DistributedError(f"{what} failed on rank {f.rank} of {self.world}: {f.message}")
 
     def _global(self, rank: int) -> int:
         return int(self.dist.get_global_rank(self.group, rank))
@@ -113,25 +142,35 @@ class Coordinator:
 
 
 def coordinator(group: Any = None, timeout: float | None = None, channel: str = "save") -> Coordinator | None:
-    """The coordinator for ``group`` (default: the default process group), or None outside torch.distributed.
+    """The coordinator for ``group`` (default: the default torch.distributed process group, else the processes
+    of a ``jax.distributed`` job), or None outside both.
 
-    A process group of one rank is treated as no process group: its checkpoints are plain ones. Each
+    A group of one process is treated as no group: its checkpoints are plain ones. Each
     ``channel`` is a gloo group of its own, so exchanges on one (a manager's background saves) never
     interleave with those on another (its foreground decisions), whatever thread runs them.
     """
     if group is None:
-        if "torch.distributed" not in sys.modules:  # nobody made a process group: no need to import torch
-            return None
-        import torch.distributed as dist
+        group = _torch_world()
+        if group is None:  # no torch process group: the processes of a jax.distributed job, if any
+            from trainstate._distributed import jax_group
 
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        group = dist.group.WORLD
+            return jax_group.coordinator(_timeout(timeout), channel)
     import torch.distributed as dist
 
     if dist.get_world_size(group) <= 1:
         return None
-    return Coordinator(group, _timeout(timeout), channel)
+    return GlooCoordinator(group, _timeout(timeout), channel)
+
+
+def _torch_world() -> Any:
+    """torch.distributed's default process group, or None where none was made."""
+    if "torch.distributed" not in sys.modules:  # nobody made a process group: no need to import torch
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.group.WORLD
 
 
 def _timeout(timeout: float | None) -> float:

@@ -9,16 +9,19 @@ target's implementation.
 Arrays are immutable, so reads land in a fresh host array and :func:`assign` makes the new array from it,
 placed on the *target's* sharding -- whatever sharding saved it: each device gets its own slice of the host
 array (``jax.make_array_from_callback``) -- and committed to it only when the target was. Saving reads each
-array through ``np.asarray``, which assembles a sharded array from its shards, one replica of each; one
-process writes them all, so an array spread over several processes (``jax.distributed``, not fully
-addressable) is refused with a clear error.
+array through ``np.asarray``, which assembles a sharded array from its shards, one replica of each.
+
+An array spread over several processes (``jax.distributed``: not fully addressable) is saved by all of them
+together (``_distributed/save.py``, agreeing through ``_distributed/jax_group.py``): each process stores the
+:class:`Region` its devices hold, and restores only its region of the target.
 
 The pytrees that hold arrays (Flax, Optax) and Flax NNX objects are ``jax_tree.py``'s.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -52,30 +55,28 @@ def is_key(value: Any) -> bool:
 
 def _host(value: Any) -> np.ndarray:
     """The array's values in host memory (its key data for a typed key): assembled from its shards."""
+    _check_alive(value)
+    return np.asarray(jax.random.key_data(value) if is_key(value) else value)
+
+
+def _check_alive(value: Any) -> None:
     if value.is_deleted():
         raise UnsupportedValueError(
             "this jax.Array was deleted (donated to a jitted function, or deleted by hand): use the arrays the "
             "step returned, not the ones it consumed"
         )
-    if not value.is_fully_addressable:
-        raise UnsupportedValueError(
-            f"a jax.Array spread over {jax.process_count()} processes (sharding {value.sharding}) cannot be saved "
-            "by one process; save it from one process after gathering it (jax.experimental.multihost_utils."
-            "process_allgather), or shard it over this process's devices only"
-        )
-    return np.asarray(jax.random.key_data(value) if is_key(value) else value)
 
 
 def describe(value: Any) -> tuple[str, tuple[int, ...], str]:
-    """(dtype code, shape, kind); refuses a traced value, a deleted or multi-process array, and an abstract
-    one JAX could not make (see :func:`_check_makeable`)."""
+    """(dtype code, shape, kind); refuses a traced value, a deleted array, and an abstract one JAX could not
+    make (see :func:`_check_makeable`)."""
     if isinstance(value, jax.core.Tracer):
         raise UnsupportedValueError(
             "a traced value (inside jax.jit, grad or vmap) has no values yet: save and load outside the "
             "transformed function"
         )
-    if has_values(value) and (value.is_deleted() or not value.is_fully_addressable):
-        _host(value)  # raises the error that says why
+    if has_values(value):
+        _check_alive(value)
     data = jax.eval_shape(jax.random.key_data, value) if is_key(value) else value
     if not has_values(value):
         _check_makeable(value)
@@ -129,12 +130,69 @@ def identity(value: Any) -> tuple[object, ...] | None:
     return None  # immutable: two places holding one array are two tensors, each restored on its own
 
 
-def local_part(value: Any) -> tuple[Any, tuple[int, ...]] | None:
-    return None  # one process holds every shard it saves (see _host)
+class Region(NamedTuple):
+    """The box of an array spread over several processes (``jax.distributed``) that this process addresses:
+    the smallest box holding its devices' shards. Saving writes that box (:func:`byte_view` assembles it
+    from the shards, one replica each); restoring reads it and builds the new global array from it
+    (:func:`assign`), each device taking its slice."""
+
+    array: Any  # the jax.Array, or the abstract target (jax.ShapeDtypeStruct)
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def local_part(value: Any) -> tuple[Region, tuple[int, ...]] | None:
+    """The :class:`Region` this process addresses of an array no process holds whole; None for the rest
+    (one process saves and restores those whole, see :func:`_host`)."""
+    sharding = value.sharding
+    if sharding is None:
+        return None
+    if not has_values(value):
+        sharding = _concrete(sharding)
+    if sharding.is_fully_addressable:
+        return None
+    shape = tuple(value.shape)
+    boxes = {
+        tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        for index in sharding.addressable_devices_indices_map(shape).values()
+    }
+    trailing = tuple(jax.eval_shape(jax.random.key_data, value).shape[len(shape) :]) if is_key(value) else ()
+    if not boxes or not shape:  # a scalar, or none of its devices here
+        lo, hi = (0,) * len(shape), (tuple(shape) if boxes else (0,) * len(shape))
+    else:
+        lo = tuple(min(b[d][0] for b in boxes) for d in range(len(shape)))
+        hi = tuple(max(b[d][1] for b in boxes) for d in range(len(shape)))
+        if has_values(value) and sum(math.prod(e - b for b, e in box) for box in boxes) != math.prod(
+            e - b for b, e in zip(lo, hi)
+        ):
+            raise UnsupportedValueError(
+                f"this process's devices hold parts of it that do not form one box (sharding {sharding}), "
+                "which a save cannot store as this process's part: lay the mesh out so each process's devices "
+                "are neighbours (jax.make_mesh does)"
+            )
+    offset = lo + (0,) * len(trailing)
+    return Region(value, offset, tuple(e - b for b, e in zip(lo, hi)) + trailing), offset
 
 
 def byte_view(value: Any) -> memoryview:
+    if isinstance(value, Region):
+        return numpy_adapter.byte_view(_assembled(value))
     return numpy_adapter.byte_view(_host(value))
+
+
+def _assembled(region: Region) -> np.ndarray:
+    """The values of ``region`` from this process's shards, one replica of each."""
+    _check_alive(region.array)
+    data = jax.random.key_data(region.array) if is_key(region.array) else region.array
+    out = np.empty(region.shape, dtype=np.dtype(data.dtype))
+    done = set()
+    for shard in data.addressable_shards:
+        box = tuple(s.indices(n)[:2] for s, n in zip(shard.index, data.shape))
+        if box in done:
+            continue
+        done.add(box)
+        out[tuple(slice(b - o, e - o) for (b, e), o in zip(box, region.offset))] = np.asarray(shard.data)
+    return out
 
 
 def empty(code: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -170,12 +228,9 @@ def assign(target: Any, source: np.ndarray) -> Any:
     it beside arrays on other devices. An abstract target (``jax.ShapeDtypeStruct``) is committed to its
     sharding when it names one, else the new array goes to the default device.
     """
-    host = np.asarray(source)
-    impl = _key_impl(target) if is_key(target) else None
-    if impl is None and host.dtype != np.dtype(target.dtype):  # strict=False: cast, as for every framework
-        host = host.astype(target.dtype)
-    if impl is None:
-        host = _narrowed(host)  # an abstract 64-bit target without x64
+    if isinstance(target, Region):
+        return _from_region(target, source)
+    host, impl = _host_for(target, source)
     sharding = target.sharding if has_values(target) or target.sharding is None else _concrete(target.sharding)
     if sharding is None or not getattr(target, "committed", True):  # on one device: the default one, or its own
         with jax.default_device(None if sharding is None else next(iter(sharding.device_set))):
@@ -184,6 +239,40 @@ def assign(target: Any, source: np.ndarray) -> Any:
     if impl is not None:
         return jax.device_put(jax.random.wrap_key_data(jnp.asarray(host), impl=impl), sharding)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _host_for(target: Any, source: np.ndarray) -> tuple[np.ndarray, Any]:
+    """``source`` in the dtype the new array gets, and the target's key implementation (None: not a key)."""
+    host = np.asarray(source)
+    impl = _key_impl(target) if is_key(target) else None
+    if impl is None and host.dtype != np.dtype(target.dtype):  # strict=False: cast, as for every framework
+        host = host.astype(target.dtype)
+    if impl is None:
+        host = _narrowed(host)  # an abstract 64-bit target without x64
+    return host, impl
+
+
+def _from_region(region: Region, source: np.ndarray) -> Any:
+    """The new global array of ``region.array``'s sharding, from the box this process read (``source``): each
+    of its devices takes its slice; the other processes build theirs alike."""
+    target = region.array
+    host, impl = _host_for(target, source)
+    sharding = target.sharding if has_values(target) else _concrete(target.sharding)
+    shape = tuple(target.shape) + tuple(host.shape[len(target.shape) :])
+
+    def piece(index: tuple[slice, ...] | None) -> np.ndarray:
+        assert index is not None  # JAX passes None only for a sharding with no index: not one over processes
+        return host[tuple(slice(*(i - o for i in s.indices(n)[:2])) for s, n, o in zip(index, shape, region.offset))]
+
+    if impl is None:
+        return jax.make_array_from_callback(shape, sharding, piece)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise UnsupportedValueError(
+            f"a key array spread over several processes is restored onto a NamedSharding, not {type(sharding).__name__}"
+        )
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    data_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))  # type: ignore[no-untyped-call]
+    return jax.random.wrap_key_data(jax.make_array_from_callback(shape, data_sharding, piece), impl=impl)
 
 
 def _key_impl(target: Any) -> Any:

@@ -1,4 +1,4 @@
-"""A manager under torch.distributed: what the ranks decide together, so that every rank does the same.
+"""A manager under torch.distributed (or jax.distributed): what the ranks decide together, so that every rank does the same.
 
 Every rank builds its own CheckpointManager on the same directory. Rank 0 alone takes the directory lock,
 sweeps, numbers the commits and applies retention (after the whole group committed); every rank writes its
@@ -89,7 +89,8 @@ def manager_ranks(collective: bool | None, timeout: float | None) -> ManagerRank
     if control is None:
         if collective:
             raise InvalidArgumentError(
-                "collective=True needs an initialized torch.distributed process group of several ranks"
+                "collective=True needs several processes: an initialized torch.distributed process group of several "
+                "ranks, or jax.distributed.initialize() in a job of several processes"
             )
         return None
     saves = coordinator(timeout=timeout, channel=f"manager{n}-saves")

@@ -550,9 +550,9 @@ def _finish(job: Job, kind: str, framework: str | None, absent: object) -> None:
         job.value = adapter_named(framework or kind).finish(job.host, kind)
         return
     host = _adapter(job.host).finish(job.host, kind)
-    if job.local is not job.target:  # a shard: copied into the local part, the target stays
-        _adapter(job.local).assign(job.local, host)
-        job.value = job.target
+    if job.local is not job.target:  # a part: copied into the local shard (the target stays), or an immutable
+        placed = _adapter(job.target).assign(job.local, host)  # array's region, made into the new global array
+        job.value = job.target if placed is job.local else placed
     else:
         job.value = _adapter(job.target).assign(job.target, host)
 

@@ -38,7 +38,8 @@ class Entry:
 class TensorTable:
     """Collects the arrays met while encoding; an array met twice (tied weights) is stored once."""
 
-    def __init__(self) -> None:
+    def __init__(self, collective: bool = False) -> None:
+        self.collective = collective  # a part of an array (a DTensor's shard) is stored only in a collective save
         self.entries: list[Entry] = []
         self._by_identity: dict[tuple[object, ...], str] = {}
         self._names: set[str] = set()
@@ -59,7 +60,13 @@ class TensorTable:
         part = adapter.local_part(value)
         if part is not None:  # sharded over ranks: this process stores its own part
             value, offset = part
-            shape = adapter.describe(value)[1]
+            shape = tuple(value.shape)
+            if not self.collective and shape != global_shape:
+                raise UnsupportedValueError(
+                    f"this process holds only part of it (shape {list(shape)} at {list(offset)} of "
+                    f"{list(global_shape)}): save it collectively, on every process (the default under "
+                    "torch.distributed and jax.distributed), not with collective=False"
+                )
         ident = adapter.identity(value)
         if ident is not None and ident in self._by_identity:
             return self._by_identity[ident]
@@ -103,6 +110,6 @@ def encode_state(state: Any, metadata: Any = None, rank: int | None = None) -> S
     optimizer whose modules are in the state is saved keyed by parameter name (``_frameworks/torch_optim.py``).
     """
     check_declaration(metadata)
-    table = TensorTable()
+    table = TensorTable(collective=rank is not None)
     tree_node = _tree.encode(state, table.add, rank=rank, bound=bind(_tree.stateful_objects(state)))
     return Snapshot(tree_node, _tree.encode_plain(metadata), table.entries)

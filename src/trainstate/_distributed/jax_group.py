@@ -1,0 +1,147 @@
+"""Coordination between the processes of a ``jax.distributed`` job, without torch.distributed.
+
+A multi-process JAX job has no process group trainstate could put a gloo group beside, but it has the JAX
+runtime's coordination service: a key-value store every process reaches (``jax.distributed.initialize``).
+:class:`KeyValueCoordinator` runs the same exchanges as the gloo coordinator over it -- so the collective
+save, the manager's decisions and its background commits work unchanged -- and never through XLA
+collectives, which would have to be issued in the same order as the training step's own on every process.
+
+Each exchange is one directory of keys, ``trainstate/<channel>/<n>/<rank>``, numbered per channel in call
+order (every process makes the same calls, as under torch.distributed). Values are pickled Python objects --
+plans, file lists, error texts, never tensor bytes -- sent between the processes of one job, as torch's
+object collectives do; nothing pickled is ever written to a checkpoint. Every read waits at most the
+timeout, so a process that died or never came makes the others raise :class:`DistributedError`.
+
+The store is kept small: rank 0 deletes an exchange's keys once every process has been heard from in a
+later exchange (by then every process has read them). The client is JAX's own (``jax._src.distributed``,
+as Orbax reaches it): JAX has no public key-value API.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+from typing import Any
+
+from trainstate._distributed.group import Coordinator
+from trainstate.errors import DistributedError
+
+_PREFIX = "trainstate"
+_counters: dict[str, int] = {}  # the number of each channel's next exchange, shared by its coordinators
+_lock = threading.Lock()
+
+
+def process_and_count() -> tuple[int, int]:
+    """This process's index and the process count under ``jax.distributed``; (0, 1) outside it."""
+    state = _state()
+    return (0, 1) if state is None else (int(state.process_id), int(state.num_processes))
+
+
+def coordinator(timeout: float, channel: str) -> KeyValueCoordinator | None:
+    """The coordinator of this job's processes, or None outside a ``jax.distributed`` job of several."""
+    state = _state()
+    if state is None or state.num_processes <= 1:
+        return None
+    return KeyValueCoordinator(state.client, int(state.process_id), int(state.num_processes), timeout, channel)
+
+
+def _state() -> Any:
+    """JAX's distributed state once ``jax.distributed.initialize`` ran, else None. Read without starting JAX's
+    backend, which in a multi-process job is itself a step every process takes together."""
+    if "jax" not in sys.modules:  # nobody initialized jax.distributed: no need to import JAX
+        return None
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return None
+    from jax._src.distributed import global_state
+
+    return global_state if global_state.client is not None else None
+
+
+class KeyValueCoordinator(Coordinator):
+    """Rank 0 and the others, exchanging small objects through the JAX coordination service's store."""
+
+    def __init__(self, client: Any, rank: int, world: int, timeout: float, channel: str) -> None:
+        self.client = client
+        self.rank = rank
+        self.world = world
+        self.timeout = timeout
+        self.channel = channel
+        self._pending: list[int] = []  # rank 0: exchanges whose keys are still in the store
+
+    def gather(self, value: Any, what: str) -> list[Any] | None:
+        n = self._begin()
+        self._put(n, self.rank, value, what)
+        if self.rank != 0:
+            return None
+        out = [self._get(n, r, what) for r in range(self.world)]
+        self._heard_from_all(n)
+        return out
+
+    def broadcast(self, value: Any, what: str) -> Any:
+        n = self._begin()
+        if self.rank == 0:
+            self._put(n, 0, value, what)
+            return value
+        return self._get(n, 0, what)
+
+    def scatter(self, values: list[Any] | None, what: str) -> Any:
+        n = self._begin()
+        if self.rank == 0:
+            assert values is not None and len(values) == self.world
+            for r in range(1, self.world):
+                self._put(n, r, values[r], what)
+            return values[0]
+        return self._get(n, self.rank, what)
+
+    def all_gather(self, value: Any, what: str) -> list[Any]:
+        n = self._begin()
+        self._put(n, self.rank, value, what)
+        out = [value if r == self.rank else self._get(n, r, what) for r in range(self.world)]
+        if self.rank == 0:
+            self._heard_from_all(n)
+        return out
+
+    def _begin(self) -> int:
+        with _lock:
+            n = _counters.get(self.channel, 0)
+            _counters[self.channel] = n + 1
+        if self.rank == 0:
+            self._pending.append(n)
+        return n
+
+    def _key(self, n: int, rank: int | None = None) -> str:
+        return f"{_PREFIX}/{self.channel}/{n}/" + ("" if rank is None else str(rank))
+
+    def _put(self, n: int, rank: int, value: Any, what: str) -> None:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        self._call(what, lambda: self.client.key_value_set_bytes(self._key(n, rank), data))
+
+    def _get(self, n: int, rank: int, what: str) -> Any:
+        box: list[bytes] = []
+        millis = max(1, int(self.timeout * 1000))
+        self._call(what, lambda: box.append(self.client.blocking_key_value_get_bytes(self._key(n, rank), millis)))
+        return pickle.loads(box[0])  # noqa: S301 - from this job's own processes (see the module's docstring)
+
+    def _heard_from_all(self, n: int) -> None:
+        """Every process has passed every exchange before ``n``: their keys can go."""
+        done = [m for m in self._pending if m < n]
+        self._pending = [m for m in self._pending if m >= n]
+        for m in done:
+            try:
+                self.client.key_value_delete(self._key(m))
+            except Exception:  # noqa: BLE001 - only memory: the service forgets the keys when the job ends
+                pass
+
+    def _call(self, what: str, op: Any) -> None:
+        try:
+            op()
+        except Exception as e:  # noqa: BLE001 - the runtime's error: a deadline passed, or the service is gone
+            first = str(e).splitlines()[0][:200] if str(e) else "no message"
+            raise DistributedError(
+                f"{what}: process {self.rank} of {self.world} lost contact with the other JAX processes "
+                f"({type(e).__name__}: {first}). A process died or did not reach this point within "
+                f"{self.timeout:g} s (timeout=, or TRAINSTATE_DIST_TIMEOUT); nothing was committed"
+            ) from None

@@ -1,0 +1,153 @@
+"""One process of a multi-process JAX job (``jax.distributed`` on CPU devices), for test_jax_processes.py.
+
+    python jax_processes.py SCENARIO PROCESS PROCESSES DEVICES PORT DIR
+
+Each process prints one line, ``RESULT <json>``: what it saw. The values every scenario saves and checks
+are made in NumPy (:func:`expected`), so any process count can check any process count's checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+if __name__ == "__main__":  # before JAX is imported: this process's CPU devices
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[4]}"
+    os.environ.setdefault("TRAINSTATE_DIST_TIMEOUT", "60")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import trainstate  # noqa: E402
+
+
+def expected(step: int = 0) -> dict[str, np.ndarray]:
+    """The values of the state after ``step`` training steps (each adds 1 to w and m)."""
+    m = (np.arange(48, dtype=np.float32).reshape(8, 6) / 7).astype(ml_dtypes.bfloat16)
+    for _ in range(step):  # rounded to bfloat16 after each step, as the jitted step does
+        m = (m.astype(np.float32) + 1).astype(ml_dtypes.bfloat16)
+    return {
+        "w": np.arange(48, dtype=np.float32).reshape(8, 6) + step,
+        "b": np.arange(8, dtype=np.float32) * 0.5,
+        "m": m,
+        "step": np.array(step, dtype=np.int32),
+        "key": np.array([0, 3], dtype=np.uint32),  # jax.random.key(3)'s key data
+    }
+
+
+def state_on(mesh: Any, w_spec: Any, step: int = 0) -> dict[str, Any]:
+    """The state, each array made global over ``mesh`` from its NumPy values; ``w_spec`` shards w and m."""
+    want = expected(step)
+
+    def put(name: str, spec: Any) -> Any:
+        return jax.make_array_from_callback(want[name].shape, NamedSharding(mesh, spec), lambda i: want[name][i])
+
+    everywhere = NamedSharding(mesh, P())
+    return {
+        "params": {"w": put("w", w_spec), "b": put("b", P("y") if "y" in mesh.axis_names else P())},
+        "opt": {"m": put("m", w_spec)},
+        "step": put("step", P()),
+        "key": jax.jit(lambda: jax.random.key(3), out_shardings=everywhere)(),
+        "note": "hi",
+    }
+
+
+def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    """A restore target: ``state``'s structure and shardings with other values (keys: another key)."""
+
+    def other(a: Any) -> Any:
+        if not isinstance(a, jax.Array):
+            return a
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            return jax.jit(lambda: jax.random.key(99), out_shardings=a.sharding)()
+        return jax.jit(jnp.zeros_like, out_shardings=a.sharding)(a)
+
+    return jax.tree.map(other, state)
+
+
+def check(state: dict[str, Any], step: int = 0) -> list[str]:
+    """What differs between ``state``'s shards on this process and :func:`expected`: an empty list if nothing."""
+    want = expected(step)
+    found = {"w": state["params"]["w"], "b": state["params"]["b"], "m": state["opt"]["m"], "step": state["step"]}
+    found["key"] = jax.random.key_data(state["key"])
+    bad = []
+    for name, array in found.items():
+        for shard in array.addressable_shards:
+            if not np.array_equal(np.asarray(shard.data), want[name][shard.index]):
+                bad.append(f"{name}{shard.index}")
+    return bad
+
+
+def error_of(call: Any) -> str:
+    try:
+        call()
+    except trainstate.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def save(directory: str, process: int) -> dict[str, Any]:
+    """Save on a 4x2 mesh over every process; refusals; a manager run; restore onto another sharding; then
+    :func:`load`."""
+    out: dict[str, Any] = {}
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    state = state_on(mesh, P("x", "y"))
+    out["fully_addressable"] = state["params"]["w"].is_fully_addressable
+    out["saved"] = trainstate.save(f"{directory}/one", state).path
+    out["solo"] = error_of(lambda: trainstate.save(f"{directory}/solo{process}", state, collective=False))
+    devices = jax.devices()  # by process: interleave them, so no process's devices are neighbours in the mesh
+    apart = jax.sharding.Mesh(np.array([devices[i // 2 + (i % 2) * (len(devices) // 2)] for i in range(8)]), ("x",))
+    out["interleaved"] = error_of(lambda: trainstate.save(f"{directory}/apart", state_on(apart, P("x"))))
+
+    step_once = jax.jit(lambda w, m: (w + 1, m + 1))
+    with trainstate.CheckpointManager(f"{directory}/run", keep_last=2, async_save=True) as mgr:
+        for step in range(1, 4):
+            state["params"]["w"], state["opt"]["m"] = step_once(state["params"]["w"], state["opt"]["m"])
+            state["step"] = jax.jit(lambda s: s + 1)(state["step"])
+            mgr.save(step, state, metrics={"loss": 1.0 / step})
+    one_row = jax.make_mesh((8, 1), ("x", "y"))  # a different sharding over the same processes
+    target = zeros_like(state_on(one_row, P("x", None)))
+    with trainstate.CheckpointManager(f"{directory}/run") as mgr:
+        out["restored_step"] = mgr.restore_latest(target)
+        out["kept"] = [c.step for c in mgr.list()]
+    out["restored_bad"] = check(target, step=3)
+    out["restored_sharding"] = str(target["params"]["w"].sharding.spec)
+    out.update(load(directory, process))
+    if process == 0:  # the others never come to this save: it times out, and nothing is committed
+        out["alone"] = error_of(lambda: trainstate.save(f"{directory}/alone", {"a": np.zeros(3)}, timeout=3))
+    return out
+
+
+def load(directory: str, process: int) -> dict[str, Any]:
+    """Restore checkpoints saved by another process count onto this job's mesh, in place and abstract."""
+    out: dict[str, Any] = {}
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    for name in ("one", "single"):
+        target = zeros_like(state_on(mesh, P("y", "x")))
+        restored = trainstate.load(f"{directory}/{name}", target)
+        out[name] = check(restored, step=0)
+        out[f"{name}_fully_addressable"] = restored["params"]["w"].is_fully_addressable
+    abstract = jax.tree.map(  # nothing allocated: shapes, dtypes and shardings (keys too)
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) if isinstance(a, jax.Array) else a,
+        state_on(mesh, P("y", None)),
+    )
+    out["abstract"] = check(trainstate.load(f"{directory}/one", abstract))
+    return out
+
+
+def main() -> None:
+    scenario, process, processes, _, port, directory = sys.argv[1:7]
+    if int(processes) > 1:
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=int(processes), process_id=int(process))
+    result = {"save": save, "load": load}[scenario](directory, int(process))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Multi-process JAX (``jax.distributed``): every process writes the shards it addresses, one manifest is
+committed, and any process count restores -- without torch.distributed.
+
+Each job is real processes on this machine's CPU (``jax_processes.py``), with a coordination service on a
+loopback port: two processes of four devices save, four of two restore, and this test's own process (one
+of eight devices) reads and writes the same checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("flax")  # with_jax/: the suite's JAX environment
+
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import trainstate  # noqa: E402
+from ranks import free_port  # noqa: E402
+
+WORKER = Path(__file__).with_name("jax_processes.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_job(scenario: str, processes: int, devices: int, directory: Path) -> list[dict[str, Any]]:
+    """Run ``scenario`` on ``processes`` JAX processes of ``devices`` CPU devices each; each one's result."""
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(p), str(processes), str(devices), port, str(directory)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for p in range(processes)
+    ]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for proc in procs:
+            proc.kill()
+    return [json.loads(out.split("RESULT ", 1)[1]) for out in outs]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """Two processes of four devices: a save on a 4x2 mesh, refusals, a manager run, and restores of that save
+    and of one by this process (jax_processes.save)."""
+    from jax_processes import state_on
+
+    directory = tmp_path_factory.mktemp("jax-processes")
+    single = state_on(jax.make_mesh((4, 2), ("x", "y")), P("x", "y"))  # one process of eight devices
+    trainstate.save(directory / "single", single)
+    return directory, run_job("save", processes=2, devices=4, directory=directory)
+
+
+def expected() -> dict[str, np.ndarray]:
+    from jax_processes import expected as values
+
+    return values(0)
+
+
+def test_each_process_writes_the_shards_it_addresses_and_one_manifest_commits(saved) -> None:
+    directory, results = saved
+    assert [r["fully_addressable"] for r in results] == [False, False]  # arrays spread over both processes
+    files = sorted(p.name for p in (directory / "one").iterdir())
+    assert {f.split("-")[1] for f in files if f.startswith("data-")} == {"r00000", "r00001"}
+    assert files.count("manifest.json") == 1
+    with trainstate.open(directory / "one") as ck:
+        chunks = {name: ck.info(name).chunks for name in ck}
+        assert ck.world_size == 2
+    assert chunks["params.w"] == 2 and chunks["opt.m"] == 2  # a box per process, replicas within it once
+    assert chunks["params.b"] == 1 and chunks["step"] == 1  # held whole by both: written once
+
+    plain = trainstate.load(directory / "one")  # one process, NumPy: the whole arrays
+    want = expected()
+    for got, name in ((plain["params"]["w"], "w"), (plain["params"]["b"], "b"), (plain["opt"]["m"], "m")):
+        assert got.dtype == want[name].dtype and np.array_equal(got, want[name]), name
+    assert plain["step"] == 0 and np.array_equal(plain["key"], want["key"]) and plain["note"] == "hi"
+
+
+def test_one_process_restores_them_onto_one_device_and_onto_its_own_mesh(saved) -> None:
+    from jax_processes import check, state_on, zeros_like
+
+    directory, _ = saved
+    for mesh, spec in (
+        (jax.make_mesh((1, 1), ("x", "y"), devices=jax.devices()[:1]), P()),
+        (jax.make_mesh((2, 4), ("x", "y")), P("y", "x")),
+    ):
+        restored = trainstate.load(directory / "one", zeros_like(state_on(mesh, spec)))
+        assert check(restored) == []
+        assert restored["params"]["w"].sharding.mesh == mesh
+
+
+def test_a_save_of_part_of_an_array_from_one_process_alone_is_refused(saved) -> None:
+    _, results = saved
+    for r in results:
+        assert r["solo"].startswith("UnsupportedValueError: params.w: this process holds only part of it")
+        assert "collective=False" in r["solo"]
+        assert "do not form one box" in r["interleaved"] and "jax.make_mesh" in r["interleaved"]
+    assert not [p for p in saved[0].iterdir() if p.name.startswith(("solo", "apart"))]  # nothing committed
+
+
+def test_a_process_that_never_comes_makes_the_save_time_out_not_hang(saved) -> None:
+    directory, results = saved
+    assert results[0]["alone"].startswith("DistributedError: checkpoint save (planning): process 0 of 2 lost contact")
+    assert "within 3 s" in results[0]["alone"]
+    assert not (directory / "alone").exists()
+
+
+def test_the_manager_saves_async_and_restores_latest_across_processes(saved) -> None:
+    _, results = saved
+    for r in results:
+        assert r["restored_step"] == 4  # the step after the newest checkpoint, 3
+        assert r["kept"] == [2, 3]  # keep_last=2, applied once (by process 0) for the job
+        assert r["restored_bad"] == []  # every shard of every process holds step 3's values
+        assert r["restored_sharding"] == "P('x', None)"  # the target's sharding, not the saver's
+
+
+def test_any_process_count_restores(saved) -> None:
+    _, results = saved  # two processes restore what two and what one saved (above: one restores two's)
+    for r in results:
+        assert r["one"] == [] and r["single"] == [] and r["abstract"] == []
+        assert r["one_fully_addressable"] is False
+
+
+@pytest.mark.slow  # four more processes; the two-process job above restores across process counts too
+def test_four_processes_restore_what_two_and_one_saved(saved) -> None:
+    results = run_job("load", processes=4, devices=2, directory=saved[0])
+    for r in results:
+        assert r["one"] == [] and r["single"] == [] and r["abstract"] == []
+        assert r["one_fully_addressable"] is False
