@@ -1,0 +1,230 @@
+"""Every public name is documented for the API reference, and every one is on the docs site.
+
+The docs site (mkdocs.yml, docs/reference/) renders these docstrings; CI builds it with warnings as errors.
+What a build cannot see is a name with no docstring (mkdocstrings skips it in silence) or one missing from
+every reference page, so these tests check that: each name in ``trainstate.__all__``, and each public
+method, property and attribute of its classes, has a docstring with an ``Example:`` section whose code
+parses (attributes may instead be described in the class's ``Attributes:`` / ``Args:`` section), and
+each name is rendered by a ``:::`` directive of a page under docs/reference/.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import trainstate
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "docs" / "reference"
+EXAMPLE = re.compile(r"^(?P<indent>[ \t]*)Examples?:[ \t]*$", re.MULTILINE)
+SECTION = re.compile(r"^[ \t]*(Args|Arguments|Attributes|Raises|Returns|Yields|Note|Notes|Warning|See Also):[ \t]*$")
+ENTRY = re.compile(r"^[ \t]+(?P<name>\w+)(?:[ \t]*\([^)]*\))?:(?:[ \t]|$)")
+
+
+def public_objects() -> list[tuple[str, object]]:
+    return [(name, getattr(trainstate, name)) for name in trainstate.__all__]
+
+
+def example_code(doc: str) -> str | None:
+    """The Python of the docstring's ``Example:`` section (prompts stripped), or None when it has none."""
+    match = EXAMPLE.search(doc)
+    if match is None:
+        return None
+    indent = len(match.group("indent"))
+    lines = []
+    for line in doc[match.end() :].splitlines()[1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break  # the next section, at the header's indentation
+        text = line.strip()
+        if text.startswith(">>>") or text.startswith("..."):
+            lines.append(text[4:] if len(text) > 3 else "")
+    return "\n".join(lines)
+
+
+def documented_entries(doc: str) -> set[str]:
+    """Names described in the docstring's ``Args:`` and ``Attributes:`` sections."""
+    names: set[str] = set()
+    in_section = False
+    for line in doc.splitlines():
+        header = SECTION.match(line)
+        if header:
+            in_section = header.group(1) in ("Args", "Arguments", "Attributes")
+            continue
+        if in_section:
+            if line.strip() and not line.startswith((" ", "\t")):
+                in_section = False  # back at the docstring's own indentation: a new paragraph
+                continue
+            entry = ENTRY.match(line)
+            if entry:
+                names.add(entry.group("name"))
+    return names
+
+
+def check_docstring(where: str, doc: str | None, problems: list[str]) -> None:
+    if not doc or not doc.strip():
+        problems.append(f"{where}: no docstring")
+        return
+    code = example_code(doc)
+    if code is None:
+        problems.append(f"{where}: no 'Example:' section")
+        return
+    if not code.strip():
+        problems.append(f"{where}: its 'Example:' section has no '>>>' line")
+        return
+    try:
+        compile(code, where, "exec")
+    except SyntaxError as e:
+        problems.append(f"{where}: its example does not parse: {e.msg} (line {e.lineno}: {e.text!r})")
+
+
+def own_doc(cls: type) -> str:
+    """The class's own docstring: not the one dataclasses makes up from the signature."""
+    doc = cls.__dict__.get("__doc__") or ""
+    return inspect.cleandoc(doc)
+
+
+def defining_class(cls: type, name: str) -> type | None:
+    return next((klass for klass in cls.__mro__ if name in vars(klass)), None)
+
+
+def class_members(cls: type) -> list[tuple[str, object, type]]:
+    """Public members defined by trainstate itself (not those inherited from Exception, Protocol, ...)."""
+    names = set(dir(cls))
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    members = []
+    for name in sorted(names):
+        if name.startswith("_"):
+            continue
+        owner = defining_class(cls, name) or cls  # a dataclass field without a default lives on no class
+        if not owner.__module__.startswith("trainstate"):
+            continue
+        members.append((name, vars(owner).get(name, dataclasses.MISSING), owner))
+    return members
+
+
+def test_every_public_name_has_a_docstring_with_an_example() -> None:
+    problems: list[str] = []
+    for name, obj in public_objects():
+        where = f"trainstate.{name}"
+        if inspect.isclass(obj):
+            doc = own_doc(obj)
+            check_docstring(where, doc, problems)
+            attributes = documented_entries(doc)
+            for member, value, owner in class_members(obj):
+                mwhere = f"{where}.{member}"
+                if isinstance(value, (property, classmethod, staticmethod)) or inspect.isfunction(value):
+                    check_docstring(mwhere, inspect.getdoc(getattr(obj, member)), problems)
+                elif member not in attributes and member not in documented_entries(own_doc(owner)):
+                    problems.append(f"{mwhere}: an attribute not described in the class's 'Attributes:' section")
+        elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
+            check_docstring(where, inspect.getdoc(obj), problems)
+        else:  # a constant: its docstring is the string literal right after its assignment (what griffe reads)
+            check_docstring(where, constant_docstring(name), problems)
+    assert not problems, "public names the API reference cannot document:\n  " + "\n  ".join(problems)
+
+
+def constant_docstring(name: str) -> str | None:
+    """The attribute docstring of module constant ``trainstate.NAME``, found where it is assigned."""
+    init = ROOT / "src" / "trainstate" / "__init__.py"
+    module = "trainstate"
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
+            module = node.module or module
+    source = Path(importlib.import_module(module).__file__ or "").read_text()
+    body = ast.parse(source).body
+    for node, after in zip(body, body[1:]):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            if (
+                isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                return inspect.cleandoc(after.value.value)
+            return None
+    return None
+
+
+def reference_targets() -> list[str]:
+    targets = []
+    for page in sorted(REFERENCE.glob("*.md")):
+        targets += re.findall(r"^:::[ \t]+([\w.]+)", page.read_text(), re.MULTILINE)
+    return targets
+
+
+def resolve(target: str) -> list[object]:
+    """What a ``::: target`` directive renders: the object, or a module's public names."""
+    parts = target.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        if inspect.ismodule(obj):
+            return [getattr(obj, n) for n in getattr(obj, "__all__", [])]
+        return [obj]
+    raise AssertionError(f"docs/reference names {target!r}, which does not import")
+
+
+def test_every_public_name_is_on_a_reference_page() -> None:
+    rendered: list[object] = []
+    for target in reference_targets():
+        rendered += resolve(target)
+    missing = [
+        name
+        for name, obj in public_objects()
+        if not any(obj is r for r in rendered) and name not in {t.rsplit(".", 1)[-1] for t in reference_targets()}
+    ]
+    assert not missing, f"public names on no page under docs/reference/ (add a '::: trainstate.NAME' line): {missing}"
+
+
+def test_the_checks_catch_what_they_are_for() -> None:
+    """The helpers above find a missing example, an example that does not parse, and an undescribed field."""
+    problems: list[str] = []
+    check_docstring("f", "Does a thing.\n\nArgs:\n    x: a thing.", problems)
+    check_docstring("g", "Does a thing.\n\nExample:\n    >>> g(1\n", problems)
+    check_docstring("h", "Does a thing.\n\nExample:\n    >>> h(1)\n    2\n\nRaises:\n    E: never", problems)
+    assert [p.split(":")[0] for p in problems] == ["f", "g"], problems
+
+    @dataclasses.dataclass
+    class Undocumented:
+        """A record.
+
+        Attributes:
+            kept: described.
+
+        Example:
+            >>> Undocumented(1, 2)
+        """
+
+        kept: int
+        forgotten: int
+
+    Undocumented.__module__ = "trainstate.fake"
+    members = {name for name, _, _ in class_members(Undocumented)}
+    assert members == {"kept", "forgotten"}
+    assert documented_entries(own_doc(Undocumented)) == {"kept"}
+
+
+def test_the_cli_page_is_generated_from_the_parser() -> None:
+    """docs/reference/cli.md is the parser itself, rendered at build time: every command has its section."""
+    from tools.cli_reference import MARKER, on_page_markdown
+
+    from trainstate._cli import build_parser
+
+    assert MARKER in (REFERENCE / "cli.md").read_text()
+    page = on_page_markdown(f"# Command line\n\n{MARKER}\n")
+    commands = [name for action in build_parser()._actions for name in getattr(action, "choices", None) or {}]
+    assert {"ls", "verify", "prune", "demo"} <= set(commands)
+    for name in commands:
+        assert f"## trainstate {name}\n" in page, name
