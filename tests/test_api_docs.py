@@ -17,6 +17,8 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
+
 import trainstate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,3 +230,20 @@ def test_the_cli_page_is_generated_from_the_parser() -> None:
     assert {"ls", "verify", "prune", "demo"} <= set(commands)
     for name in commands:
         assert f"## trainstate {name}\n" in page, name
+
+
+def test_the_site_renders_example_sections_as_examples() -> None:
+    """mkdocs.yml's griffe extension turns the project's ``Example:`` headers into examples sections (without
+    it, griffe renders them as Markdown text: ``>>>`` lines as nested quotes), and Sphinx roles into code.
+    Needs the docs extra (CI installs it)."""
+    griffe = pytest.importorskip("griffe")
+    from tools.griffe_examples import ExampleSections
+
+    source = 'def f():\n    """Do :func:`it`.\n\n    Example:\n        >>> f()\n        [1, 2]\n    """\n'
+    plain = griffe.visit("m", filepath=Path("m.py"), code=source)
+    assert [s.kind.value for s in plain["f"].docstring.parse("google")] == ["text", "admonition"]
+    fixed = griffe.visit("m", filepath=Path("m.py"), code=source, extensions=griffe.load_extensions(ExampleSections))
+    sections = fixed["f"].docstring.parse("google")
+    assert [s.kind.value for s in sections] == ["text", "examples"]
+    assert sections[1].value == [(griffe.DocstringSectionKind.examples, ">>> f()\n[1, 2]")]
+    assert sections[0].value == "Do `it`."  # a Sphinx role, which Markdown would show as typed

@@ -1,9 +1,11 @@
-"""A griffe extension for the docs site: trainstate's ``Example:`` sections render as examples.
+"""A griffe extension for the docs site: trainstate's docstrings render as the project writes them.
 
 The project's docstrings head their examples ``Example:`` (Google style allows both spellings); griffe
 reads only ``Examples:`` as an examples section and renders ``Example:`` as an admonition of Markdown text,
-where ``>>>`` lines become nested quotes and ``[500, 1000]`` an unresolved link. This renames the header
-as each object is loaded, so the docstrings keep the spelling the project (and its docstring test) uses.
+where ``>>>`` lines become nested quotes and ``[500, 1000]`` an unresolved link. They also name other
+objects with Sphinx roles (``:class:`Checkpoint```), which Markdown shows as they are typed. This renames
+the header and turns each role into inline code as each object is loaded, so the docstrings keep the
+spelling the project (and its docstring test) uses.
 
 Example:
     In mkdocs.yml, under the mkdocstrings python handler's options::
@@ -20,20 +22,22 @@ from typing import Any
 import griffe
 
 _HEADER = re.compile(r"^(\s*)Example:[ \t]*$", re.MULTILINE)
+_ROLE = re.compile(r":(?:class|meth|func|attr|mod|data|exc):`~?([^`]+)`")
 
 
 class ExampleSections(griffe.Extension):
-    """Rewrite each loaded object's ``Example:`` header to ``Examples:``.
+    """Rewrite each loaded object's ``Example:`` header to ``Examples:``, and its Sphinx roles to code.
 
     Example:
         >>> ExampleSections().on_instance(obj=some_griffe_object)
     """
 
     def on_instance(self, *, obj: Any, **kwargs: Any) -> None:
-        """Rename the header in ``obj``'s docstring, if it has one.
+        """Rename the header in ``obj``'s docstring, if it has one, and unwrap its roles.
 
         Example:
             >>> ExampleSections().on_instance(obj=griffe.Function("f", docstring=griffe.Docstring("Example:")))
         """
         if obj.docstring is not None:
-            obj.docstring.value = _HEADER.sub(r"\1Examples:", obj.docstring.value)
+            text = _HEADER.sub(r"\1Examples:", obj.docstring.value)
+            obj.docstring.value = _ROLE.sub(r"`\1`", text)
