@@ -275,11 +275,11 @@ def test_the_site_renders_example_sections_as_examples() -> None:
     griffe = pytest.importorskip("griffe")
     from tools.griffe_examples import ExampleSections
 
-    source = 'def f():\n    """Do :func:`it`.\n\n    Example:\n        >>> f()\n        [1, 2]\n    """\n'
+    source = 'def f():\n    """Do :func:`it`::\n\n    Example:\n        >>> f()\n        [1, 2]\n    """\n'
     plain = griffe.visit("m", filepath=Path("m.py"), code=source)
     assert [s.kind.value for s in plain["f"].docstring.parse("google")] == ["text", "admonition"]
     fixed = griffe.visit("m", filepath=Path("m.py"), code=source, extensions=griffe.load_extensions(ExampleSections))
     sections = fixed["f"].docstring.parse("google")
     assert [s.kind.value for s in sections] == ["text", "examples"]
     assert sections[1].value == [(griffe.DocstringSectionKind.examples, ">>> f()\n[1, 2]")]
-    assert sections[0].value == "Do `it`."  # a Sphinx role, which Markdown would show as typed
+    assert sections[0].value == "Do `it`:"  # a Sphinx role and reST's '::', which Markdown would show as typed

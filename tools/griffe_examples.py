@@ -3,9 +3,10 @@
 The project's docstrings head their examples ``Example:`` (Google style allows both spellings); griffe
 reads only ``Examples:`` as an examples section and renders ``Example:`` as an admonition of Markdown text,
 where ``>>>`` lines become nested quotes and ``[500, 1000]`` an unresolved link. They also name other
-objects with Sphinx roles (``:class:`Checkpoint```), which Markdown shows as they are typed. This renames
-the header and turns each role into inline code as each object is loaded, so the docstrings keep the
-spelling the project (and its docstring test) uses.
+objects with Sphinx roles (``:class:`Checkpoint```) and end a line with reST's ``::`` before a literal
+block, which Markdown shows as they are typed. This renames the header, turns each role into inline code
+and ``::`` into ``:`` as each object is loaded, so the docstrings keep the spelling the project (and its
+docstring test) uses.
 
 Example:
     In mkdocs.yml, under the mkdocstrings python handler's options::
@@ -23,6 +24,7 @@ import griffe
 
 _HEADER = re.compile(r"^(\s*)Example:[ \t]*$", re.MULTILINE)
 _ROLE = re.compile(r":(?:class|meth|func|attr|mod|data|exc):`~?([^`]+)`")
+_LITERAL_BLOCK = re.compile(r"(\S)::[ \t]*$", re.MULTILINE)  # reST's "text::" before an indented block
 
 
 class ExampleSections(griffe.Extension):
@@ -40,4 +42,5 @@ class ExampleSections(griffe.Extension):
         """
         if obj.docstring is not None:
             text = _HEADER.sub(r"\1Examples:", obj.docstring.value)
+            text = _LITERAL_BLOCK.sub(r"\1:", text)
             obj.docstring.value = _ROLE.sub(r"`\1`", text)
