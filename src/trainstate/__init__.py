@@ -61,6 +61,12 @@ from trainstate.errors import (
 )
 
 __version__ = "0.1.0"
+"""trainstate's version, as pip knows it (``trainstate --version`` prints it too).
+
+Example:
+    >>> trainstate.__version__
+    '0.1.0'
+"""
 
 _LAZY = {
     "FsspecStorage": "trainstate._storage.fsspec",

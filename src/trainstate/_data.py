@@ -54,6 +54,11 @@ class ResumableSampler(Sampler[int]):
             explicitly under DDP (e.g. ``dist.get_world_size()`` and ``dist.get_rank()``).
         rank: this rank's place among the ``num_replicas``.
 
+    Attributes:
+        epoch: the epoch being iterated (the next one, once an epoch's last batch was taken and a new
+            iterator starts); restored with the sampler.
+        seed: the shuffle seed.
+
     Under torch.distributed its position is saved per rank (each rank's loader drew its own base seed), so
     a resume at the same world size is exact; a different world size is refused by the restore.
 
@@ -98,7 +103,15 @@ class ResumableSampler(Sampler[int]):
         self._resume_rng: torch.Tensor | None = None
 
     def attach(self, loader: DataLoader[Any]) -> DataLoader[Any]:
-        """Count what ``loader`` actually hands to the loop and seed its samples; returns the loader."""
+        """Count what ``loader`` actually hands to the loop and seed its samples; returns the loader.
+
+        Raises:
+            ValueError: ``loader`` was not built with this sampler, or has no fixed batch size.
+
+        Example:
+            >>> sampler = trainstate.ResumableSampler(dataset, seed=0)
+            >>> loader = sampler.attach(DataLoader(dataset, batch_size=32, sampler=sampler))
+        """
         if loader.sampler is not self and getattr(loader.batch_sampler, "sampler", None) is not self:
             raise ValueError("attach() takes the DataLoader built with this sampler")
         size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
@@ -113,6 +126,12 @@ class ResumableSampler(Sampler[int]):
 
     @property
     def consumed(self) -> int:
+        """Samples of this epoch the loop has received (not what workers prefetched): where a resume starts.
+
+        Example:
+            >>> next(iter(loader)); sampler.consumed    # after one batch of 32
+            32
+        """
         return min(self.n, self._start + self._batches * self._batch_size)
 
     def _order(self) -> list[int]:
@@ -139,6 +158,15 @@ class ResumableSampler(Sampler[int]):
         return self.n - self._start
 
     def state_dict(self) -> dict[str, Any]:
+        """Seed, epoch and samples consumed (and, mid-epoch, the RNG its loader drew its base seed from).
+
+        Raises:
+            CheckpointError: the sampler was not attached to its loader (``attach``), so it cannot count.
+
+        Example:
+            >>> sampler.state_dict()
+            {'seed': 0, 'epoch': 0, 'consumed': 32, 'loader_rng': array([...], dtype=uint8)}
+        """
         if self._loader is None:
             raise CheckpointError(
                 "ResumableSampler: call loader = sampler.attach(DataLoader(...)) before saving it, so it can count "
@@ -150,6 +178,12 @@ class ResumableSampler(Sampler[int]):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next iterator yields the rest of the saved epoch, in the same order.
+
+        Example:
+            >>> sampler.load_state_dict(saved)   # usually through trainstate.load / restore_latest
+            >>> next(iter(loader))               # the batch the interrupted run would have seen next
+        """
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
         self._start, self._batches = int(state["consumed"]), 0
         # an epoch whose last batch was taken is over: the next iterator draws its seed afresh, as it would have

@@ -44,6 +44,13 @@ class RNGState:
         self.restored_torch_state: tuple[Any, list[Any]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
+        """The generators' states now: Python's ``random``, NumPy's global one, torch's CPU (and CUDA) one,
+        and the named generators, as plain values and arrays (what ``save`` stores).
+
+        Example:
+            >>> sorted(trainstate.RNGState().state_dict())
+            ['numpy', 'numpy_generators', 'python', 'torch', 'torch_generators']
+        """
         version, internal, gauss = random.getstate()
         np_state = np.random.get_state(legacy=False)
         state: dict[str, Any] = {
@@ -60,6 +67,19 @@ class RNGState:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Set the generators to ``state`` (from :meth:`state_dict`): the next draws repeat those after it.
+
+        Raises:
+            StateMismatchError: a named generator of this RNGState is not in ``state``.
+
+        Example:
+            >>> rng = trainstate.RNGState()
+            >>> saved = rng.state_dict()
+            >>> a = random.random()
+            >>> rng.load_state_dict(saved)
+            >>> random.random() == a
+            True
+        """
         py = state["python"]
         random.setstate((py["version"], tuple(int(x) for x in py["state"]), py["gauss"]))
         np.random.set_state(_numpy_tuple(state["numpy"]))
@@ -82,6 +102,11 @@ class RNGState:
 
         trainstate calls this right after a restored data loader starts its first iterator, whose
         base-seed draw would otherwise shift every random draw after a resume (see data.py).
+
+        Example:
+            >>> trainstate.load("ckpt", state)      # state["rng"] is an RNGState
+            >>> it = iter(plain_loader)             # a loader trainstate does not hook draws a base seed
+            >>> state["rng"].reapply_torch()        # torch's generator as restored, again
         """
         torch = _torch()
         if torch is None or self.restored_torch_state is None:

@@ -221,11 +221,40 @@ def _nothing(results: list[Any]) -> None:
 
 @runtime_checkable
 class Stateful(Protocol):
-    """Anything with ``state_dict()`` / ``load_state_dict()``: modules, optimizers, schedulers, loaders."""
+    """Anything with ``state_dict()`` / ``load_state_dict()``: modules, optimizers, schedulers, loaders.
 
-    def state_dict(self) -> Any: ...
+    Your own class joins the state by having both methods; ``state_dict()`` returns what the state may
+    hold (tensors, arrays, plain values, nested containers).
 
-    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+    Example:
+        >>> class Counter:
+        ...     def __init__(self) -> None:
+        ...         self.seen = 0
+        ...     def state_dict(self) -> dict:
+        ...         return {"seen": self.seen}
+        ...     def load_state_dict(self, state: dict) -> None:
+        ...         self.seen = state["seen"]
+        >>> isinstance(Counter(), trainstate.Stateful)
+        True
+        >>> trainstate.save("ckpt", {"counter": Counter()})
+    """
+
+    def state_dict(self) -> Any:
+        """What to save: tensors, arrays, plain values and containers of them.
+
+        Example:
+            >>> torch.nn.Linear(2, 1).state_dict().keys()
+            odict_keys(['weight', 'bias'])
+        """
+        ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any:
+        """Take back what :meth:`state_dict` returned (as ``load`` restored it).
+
+        Example:
+            >>> model.load_state_dict(other_model.state_dict())
+        """
+        ...
 
 
 def is_stateful(value: Any) -> bool:
@@ -251,8 +280,12 @@ class PerRank:
     a different world size is an error for it (docs/distributed.md). ``trainstate.RNGState`` and data
     loaders are per rank without this mark. In a single process it is transparent.
 
+    Attributes:
+        value: the marked part of the state (restored in place inside it, as anywhere else).
+
     Example:
         >>> state = {"model": model, "seen": trainstate.PerRank({"samples": seen})}
+        >>> state["seen"].value["samples"]
     """
 
     __slots__ = ("value",)

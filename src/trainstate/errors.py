@@ -52,54 +52,124 @@ __all__ = [
 
 
 class CheckpointError(Exception):
-    """Base class of every error trainstate raises on purpose."""
+    """Base class of every error trainstate raises on purpose.
+
+    Example:
+        >>> try:
+        ...     trainstate.load("ckpt/step_1200", state)
+        ... except trainstate.CheckpointError as e:   # anything trainstate raises on purpose
+        ...     print(f"cannot resume: {e}")
+    """
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No checkpoint exists at the given location."""
+    """No checkpoint exists at the given location.
+
+    Example:
+        >>> try:
+        ...     trainstate.open("ckpt/no_such_step")
+        ... except trainstate.CheckpointNotFoundError:   # also a FileNotFoundError
+        ...     print("start from scratch")
+    """
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
-    """A checkpoint already exists where a save was asked to write (pass ``overwrite=True``)."""
+    """A checkpoint already exists where a save was asked to write (pass ``overwrite=True``).
+
+    Example:
+        >>> trainstate.save("ckpt/step_5", state)
+        >>> trainstate.save("ckpt/step_5", state)                   # raises CheckpointExistsError
+        >>> trainstate.save("ckpt/step_5", state, overwrite=True)   # replaces it atomically
+    """
 
 
 class IncompleteCheckpointError(CheckpointError):
-    """The location holds data but no manifest: the save that made it never committed."""
+    """The location holds data but no manifest: the save that made it never committed.
+
+    Example:
+        >>> try:
+        ...     trainstate.load("ckpt/step_5", state)   # a save killed before its commit left this behind
+        ... except trainstate.IncompleteCheckpointError:
+        ...     trainstate.load("ckpt/step_4", state)
+    """
 
 
 class CorruptCheckpointError(CheckpointError):
-    """The checkpoint's bytes do not match what its manifest promises, or the manifest is malformed."""
+    """The checkpoint's bytes do not match what its manifest promises, or the manifest is malformed.
+
+    Example:
+        >>> try:
+        ...     trainstate.open("ckpt/step_5").verify()
+        ... except trainstate.CorruptCheckpointError as e:
+        ...     print(e)   # names the tensor or file whose checksum does not match
+    """
 
 
 class TamperedCheckpointError(CorruptCheckpointError):
     """An encrypted checkpoint failed authentication with the right key: its manifest's MAC does not match
     its bytes, or a chunk's AES-GCM tag does not verify (its bytes, its nonce or its place were changed, or
-    it was moved from another tensor). Damage and forgery look the same; either way nothing from it is used."""
+    it was moved from another tensor). Damage and forgery look the same; either way nothing from it is used.
+
+    Example:
+        >>> try:
+        ...     trainstate.load("secret/step_5", state, key_env="TRAINSTATE_KEY")
+        ... except trainstate.TamperedCheckpointError:   # also a CorruptCheckpointError
+        ...     print("changed since it was saved: not used")
+    """
 
 
 class EncryptionKeyError(CheckpointError):
     """The encryption key given (or not given) does not fit the checkpoint. Nothing was read from it; the
-    checkpoint is not damaged. The subclasses say which way it does not fit."""
+    checkpoint is not damaged. The subclasses say which way it does not fit.
+
+    Example:
+        >>> try:
+        ...     trainstate.load("secret/step_5", state, key_env="TRAINSTATE_KEY")
+        ... except trainstate.EncryptionKeyError as e:   # missing, wrong or unneeded key: nothing was read
+        ...     print(e)
+    """
 
 
 class KeyRequiredError(EncryptionKeyError):
-    """The checkpoint is encrypted and no key was given: pass ``key=`` or ``key_env=`` (CLI: ``--key-env``)."""
+    """The checkpoint is encrypted and no key was given: pass ``key=`` or ``key_env=`` (CLI: ``--key-env``).
+
+    Example:
+        >>> trainstate.load("secret/step_5", state)   # raises KeyRequiredError: it is encrypted
+        >>> trainstate.load("secret/step_5", state, key_env="TRAINSTATE_KEY")
+    """
 
 
 class WrongKeyError(EncryptionKeyError):
-    """The checkpoint is encrypted with another key (its manifest's key check does not match the key given)."""
+    """The checkpoint is encrypted with another key (its manifest's key check does not match the key given).
+
+    Example:
+        >>> trainstate.load("secret/step_5", state, key=trainstate.generate_key())   # raises WrongKeyError
+    """
 
 
 class NotEncryptedError(EncryptionKeyError):
     """A key was given, but the checkpoint is a plain one. A plain checkpoint is not authenticated, so
     where a key was expected one may have been put in place by someone without the key: trainstate does
-    not open it with a key. Open it without one to read it as a plain checkpoint."""
+    not open it with a key. Open it without one to read it as a plain checkpoint.
+
+    Example:
+        >>> trainstate.save("plain/step_5", state)
+        >>> trainstate.load("plain/step_5", state, key=key)   # raises NotEncryptedError
+        >>> trainstate.load("plain/step_5", state)            # read it as the plain checkpoint it is
+    """
 
 
 class FormatVersionError(CheckpointError):
     """The checkpoint was written by a newer trainstate (a newer major format version, or a byte
     transform this version does not know). It is not damaged: upgrade trainstate to read it. A manager
-    refuses to start beside one rather than skip it and later save over it."""
+    refuses to start beside one rather than skip it and later save over it.
+
+    Example:
+        >>> try:
+        ...     trainstate.load("ckpt/from_a_newer_version", state)
+        ... except trainstate.FormatVersionError:
+        ...     print("pip install -U trainstate")
+    """
 
 
 class StateMismatchError(CheckpointError):
@@ -109,6 +179,14 @@ class StateMismatchError(CheckpointError):
         missing: keys the target has and the checkpoint lacks.
         unexpected: keys the checkpoint has and the target lacks.
         mismatched: ``(key, expected, found)`` triples for shape, dtype or kind differences.
+
+    Example:
+        >>> trainstate.save("ckpt", {"w": np.zeros(3), "step": 1})
+        >>> try:
+        ...     trainstate.load("ckpt", {"w": np.zeros(4), "lr": 0.1})
+        ... except trainstate.StateMismatchError as e:
+        ...     e.missing, e.unexpected, e.mismatched
+        (['lr'], ['step'], [('w', 'tensor F64[4]', 'tensor F64[3]')])
     """
 
     def __init__(
@@ -135,20 +213,45 @@ class StateMismatchError(CheckpointError):
 
 
 class UnsupportedValueError(CheckpointError, TypeError):
-    """A value in the state cannot be stored without pickle."""
+    """A value in the state cannot be stored without pickle.
+
+    Example:
+        >>> trainstate.save("ckpt", {"fn": lambda x: x})   # raises UnsupportedValueError: not without pickle
+    """
 
 
 class StorageError(CheckpointError, OSError):
-    """The storage failed: disk full, an I/O error, a permission problem."""
+    """The storage failed: disk full, an I/O error, a permission problem.
+
+    Example:
+        >>> try:
+        ...     trainstate.save("/mnt/full_disk/step_5", state)
+        ... except trainstate.StorageError as e:   # also an OSError, with its errno
+        ...     print(e.errno, e)
+    """
 
 
 class MissingDependencyError(CheckpointError, ImportError):
-    """An optional dependency is needed; the message names the extra to install."""
+    """An optional dependency is needed; the message names the extra to install.
+
+    Example:
+        >>> try:
+        ...     trainstate.save("ckpt", state, compression="zstd")
+        ... except trainstate.MissingDependencyError as e:   # also an ImportError
+        ...     print(e)   # names the extra: pip install "trainstate[zstd]"
+    """
 
 
 class DistributedError(CheckpointError):
     """A collective save or load did not complete on every rank: another rank failed (its message is
-    included) or did not answer within the timeout. A save that raises this committed nothing."""
+    included) or did not answer within the timeout. A save that raises this committed nothing.
+
+    Example:
+        >>> try:
+        ...     trainstate.save("ckpt/step_5", state, timeout=60)   # collective, under torchrun
+        ... except trainstate.DistributedError as e:
+        ...     print(e)   # which rank failed and why; nothing was committed
+    """
 
 
 class OnnxExportError(CheckpointError):
@@ -160,6 +263,12 @@ class OnnxExportError(CheckpointError):
         max_abs_diff: the largest absolute difference of the output that differs (None if the export
             itself failed or the outputs do not even have the same count or shape).
         output: the ONNX name of that output (None likewise).
+
+    Example:
+        >>> try:
+        ...     trainstate.export_onnx("ckpt", lambda: Net(), torch.randn(1, 4), "net.onnx", atol=1e-6)
+        ... except trainstate.OnnxExportError as e:
+        ...     print(e.output, e.max_abs_diff)
     """
 
     def __init__(self, message: str, *, max_abs_diff: float | None = None, output: str | None = None) -> None:
@@ -172,11 +281,23 @@ class InvalidArgumentError(CheckpointError, ValueError, TypeError):
     """An argument to a trainstate call is wrong (``every_steps=0``, ``save("10", ...)``, a NaN metric).
 
     Also a ``ValueError`` and a ``TypeError``, so code written against the built-in errors still catches it.
+
+    Example:
+        >>> trainstate.CheckpointManager("runs/exp1", every_steps=0)   # raises InvalidArgumentError
+        >>> try:
+        ...     mgr.save("10", state)
+        ... except ValueError:   # InvalidArgumentError is also a ValueError and a TypeError
+        ...     pass
     """
 
 
 class UnknownKeyError(InvalidArgumentError, KeyError):
-    """``ck.read(name)`` or ``ck.info(name)`` for a name the checkpoint does not hold (also a ``KeyError``)."""
+    """``ck.read(name)`` or ``ck.info(name)`` for a name the checkpoint does not hold (also a ``KeyError``).
+
+    Example:
+        >>> with trainstate.open("ckpt") as ck:
+        ...     ck.read("model.fc.wieght")   # raises UnknownKeyError: ...; did you mean model.fc.weight?
+    """
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""

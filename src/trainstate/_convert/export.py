@@ -52,7 +52,22 @@ INDEX_NAME = "model.safetensors.index.json"
 @dataclass(frozen=True)
 class ExportResult:
     """What an export wrote: where, which files (relative to ``path`` for a folder), how many tensor names
-    and bytes, how long; ``tied`` maps each name written only once to the name it was written under."""
+    and bytes, how long; ``tied`` maps each name written only once to the name it was written under.
+
+    Attributes:
+        path: the file or folder written.
+        files: the files written (relative to ``path`` for a folder).
+        tensors: how many tensor names were exported.
+        nbytes: bytes of tensor data written.
+        seconds: how long the export took.
+        tied: each tied name written only once, mapped to the name it was written under.
+        copied: the files copied from ``copy_from`` (config, tokenizer, ...).
+
+    Example:
+        >>> result = trainstate.export("ckpt/step_1200", "release/", dtype="bf16")
+        >>> result.files, result.tensors
+        (('model.safetensors', 'model.safetensors.index.json'), 148)
+    """
 
     path: str
     files: tuple[str, ...]

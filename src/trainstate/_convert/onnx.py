@@ -82,7 +82,8 @@ def export_onnx(
         strip_prefix: removed from each selected key to give the model's names (default: the module's
             prefix when ``select`` is not given, else nothing).
         opset: the ONNX opset to target (default: torch's recommended one).
-        rtol, atol: the tolerances of the onnxruntime check.
+        rtol: the relative tolerance of the onnxruntime check.
+        atol: its absolute tolerance.
         dynamic_shapes: which input dimensions stay variable in the graph, as ``torch.onnx.export`` takes
             them (``({0: "batch"},)``: the first argument's first dimension); the check runs at the
             example's sizes.

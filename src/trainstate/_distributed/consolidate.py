@@ -71,8 +71,9 @@ def consolidate(
             ``trainstate.save`` compresses); by default ``dst`` is written uncompressed, whatever ``src`` is.
         key: the key of an encrypted source checkpoint, which also encrypts the result (docs/encryption.md).
         key_env: the name of an environment variable that holds the key, instead of ``key``.
-        new_key, new_key_env: encrypt the result with this key instead (key rotation: ``src`` read with
-            ``key``, ``dst`` written with ``new_key``; tree, metadata and values unchanged).
+        new_key: encrypt the result with this key instead (key rotation: ``src`` read with ``key``, ``dst``
+            written with ``new_key``; tree, metadata and values unchanged).
+        new_key_env: the name of an environment variable that holds ``new_key``, instead of ``new_key``.
 
     Returns:
         A :class:`SaveResult` for ``dst``.

@@ -34,6 +34,17 @@ from trainstate.errors import CorruptCheckpointError, FormatVersionError, Unsupp
 
 FORMAT_NAME = "trainstate"
 FORMAT_VERSION = "1.0"  # what a manifest without newer optional fields declares
+"""The base manifest format version (``MAJOR.MINOR``; docs/format.md): what a checkpoint declares when it
+uses no optional feature of a later minor version (those declare up to ``1.4``).
+
+This trainstate reads every version of its major; a checkpoint of a newer major raises ``FormatVersionError``.
+
+Example:
+    >>> trainstate.FORMAT_VERSION
+    '1.0'
+    >>> json.load(open("ckpt/step_1200/manifest.json"))["format_version"]
+    '1.0'
+"""
 PIECES_VERSION = "1.1"  # the minor version that added per-piece checksums (Chunk.pieces)
 WORLD_SIZE_VERSION = "1.2"  # the minor version that added world_size (a collective save's number of ranks)
 TRANSFORMS_VERSION = "1.3"  # the minor version that added chunk transforms (compression, encryption)

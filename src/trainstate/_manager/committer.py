@@ -38,7 +38,25 @@ log = logging.getLogger("trainstate")
 
 @dataclass(frozen=True)
 class SaveRecord:
-    """One save as the manager saw it. Times in seconds."""
+    """One save as the manager saw it. Times in seconds. ``CheckpointManager.history()`` returns these.
+
+    Attributes:
+        step: the step saved.
+        reason: why it was saved (``"every 500 steps"``, ``"forced"``, ``"preemption (SIGTERM)"``, ...).
+        path: the checkpoint's path.
+        background: whether it was written on the background thread (async).
+        blocking_seconds: how long ``save()`` held up the training loop.
+        write_seconds: writing the data files and the manifest (in the background when async).
+        commit_seconds: the commit: rename and fsync of the directory.
+        nbytes: bytes written.
+        deleted: the checkpoints retention deleted after this one committed.
+        error: why the save failed, or None.
+
+    Example:
+        >>> record = mgr.history()[-1]
+        >>> record.step, record.reason, record.blocking_seconds < record.write_seconds
+        (1500, 'every 500 steps', True)
+    """
 
     step: int
     reason: str

@@ -304,19 +304,134 @@ class CheckpointManager:
             )
         super().__setattr__(name, value)
 
-    directory = property(lambda self: self._config.directory, doc="Where the checkpoints go.")
-    storage = property(lambda self: self._config.storage, doc="The storage backend.")
-    async_save = property(lambda self: self._config.async_save, doc="Whether saves run in the background.")
-    max_in_flight = property(lambda self: self._config.max_in_flight)
-    staging_budget_bytes = property(lambda self: self._config.staging_budget_bytes)
-    capture_rng = property(lambda self: self._config.capture_rng)
-    fsync = property(lambda self: self._config.fsync)
-    threads = property(lambda self: self._config.threads)
-    metadata = property(lambda self: dict(self._config.metadata), doc="A copy of the metadata every save records.")
-    save_policies = property(lambda self: self._config.save_policies)
-    retention = property(lambda self: self._config.retention)
-    read_only = property(lambda self: self._config.read_only)
-    incremental = property(lambda self: self._config.incremental, doc="Whether unchanged tensors are shared.")
+    @property
+    def directory(self) -> str:
+        """Where the checkpoints go: the directory (or URL) the manager was built with.
+
+        Example:
+            >>> trainstate.CheckpointManager("runs/exp1").directory
+            'runs/exp1'
+        """
+        return self._config.directory
+
+    @property
+    def storage(self) -> Storage:
+        """The storage backend the checkpoints are read from and written to.
+
+        Example:
+            >>> mgr.storage.capabilities.locking  # True on a local disk: one writer at a time
+        """
+        return self._config.storage
+
+    @property
+    def async_save(self) -> bool:
+        """Whether saves are written on a background thread (``async_save=``).
+
+        Example:
+            >>> trainstate.CheckpointManager("runs/exp1", async_save=True).async_save
+            True
+        """
+        return self._config.async_save
+
+    @property
+    def max_in_flight(self) -> int:
+        """How many async saves may be in flight at once, each with its own staging buffer (``max_in_flight=``).
+
+        Example:
+            >>> mgr.max_in_flight
+            1
+        """
+        return self._config.max_in_flight
+
+    @property
+    def staging_budget_bytes(self) -> int | None:
+        """The cap on one staging buffer; a larger state is saved synchronously (None: no cap).
+
+        Example:
+            >>> trainstate.CheckpointManager("runs/exp1", async_save=True, staging_budget_bytes=2**30).staging_budget_bytes
+            1073741824
+        """
+        return self._config.staging_budget_bytes
+
+    @property
+    def capture_rng(self) -> bool:
+        """Whether the RNG is saved under ``_rng`` when the state has no :class:`RNGState` (``capture_rng=``).
+
+        Example:
+            >>> mgr.capture_rng
+            True
+        """
+        return self._config.capture_rng
+
+    @property
+    def fsync(self) -> bool:
+        """Whether each save is flushed to stable storage before its commit (``fsync=``).
+
+        Example:
+            >>> trainstate.CheckpointManager("runs/exp1", fsync=False).fsync
+            False
+        """
+        return self._config.fsync
+
+    @property
+    def threads(self) -> int:
+        """Writer threads per save (``threads=``).
+
+        Example:
+            >>> trainstate.CheckpointManager("runs/exp1", threads=4).threads
+            4
+        """
+        return self._config.threads
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """A copy of the metadata every save records (``metadata=``).
+
+        Example:
+            >>> trainstate.CheckpointManager("runs/exp1", metadata={"run": "exp1"}).metadata
+            {'run': 'exp1'}
+        """
+        return dict(self._config.metadata)
+
+    @property
+    def save_policies(self) -> tuple[SavePolicy, ...]:
+        """The save policies, from the keywords (``every_steps=`` ...) and ``save_policies=``.
+
+        Example:
+            >>> trainstate.CheckpointManager("runs/exp1", every_steps=500).save_policies
+            (EverySteps(n=500),)
+        """
+        return self._config.save_policies
+
+    @property
+    def retention(self) -> tuple[RetentionPolicy, ...]:
+        """The retention policies, from the keywords (``keep_last=`` ...) and ``retention_policies=``.
+
+        Example:
+            >>> trainstate.CheckpointManager("runs/exp1", keep_last=3).retention
+            (KeepLast(n=3),)
+        """
+        return self._config.retention
+
+    @property
+    def read_only(self) -> bool:
+        """Whether this manager only lists, restores and pins (``read_only=``).
+
+        Example:
+            >>> trainstate.CheckpointManager("runs/exp1", read_only=True).read_only
+            True
+        """
+        return self._config.read_only
+
+    @property
+    def incremental(self) -> bool:
+        """Whether unchanged tensors are shared with earlier checkpoints (``incremental=``).
+
+        Example:
+            >>> trainstate.CheckpointManager("runs/exp1", incremental=True).incremental
+            True
+        """
+        return self._config.incremental
 
     # -- queries (manifests only) -----------------------------------------------------------------
 
@@ -326,21 +441,47 @@ class CheckpointManager:
         Raises:
             FormatVersionError: a checkpoint here was written by a newer trainstate (a read-only manager
                 lists the others instead).
+
+        Example:
+            >>> [info.step for info in mgr.list()]
+            [500, 1000, 1500]
         """
         return self._committer.list()
 
     @property
     def last_retention(self) -> RetentionPlan | None:
-        """What the latest retention pass kept and deleted, and why."""
+        """What the latest retention pass kept and deleted, and why (None before the first one).
+
+        Example:
+            >>> mgr.save(1500, state, force=True)
+            >>> mgr.last_retention.delete       # ['step_00000500'] with keep_last=2
+        """
         return self._committer.last_retention
 
     def latest(self) -> CheckpointInfo | None:
-        """The most recently committed checkpoint (after a rollback: the new timeline's, not a higher step)."""
+        """The most recently committed checkpoint (after a rollback: the new timeline's, not a higher step).
+
+        None when the directory has no checkpoint.
+
+        Example:
+            >>> info = mgr.latest()
+            >>> info.step, info.name
+            (1500, 'step_00001500')
+        """
         items = self.list()
         return max(items, key=saved_order) if items else None
 
     def best(self, metric: str | None = None, mode: str | None = None) -> CheckpointInfo | None:
-        """The best checkpoint by ``metric`` (default: the keep_best metric)."""
+        """The best checkpoint by ``metric`` (default: the keep_best metric), or None if none has it.
+
+        Args:
+            metric: a metric name given to ``save(..., metrics=...)``; default: the ``keep_best`` one.
+            mode: ``"min"`` or ``"max"``; default: the ``keep_best`` one, else ``"min"``.
+
+        Example:
+            >>> best = mgr.best("val_loss", "min")
+            >>> trainstate.load(mgr.path_for(best.step), {"model": model}, include="model.*")   # to evaluate
+        """
         policy = next((p for p in self.retention if isinstance(p, KeepBest)), None)
         metric = metric or (policy.metric if policy else None)
         mode = mode or (policy.mode if policy else "min")
@@ -355,16 +496,36 @@ class CheckpointManager:
         return pick(scored, key=lambda c: c.metrics[metric])
 
     def path_for(self, step: int) -> str:
+        """The path (or URL) of the checkpoint of ``step`` in this manager's directory, saved or not.
+
+        Example:
+            >>> mgr.path_for(1200)
+            'runs/exp1/step_00001200'
+            >>> trainstate.open(mgr.path_for(1200)).metadata
+        """
         return self.catalog.path(naming.name_for(arguments.step(step)))
 
     def history(self) -> builtins.list[SaveRecord]:
-        """Every save this manager made, with its timings (background ones once they finished)."""
+        """Every save this manager made, with its timings (background ones once they finished).
+
+        Example:
+            >>> for record in mgr.history():
+            ...     print(record.step, record.blocking_seconds, record.write_seconds, record.nbytes)
+        """
         self._writer.collect(block=False)
         return list(self._writer.history)
 
     @property
     def preempted(self) -> bool:
-        """True once a preemption signal arrived and its checkpoint was saved: time to exit."""
+        """True once a preemption signal arrived and its checkpoint was saved: time to exit.
+
+        Example:
+            >>> for step in range(start, total_steps):
+            ...     train_step()
+            ...     mgr.save(step, state)       # saves at once after SIGTERM / SIGINT / SIGUSR1
+            ...     if mgr.preempted:
+            ...         break
+        """
         return self._preemption_saved
 
     # -- restore ------------------------------------------------------------------------------------
@@ -385,6 +546,11 @@ class CheckpointManager:
             InvalidArgumentError: ``state`` cannot be restored in place (a JAX array or pytree, such as a Flax
                 ``TrainState``, at its top): keep it in a dict, or use :meth:`restore`, which returns it.
             FormatVersionError: a checkpoint here was written by a newer trainstate.
+
+        Example:
+            >>> start = mgr.restore_latest(state) or 0   # 0 on a fresh run
+            >>> for step in range(start, total_steps):
+            ...     ...
         """
         if replaced_on_restore(state):
             raise InvalidArgumentError(
@@ -461,13 +627,22 @@ class CheckpointManager:
 
         Called by :meth:`restore_latest`; call it yourself if you do not restore. Without it the first
         async save pays for fresh memory while the loop waits.
+
+        Example:
+            >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, async_save=True)
+            >>> mgr.prepare(state)   # a fresh run that does not call restore_latest
         """
         if not self.read_only:
             self._writer.reserve(lambda: encode_state(self._rng.wrap(state)[0]))  # cheap: no array is copied
 
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
         """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`); returns the restored
-        state: ``state`` itself, or a new one where it cannot change in place (a JAX array or pytree)."""
+        state: ``state`` itself, or a new one where it cannot change in place (a JAX array or pytree).
+
+        Example:
+            >>> mgr.restore(1000, state)                          # roll back to step 1000
+            >>> mgr.restore(mgr.best().step, {"model": model}, include="model.*")   # the best weights only
+        """
         return self._restore_into(self.path_for(step), state, **load_kwargs)
 
     def _restore_into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
@@ -495,6 +670,18 @@ class CheckpointManager:
         ``step``, ``epoch`` and metric values may be NumPy scalars or one-element tensors.
         Raises the error of a failed background save, if one failed since the last call; a preemption
         checkpoint is written first, and such an older error reported after it.
+
+        Args:
+            step: the step just completed; the checkpoint is ``step_NNNNNNNN`` and a resume continues at step + 1.
+            state: what to save (as :func:`trainstate.save` takes it).
+            metrics: numbers for ``keep_best`` and ``best()``, recorded in the manifest.
+            epoch: the epoch, recorded for display.
+            force: save now whatever the policies say.
+            metadata: plain values recorded in this checkpoint's manifest, beside the manager's ``metadata``.
+
+        Example:
+            >>> mgr.save(step, state, metrics={"val_loss": 0.31})   # True when a policy said save
+            >>> mgr.save(step, state, force=True)                    # save now, e.g. before an evaluation
         """
         self._check_open()
         step = arguments.step(step)
@@ -582,6 +769,10 @@ class CheckpointManager:
 
         A dry run only plans, and works on a read-only manager too. Under a process group, call it on every
         rank: rank 0 deletes, and every rank returns its plan.
+
+        Example:
+            >>> mgr.prune(dry_run=True).delete    # what the policies would delete now
+            >>> mgr.prune()                         # delete it
         """
         if dry_run:
             return plan_retention(self.list(), self.retention)
@@ -604,7 +795,12 @@ class CheckpointManager:
     # -- lifecycle ----------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Block until every in-flight save has committed; raise if one failed."""
+        """Block until every in-flight save has committed; raise if one failed.
+
+        Example:
+            >>> mgr.save(step, state, force=True)    # async: returns once the state is copied
+            >>> mgr.wait()                           # committed now: safe to copy the directory
+        """
         self._writer.wait()
 
     def pin(self, step: int, reason: str = "") -> bool:
@@ -613,10 +809,20 @@ class CheckpointManager:
         An existing pin keeps its reason (unpin, then pin, to change it). Allowed on a read-only manager:
         a pin is one small file beside the checkpoint, safe to add while another process trains and
         prunes in the same directory — a pin this returns from is never deleted.
+
+        Example:
+            >>> mgr.pin(1000, "submitted to the leaderboard")
+            True
+            >>> trainstate.CheckpointManager("runs/exp1", read_only=True).pin(1500)   # beside a running job
         """
         return self.catalog.pin(naming.name_for(arguments.step(step)), str(reason))
 
     def unpin(self, step: int) -> None:
+        """Let the retention policies decide about the checkpoint of ``step`` again.
+
+        Example:
+            >>> mgr.unpin(1000)   # the next retention pass may delete it
+        """
         self.catalog.unpin(naming.name_for(arguments.step(step)))
 
     def close(self, step: int | None = None, state: Any = None, *, metrics: dict[str, float] | None = None) -> None:
@@ -624,6 +830,11 @@ class CheckpointManager:
 
         The final checkpoint is written even if an earlier background save failed; that error is raised
         afterwards. A failed final save raises its own error.
+
+        Example:
+            >>> mgr.close(step, state)   # a final checkpoint, whatever the policies say, then wait
+            >>> with trainstate.CheckpointManager("runs/exp1", every_steps=500) as mgr:
+            ...     ...                  # close() on leaving the block
         """
         if (step is None) != (state is None):
             raise InvalidArgumentError(

@@ -29,7 +29,29 @@ def saved_order(c: CheckpointInfo) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What a manager knows about one committed checkpoint, from its manifest alone."""
+    """What a manager knows about one committed checkpoint, from its manifest alone.
+
+    ``CheckpointManager.list()``, ``latest()`` and ``best()`` return these; retention policies vote on them.
+
+    Attributes:
+        name: the checkpoint's directory name in the manager's directory (``step_00001200``).
+        step: the step it was saved at.
+        created: wall-clock time of the save (seconds since the epoch): for display and
+            ``KeepEveryMinutes``, never for order.
+        metrics: the metrics passed to ``save(..., metrics=...)``.
+        epoch: the epoch passed to ``save(..., epoch=...)``, if any.
+        pinned: kept whatever the retention policies say (``mgr.pin(step)``).
+        nbytes: bytes the checkpoint's files take.
+        seq: the commit sequence number: what "newest" means (None for checkpoints written without a manager).
+        pin_reason: the reason given to ``pin``.
+        shared: of ``nbytes``, bytes in shared pool files an earlier save wrote (incremental checkpoints).
+        pooled: of ``nbytes``, bytes in the run's shared pool: what deleting this checkpoint does not free.
+
+    Example:
+        >>> for info in mgr.list():
+        ...     print(info.step, info.metrics.get("val_loss"), info.nbytes, "pinned" if info.pinned else "")
+        >>> trainstate.CheckpointInfo("step_00000100", 100, created=0.0, seq=0)  # by hand, to try a policy
+    """
 
     name: str
     step: int
@@ -51,14 +73,32 @@ class SavePolicy(Protocol):
     """When to save: a reason to save at ``step`` now (shown in the checkpoint's facts), or None.
 
     Pass your own to ``CheckpointManager(save_policies=[...])``; the manager saves when any policy gives a reason.
+
+    Example:
+        >>> class EveryEpochEnd:  # any object with this method is a save policy
+        ...     def __init__(self, steps_per_epoch: int) -> None:
+        ...         self.steps_per_epoch = steps_per_epoch
+        ...     def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
+        ...         return "end of epoch" if (step + 1) % self.steps_per_epoch == 0 else None
+        >>> mgr = trainstate.CheckpointManager("runs/exp1", save_policies=[EveryEpochEnd(390)])
     """
 
-    def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None: ...
+    def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
+        """A reason to save at ``step`` now, or None; ``now`` and ``last_save_time`` are ``time.monotonic()``.
+
+        Example:
+            >>> trainstate.EverySteps(500).reason_to_save(1000, now=0.0, last_save_time=0.0)
+            'every 500 steps'
+        """
+        ...
 
 
 @dataclass(frozen=True)
 class EverySteps:
     """Save when ``step % n == 0`` (what ``every_steps=n`` builds).
+
+    Attributes:
+        n: the interval in steps (a positive int).
 
     Example:
         >>> trainstate.CheckpointManager("runs/exp1", save_policies=[trainstate.EverySteps(500)])
@@ -70,12 +110,25 @@ class EverySteps:
         object.__setattr__(self, "n", arguments.positive_int(self.n, "EverySteps(n)"))
 
     def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
+        """``"every N steps"`` when ``step`` is a multiple of ``n``, else None.
+
+        Example:
+            >>> trainstate.EverySteps(500).reason_to_save(1001, now=0.0, last_save_time=0.0) is None
+            True
+        """
         return f"every {self.n} steps" if step % self.n == 0 else None
 
 
 @dataclass(frozen=True)
 class EverySeconds:
-    """Save when this many seconds (a monotonic clock) passed since the last save (``every_seconds=``)."""
+    """Save when this many seconds (a monotonic clock) passed since the last save (``every_seconds=``).
+
+    Attributes:
+        seconds: the interval (a positive number).
+
+    Example:
+        >>> mgr = trainstate.CheckpointManager("runs/exp1", save_policies=[trainstate.EverySeconds(1800)])
+    """
 
     seconds: float
 
@@ -83,12 +136,25 @@ class EverySeconds:
         object.__setattr__(self, "seconds", arguments.positive_number(self.seconds, "EverySeconds(seconds)"))
 
     def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
+        """``"every S s"`` once ``now - last_save_time >= seconds``, else None.
+
+        Example:
+            >>> trainstate.EverySeconds(1800).reason_to_save(7, now=2000.0, last_save_time=100.0)
+            'every 1800 s'
+        """
         return f"every {self.seconds:g} s" if now - last_save_time >= self.seconds else None
 
 
 @dataclass(frozen=True)
 class AtSteps:
-    """Save at these steps (``at_steps=``)."""
+    """Save at these steps (``at_steps=``).
+
+    Attributes:
+        steps: the steps to save at (any iterable of ints; kept as a frozenset).
+
+    Example:
+        >>> mgr = trainstate.CheckpointManager("runs/exp1", save_policies=[trainstate.AtSteps({1000, 5000})])
+    """
 
     steps: frozenset[int]
 
@@ -96,6 +162,12 @@ class AtSteps:
         object.__setattr__(self, "steps", frozenset(arguments.step(s, "AtSteps(steps[])") for s in self.steps))
 
     def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
+        """``"at step"`` when ``step`` is one of ``steps``, else None.
+
+        Example:
+            >>> trainstate.AtSteps({10, 20}).reason_to_save(10, now=0.0, last_save_time=0.0)
+            'at step'
+        """
         return "at step" if step in self.steps else None
 
 
@@ -118,14 +190,33 @@ class RetentionPolicy(Protocol):
 
     Pass your own to ``CheckpointManager(retention_policies=[...])``. A checkpoint is deleted only when no
     policy keeps it and at least one lets it go; the newest and pinned ones are always kept. Pure: no I/O.
+
+    Example:
+        >>> class KeepBelowLoss:  # any object with this method is a retention policy
+        ...     def __init__(self, limit: float) -> None:
+        ...         self.limit = limit
+        ...     def votes(self, checkpoints):
+        ...         return {c.name: "good loss" for c in checkpoints if c.metrics.get("loss", 1e9) < self.limit}
+        >>> mgr = trainstate.CheckpointManager("runs/exp1", keep_last=2, retention_policies=[KeepBelowLoss(0.1)])
     """
 
-    def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes: ...
+    def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
+        """For each checkpoint's name: a reason to keep it, None to let it go; a name left out abstains.
+
+        Example:
+            >>> infos = [trainstate.CheckpointInfo(f"step_{s:08d}", s, created=0.0, seq=s) for s in (1, 2, 3)]
+            >>> trainstate.KeepLast(2).votes(infos)
+            {'step_00000003': 'last 2', 'step_00000002': 'last 2', 'step_00000001': None}
+        """
+        ...
 
 
 @dataclass(frozen=True)
 class KeepLast:
     """Keep the newest ``n`` checkpoints (by commit order, not clock) (``keep_last=n``).
+
+    Attributes:
+        n: how many to keep (a positive int).
 
     Example:
         >>> trainstate.CheckpointManager("runs/exp1", every_steps=500,
@@ -138,13 +229,28 @@ class KeepLast:
         object.__setattr__(self, "n", arguments.positive_int(self.n, "KeepLast(n)"))
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
+        """``"last N"`` for the ``n`` most recently committed, None for the others.
+
+        Example:
+            >>> infos = [trainstate.CheckpointInfo(f"step_{s:08d}", s, created=0.0, seq=s) for s in (1, 2, 3)]
+            >>> trainstate.KeepLast(1).votes(infos)
+            {'step_00000003': 'last 1', 'step_00000002': None, 'step_00000001': None}
+        """
         ordered = sorted(checkpoints, key=saved_order, reverse=True)
         return {c.name: (f"last {self.n}" if i < self.n else None) for i, c in enumerate(ordered)}
 
 
 @dataclass(frozen=True)
 class KeepEverySteps:
-    """Keep every checkpoint whose step is a multiple of ``n`` (``keep_every_steps=n``)."""
+    """Keep every checkpoint whose step is a multiple of ``n`` (``keep_every_steps=n``).
+
+    Attributes:
+        n: the step interval (a positive int).
+
+    Example:
+        >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3,
+        ...     retention_policies=[trainstate.KeepEverySteps(10_000)])  # plus a long-term milestone
+    """
 
     n: int
 
@@ -152,12 +258,27 @@ class KeepEverySteps:
         object.__setattr__(self, "n", arguments.positive_int(self.n, "KeepEverySteps(n)"))
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
+        """``"every N steps"`` for steps that are multiples of ``n``, None for the others.
+
+        Example:
+            >>> infos = [trainstate.CheckpointInfo(f"step_{s:08d}", s, created=0.0) for s in (100, 200)]
+            >>> trainstate.KeepEverySteps(200).votes(infos)
+            {'step_00000100': None, 'step_00000200': 'every 200 steps'}
+        """
         return {c.name: (f"every {self.n} steps" if c.step % self.n == 0 else None) for c in checkpoints}
 
 
 @dataclass(frozen=True)
 class KeepEveryMinutes:
-    """One checkpoint per ``minutes`` of wall time: the oldest, then the first at least that much newer."""
+    """One checkpoint per ``minutes`` of wall time: the oldest, then the first at least that much newer.
+
+    Attributes:
+        minutes: the interval of wall time (a positive number), by the checkpoints' ``created`` times.
+
+    Example:
+        >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=100, keep_last=3,
+        ...     retention_policies=[trainstate.KeepEveryMinutes(60)])  # plus one per hour
+    """
 
     minutes: float
 
@@ -165,6 +286,13 @@ class KeepEveryMinutes:
         object.__setattr__(self, "minutes", arguments.positive_number(self.minutes, "KeepEveryMinutes(minutes)"))
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
+        """``"one per M min"`` for the oldest and each first checkpoint ``minutes`` after the last kept one.
+
+        Example:
+            >>> infos = [trainstate.CheckpointInfo(f"step_{s:08d}", s, created=60.0 * s) for s in (100, 200, 300)]
+            >>> trainstate.KeepEveryMinutes(150).votes(infos)
+            {'step_00000100': 'one per 150 min', 'step_00000200': None, 'step_00000300': 'one per 150 min'}
+        """
         out: Votes = {}
         last_kept = -math.inf
         for c in sorted(checkpoints, key=lambda c: c.step):
@@ -178,7 +306,18 @@ class KeepEveryMinutes:
 
 @dataclass(frozen=True)
 class KeepBest:
-    """The best ``k`` by a metric; checkpoints without the metric get no vote from this policy."""
+    """The best ``k`` by a metric; checkpoints without the metric get no vote from this policy.
+
+    Attributes:
+        metric: the name of a metric passed to ``CheckpointManager.save(..., metrics=...)``.
+        mode: ``"min"`` (lower is better) or ``"max"``.
+        k: how many to keep.
+
+    Example:
+        >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=1,
+        ...     retention_policies=[trainstate.KeepBest("val_acc", "max", 3)])
+        >>> mgr.save(step, state, metrics={"val_acc": 0.91})
+    """
 
     metric: str
     mode: str = "min"
@@ -191,6 +330,14 @@ class KeepBest:
         object.__setattr__(self, "k", k)
 
     def votes(self, checkpoints: Sequence[CheckpointInfo]) -> Votes:
+        """``"best K METRIC (MODE)"`` for the ``k`` best; None for the rest of those with a finite value.
+
+        Example:
+            >>> infos = [trainstate.CheckpointInfo(f"step_{s:08d}", s, created=0.0, metrics={"loss": 1 / s})
+            ...          for s in (1, 2)]
+            >>> trainstate.KeepBest("loss", "min", 1).votes(infos)
+            {'step_00000002': 'best 1 loss (min)', 'step_00000001': None}
+        """
         scored = [c for c in checkpoints if finite(c.metrics.get(self.metric))]
         scored.sort(key=lambda c: (c.metrics[self.metric] if self.mode == "min" else -c.metrics[self.metric], -c.step))
         return {
@@ -204,7 +351,17 @@ def finite(value: object) -> bool:
 
 @dataclass(frozen=True)
 class RetentionPlan:
-    """What a retention pass decided: each kept checkpoint with its reasons, and the names deleted."""
+    """What a retention pass decided: each kept checkpoint with its reasons, and the names deleted.
+
+    Attributes:
+        keep: each kept checkpoint's name and the reasons it is kept (``["newest"]``, ``["last 3"]``, ...).
+        delete: the names of the checkpoints deleted (or, on a dry run, to delete).
+
+    Example:
+        >>> plan = mgr.prune(dry_run=True)
+        >>> plan.delete                      # ['step_00000100', ...]
+        >>> plan.keep["step_00000500"]       # ['newest', 'last 3']
+    """
 
     keep: dict[str, list[str]]  # name -> reasons
     delete: list[str]

@@ -42,7 +42,21 @@ MAX_MANIFEST = manifest.MAX_BYTES
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """What the manifest says about one tensor."""
+    """What the manifest says about one tensor (``Checkpoint.info(name)``), read without touching its bytes.
+
+    Attributes:
+        name: the tensor's dotted name (``model.fc.weight``).
+        dtype: its dtype as safetensors spells it (``F32``, ``BF16``, ``I64``, ...).
+        shape: its (global) shape.
+        nbytes: its size in bytes.
+        kind: the array type it was saved from (``torch``, ``numpy``, ``jax``).
+        chunks: the pieces it is stored in (1 unless saved by several ranks or compressed / encrypted).
+
+    Example:
+        >>> with trainstate.open("ckpt") as ck:
+        ...     ck.info("model.w")
+        TensorInfo(name='model.w', dtype='F32', shape=(2, 3), nbytes=24, kind='numpy', chunks=1)
+    """
 
     name: str
     dtype: str
@@ -54,6 +68,13 @@ class TensorInfo:
 
 class Checkpoint:
     """A committed checkpoint opened for reading. Use as a context manager.
+
+    Made by :func:`trainstate.open`. Only the manifest is read when it opens; tensors are read when asked,
+    each one checked against its checksum.
+
+    Attributes:
+        path: the checkpoint's path (or URL).
+        storage: the storage backend it is read through.
 
     Example:
         >>> with trainstate.open("ckpt/step_1200") as ck:
@@ -88,24 +109,51 @@ class Checkpoint:
 
     @property
     def metadata(self) -> Any:
+        """The ``metadata`` given to ``save`` (a manager's checkpoints also hold its facts under ``_trainstate``).
+
+        Example:
+            >>> trainstate.save("ckpt", state, metadata={"run": "exp1"})
+            >>> trainstate.open("ckpt").metadata
+            {'run': 'exp1'}
+        """
         return tree.decode(self.manifest.metadata)
 
     @property
     def created(self) -> float:
+        """When it was saved: seconds since the epoch (the saving host's clock; for display only).
+
+        Example:
+            >>> datetime.datetime.fromtimestamp(trainstate.open("ckpt").created)
+        """
         return self.manifest.created
 
     @property
     def encrypted(self) -> bool:
-        """Whether its tensors are encrypted (it was opened with its key, and authenticated with it)."""
+        """Whether its tensors are encrypted (it was opened with its key, and authenticated with it).
+
+        Example:
+            >>> trainstate.open("secret/step_1200", key_env="TRAINSTATE_KEY").encrypted
+            True
+        """
         return self.manifest.encrypted
 
     @property
     def world_size(self) -> int:
-        """How many ranks saved it together (1: one process); ``trainstate.consolidate`` makes it 1."""
+        """How many ranks saved it together (1: one process); ``trainstate.consolidate`` makes it 1.
+
+        Example:
+            >>> trainstate.open("ckpt/step_1200").world_size   # saved by 4 ranks under torchrun
+            4
+        """
         return self.manifest.world_size
 
     def keys(self) -> list[str]:
-        """Tensor names, in the order they appear in the saved state."""
+        """Tensor names, in the order they appear in the saved state.
+
+        Example:
+            >>> trainstate.open("ckpt").keys()
+            ['model.fc.weight', 'model.fc.bias', 'optim.state.0.exp_avg', ...]
+        """
         return list(dict.fromkeys(tree.tensor_names(self.manifest.tree)))
 
     def __contains__(self, name: object) -> bool:
@@ -115,11 +163,25 @@ class Checkpoint:
         return iter(self.manifest.tensors)
 
     def info(self, name: str) -> TensorInfo:
+        """What the manifest says about tensor ``name``: dtype, shape, size; no tensor byte is read.
+
+        Raises:
+            UnknownKeyError: no tensor of that name (the message suggests close names).
+
+        Example:
+            >>> trainstate.open("ckpt").info("model.fc.weight").shape
+            (10, 784)
+        """
         t = self._entry(name)
         return TensorInfo(name, t.dtype, t.shape, t.nbytes, t.kind, len(t.chunks))
 
     @property
     def nbytes(self) -> int:
+        """The size of its data files, in bytes.
+
+        Example:
+            >>> print(f"{trainstate.open('ckpt').nbytes / 2**20:.1f} MiB")
+        """
         return sum(f.size for f in self.manifest.files)
 
     # -- reading --------------------------------------------------------------------------------
@@ -134,12 +196,24 @@ class Checkpoint:
                 A memory-mapped array reads the file for as long as it lives; copy it (``np.array``) if the
                 file may be truncated meanwhile.
             verify: check the checksum (touches every byte once).
+
+        Example:
+            >>> w = ck.read("model.fc.weight")                      # a read-only NumPy array
+            >>> w = ck.read("model.fc.weight", framework="torch")   # a torch tensor of its own
         """
         self._entry(name)
         return engine.read_tensor(self, name, framework=arguments.framework(framework), verify=verify)
 
     def read_into(self, name: str, out: Any, *, verify: bool = True) -> None:
-        """Read tensor ``name`` into ``out``: a contiguous host array of the tensor's dtype and shape."""
+        """Read tensor ``name`` into ``out``: a contiguous host array of the tensor's dtype and shape.
+
+        Raises:
+            InvalidArgumentError: ``out`` is not a writable, contiguous host array of that dtype and shape.
+
+        Example:
+            >>> out = np.empty((2, 3), np.float32)
+            >>> ck.read_into("model.w", out)    # no allocation: reuse one buffer for many reads
+        """
         t = self._entry(name)
         adapter = adapter_for(out)
         have = adapter.describe(out)[:2] if adapter is not None else None
@@ -163,6 +237,11 @@ class Checkpoint:
         """The state as plain values and arrays (NumPy by default); tied tensors come back shared.
 
         ``include`` / ``exclude`` glob patterns keep only the matching parts.
+
+        Example:
+            >>> ck.load()
+            {'model': {'w': array([[1., 1., 1.], [1., 1., 1.]], dtype=float32)}, 'step': 3}
+            >>> ck.load(include="model.*", framework="torch")
         """
         from trainstate._restore import ABSENT, restore  # restore builds on this module
 
@@ -172,7 +251,12 @@ class Checkpoint:
         )
 
     def read_many(self, jobs: list[tuple[str, Any]], *, verify: bool = True, threads: int = 2) -> None:
-        """``read_into`` for many ``(name, out)`` pairs, in file order, on ``threads`` threads."""
+        """``read_into`` for many ``(name, out)`` pairs, in file order, on ``threads`` threads.
+
+        Example:
+            >>> outs = {name: np.empty(ck.info(name).shape, np.float32) for name in ck.keys()}
+            >>> ck.read_many(list(outs.items()), threads=4)
+        """
         views = []
         for name, out in jobs:
             t = self._entry(name)
@@ -183,8 +267,15 @@ class Checkpoint:
         engine.read_views(self, views, verify=verify, threads=threads)
 
     def verify(self) -> None:
-        """Re-check every checksum (data-file headers, and every tensor's whole and per-piece checksums);
-        raises CorruptCheckpointError."""
+        """Re-check every checksum (data-file headers, and every tensor's whole and per-piece checksums).
+
+        Raises:
+            CorruptCheckpointError: a checksum does not match (the message names the tensor or file).
+
+        Example:
+            >>> with trainstate.open("ckpt/step_1200") as ck:
+            ...     ck.verify()    # what ``trainstate verify ckpt/step_1200`` does
+        """
         self.verify_headers()
         engine.verify_all(self)
 
@@ -218,7 +309,14 @@ class Checkpoint:
                 )
 
     def verify_headers(self) -> None:
-        """Check every data file's safetensors header against the manifest (a few KB per file)."""
+        """Check every data file's safetensors header against the manifest (a few KB per file).
+
+        Raises:
+            CorruptCheckpointError: a header does not match its checksum.
+
+        Example:
+            >>> trainstate.open("ckpt/step_1200").verify_headers()   # quick; verify() reads every byte
+        """
         for f in self.manifest.files:
             self._check_header(f)
 
@@ -233,6 +331,13 @@ class Checkpoint:
         checksum.check(memoryview(blob), f.header_checksum, f"the header of {f.path}")
 
     def close(self) -> None:
+        """Unmap and close its data files (arrays read from it that are memory-mapped keep their mapping).
+
+        Example:
+            >>> ck = trainstate.open("ckpt")
+            >>> w = np.array(ck.read("model.w"))
+            >>> ck.close()     # or use ``with trainstate.open(...) as ck:``
+        """
         self.files.close()
 
     def __enter__(self) -> Checkpoint:

@@ -40,7 +40,20 @@ _SMALL_BYTES = 64 << 10
 
 @dataclass(frozen=True)
 class SaveResult:
-    """What a save did: where, how many bytes, and how long (writing the files vs. committing)."""
+    """What a save did: where, how many bytes, and how long (writing the files vs. committing).
+
+    Attributes:
+        path: the checkpoint written.
+        nbytes: bytes written (data files and manifest).
+        seconds: the whole save.
+        write_seconds: writing the data files and the manifest.
+        commit_seconds: the commit (rename, and fsync of the directory).
+
+    Example:
+        >>> result = trainstate.save("ckpt", {"w": np.ones((2, 3), np.float32)})
+        >>> result.path, result.nbytes
+        ('ckpt', 640)
+    """
 
     path: str
     nbytes: int

@@ -41,6 +41,20 @@ PROBE_PREFIX = ".trainstate-probe-"  # check_storage() writes and deletes one; a
 
 @dataclass(frozen=True)
 class FileInfo:
+    """What ``Storage.stat`` says about one path.
+
+    Attributes:
+        size: bytes (of a file).
+        is_dir: whether it is a directory.
+        regular: a plain file or directory, not a symlink or device.
+        mtime: last modification time, seconds since the epoch (0.0 where the backend does not say).
+
+    Example:
+        >>> info = trainstate.LocalStorage().stat("ckpt/manifest.json")
+        >>> info.is_dir, info.regular, info.size > 0
+        (False, True, True)
+    """
+
     size: int
     is_dir: bool
     regular: bool  # a plain file or directory, not a symlink or device
@@ -108,12 +122,31 @@ class Storage(ABC):
     """Where checkpoints live. Paths are plain strings; :meth:`join` builds them.
 
     Subclass it and implement the seven abstract methods; override :attr:`capabilities` and the optional
-    methods that go with them (``hide`` for ``atomic_rename``, ``map`` for ``memory_map``, ...).
+    methods that go with them (``hide`` for ``atomic_rename``, ``map`` for ``memory_map``, ...). Pass an
+    instance as ``storage=`` to ``save``, ``load``, ``open`` or ``CheckpointManager``; plain paths get
+    :class:`LocalStorage` and URLs :class:`FsspecStorage` without it.
+
+    Example:
+        >>> class Metered(trainstate.Storage):   # a wrapper counting the bytes written
+        ...     def __init__(self, inner: trainstate.Storage) -> None:
+        ...         self.inner, self.written = inner, 0
+        ...     capabilities = property(lambda self: self.inner.capabilities)
+        ...     def write(self, path, views, *, fsync):
+        ...         n = self.inner.write(path, views, fsync=fsync)
+        ...         self.written += n
+        ...         return n
+        ...     # read_into, stat, list, delete, begin, commit (and the optional ones): forward likewise
+        >>> trainstate.save("ckpt/step_5", state, storage=Metered(trainstate.LocalStorage()))
     """
 
     @property
     def capabilities(self) -> Capabilities:
-        """What this backend can do (see :class:`Capabilities`); the conservative defaults unless overridden."""
+        """What this backend can do (see :class:`Capabilities`); the conservative defaults unless overridden.
+
+        Example:
+            >>> trainstate.LocalStorage().capabilities.atomic_rename
+            True
+        """
         return Capabilities()
 
     @abstractmethod
@@ -125,23 +158,49 @@ class Storage(ABC):
         file rather than refusing it. Raise :class:`StorageError` for the backend's own errors.
 
         ``views`` may be iterated again from the start, so an upload can be retried.
+
+        Example:
+            >>> storage.write("run/notes.txt", [memoryview(b"hello")], fsync=False)
+            5
         """
 
     @abstractmethod
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
-        """Fill ``out`` from ``path`` at ``offset``; returns bytes read (fewer only at the end of the file)."""
+        """Fill ``out`` from ``path`` at ``offset``; returns bytes read (fewer only at the end of the file).
+
+        Example:
+            >>> buf = bytearray(5)
+            >>> storage.read_into("run/notes.txt", 0, memoryview(buf)), bytes(buf)
+            (5, b'hello')
+        """
 
     @abstractmethod
     def stat(self, path: str) -> FileInfo | None:
-        """Facts about ``path``, or None if nothing is there. Symlinks are reported, not followed."""
+        """Facts about ``path``, or None if nothing is there. Symlinks are reported, not followed.
+
+        Example:
+            >>> storage.stat("run/notes.txt").size
+            5
+            >>> storage.stat("run/missing") is None
+            True
+        """
 
     @abstractmethod
     def list(self, path: str) -> list[str]:
-        """Names directly inside the directory ``path``; empty if it does not exist."""
+        """Names directly inside the directory ``path``; empty if it does not exist.
+
+        Example:
+            >>> sorted(storage.list("runs/exp1"))
+            ['step_00000500', 'step_00001000']
+        """
 
     @abstractmethod
     def delete(self, path: str) -> None:
-        """Remove a file or a whole directory (a checkpoint, a leftover), never leaving it visible half-deleted."""
+        """Remove a file or a whole directory (a checkpoint, a leftover), never leaving it visible half-deleted.
+
+        Example:
+            >>> storage.delete("run/notes.txt")
+        """
 
     @abstractmethod
     def begin(self, final: str, *, overwrite: bool) -> str:
@@ -150,6 +209,11 @@ class Storage(ABC):
         A fresh location of its own, or ``final`` itself for stores that write in place (see the module
         docstring). Refuse (``CheckpointExistsError``) a committed checkpoint unless ``overwrite``, and
         anything that is not a checkpoint.
+
+        Example:
+            >>> staging = storage.begin("ckpt/step_5", overwrite=False)   # e.g. 'ckpt/.step_5.tmp-...'
+            >>> storage.write(storage.join(staging, "manifest.json"), [memoryview(b"{}")], fsync=True)
+            >>> storage.commit(staging, "ckpt/step_5", ["manifest.json"], overwrite=False, fsync=True)
         """
 
     @abstractmethod
@@ -158,6 +222,10 @@ class Storage(ABC):
 
         ``files`` are the names this save wrote, relative to the checkpoint, the manifest included: what
         a backend that writes in place keeps, dropping the replaced checkpoint's other data files.
+
+        Example:
+            >>> storage.commit(staging, "ckpt/step_5", ["data-0.safetensors", "manifest.json"],
+            ...                overwrite=False, fsync=True)
         """
 
     # -- optional, with defaults that are safe for any backend ------------------------------------
@@ -167,6 +235,14 @@ class Storage(ABC):
 
         The default deletes exactly those; a backend whose staging location is its own (a fresh
         directory) removes all of it.
+
+        Example:
+            >>> staging = storage.begin("ckpt/step_5", overwrite=False)
+            >>> try:
+            ...     storage.write(storage.join(staging, "data-0.safetensors"), views, fsync=True)
+            ... except trainstate.StorageError:
+            ...     storage.abort(staging, ["data-0.safetensors"])
+            ...     raise
         """
         for name in files:
             self.delete(self.join(staging, name))
@@ -178,6 +254,11 @@ class Storage(ABC):
         A data file's header comes first but lists sizes known only once its compressed chunks are made:
         the saver reserves the header's room, streams the chunks and writes the header last. Where this
         raises NotImplementedError (the default), the saver writes the file again whole.
+
+        Example:
+            >>> storage.write("run/data.bin", [memoryview(bytes(8)), memoryview(b"payload")], fsync=False)
+            15
+            >>> storage.rewrite("run/data.bin", 0, (7).to_bytes(8, "little"), fsync=True)  # the header, last
         """
         raise NotImplementedError(f"{type(self).__name__} cannot rewrite part of a file")
 
@@ -185,6 +266,11 @@ class Storage(ABC):
         """A read-only memory map of the file (``memory_map`` backends); None where there is none.
 
         A backend whose files are already in memory (a packed checkpoint) returns a read-only memoryview.
+
+        Example:
+            >>> m = trainstate.LocalStorage().map("ckpt/manifest.json")
+            >>> bytes(m[:1])
+            b'{'
         """
         return None
 
@@ -193,11 +279,19 @@ class Storage(ABC):
 
         0 where the backend cannot tell: something of unknown age may be another writer's save in
         flight, so it is never swept as abandoned.
+
+        Example:
+            >>> storage.age("runs/exp1/.step_00000500.tmp-1a2b") > 3600   # abandoned for an hour?
         """
         return 0.0
 
     def without_retries(self) -> Storage:
-        """This storage failing fast, for one-off checks; backends that retry override it."""
+        """This storage failing fast, for one-off checks; backends that retry override it.
+
+        Example:
+            >>> quick = storage.without_retries()
+            >>> quick.stat("s3://bucket/run1")    # a bad endpoint fails now, not after minutes of retries
+        """
         return self
 
     def stat_followed(self, path: str) -> FileInfo | None:
@@ -205,6 +299,12 @@ class Storage(ABC):
 
         Only for the path a user gave (their ``latest -> step_00000100`` link); names inside a
         checkpoint always go through :meth:`stat`, so a link there is seen and refused.
+
+        Example:
+            >>> storage.stat("runs/exp1/latest").regular            # the link itself
+            False
+            >>> storage.stat_followed("runs/exp1/latest").is_dir    # what it points to
+            True
         """
         return self.stat(path)
 
@@ -212,23 +312,54 @@ class Storage(ABC):
         """Move a checkpoint directory out of sight in one atomic step; returns where it went.
 
         Called only where ``capabilities.atomic_rename``; None if nothing was there to move.
+
+        Example:
+            >>> hidden = storage.hide("runs/exp1/step_00000500")    # gone from listings at once
+            >>> storage.delete(hidden)                              # then removed at leisure
         """
         return None
 
     def unhide(self, hidden: str, path: str) -> None:
-        """Put a checkpoint moved away by :meth:`hide` back where it was."""
+        """Put a checkpoint moved away by :meth:`hide` back where it was.
+
+        Example:
+            >>> hidden = storage.hide("runs/exp1/step_00000500")
+            >>> storage.unhide(hidden, "runs/exp1/step_00000500")   # changed our mind: back in place
+        """
         raise NotImplementedError(f"{type(self).__name__} declares atomic_rename but cannot unhide")
 
     def recover(self, final: str) -> bool:
-        """Put back a checkpoint a crash left mid-commit; True if it did."""
+        """Put back a checkpoint a crash left mid-commit; True if it did.
+
+        Example:
+            >>> storage.recover("ckpt/step_5")   # False: nothing was left mid-commit
+            False
+        """
         return False
 
     def strip(self, url: str) -> str:
-        """A user's path or URL in this backend's own terms."""
+        """A user's path or URL in this backend's own terms.
+
+        Example:
+            >>> trainstate.LocalStorage().strip("file:///data/ckpt")
+            '/data/ckpt'
+        """
         return url
 
     def join(self, *parts: str) -> str:
+        """A path made of ``parts``, in this backend's terms (``/``-separated by default).
+
+        Example:
+            >>> storage.join("runs/exp1", "step_00000500", "manifest.json")
+            'runs/exp1/step_00000500/manifest.json'
+        """
         return posixpath.join(*parts)
 
     def name(self, path: str) -> str:
+        """The last component of ``path`` (a trailing ``/`` ignored).
+
+        Example:
+            >>> storage.name("runs/exp1/step_00000500/")
+            'step_00000500'
+        """
         return posixpath.basename(path.rstrip("/"))

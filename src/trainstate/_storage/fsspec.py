@@ -52,8 +52,14 @@ class FsspecStorage(Storage):
         retries: attempts after the first for transient errors.
         backoff: seconds before the first retry; doubles each time (with jitter).
 
+    Attributes:
+        fs: the fsspec filesystem.
+        target_file_bytes: the saver cuts a state into files of about this size (64 MiB), uploaded in parallel.
+        write_parallelism: files uploaded at once (8): each PUT is latency-bound.
+
     Example:
-        >>> storage = FsspecStorage.from_url("s3://bucket/run1", endpoint_url="http://127.0.0.1:9000")
+        >>> storage = trainstate.FsspecStorage(s3fs.S3FileSystem(endpoint_url="http://127.0.0.1:9000"), retries=8)
+        >>> storage = trainstate.FsspecStorage.from_url("s3://bucket/run1", endpoint_url="http://127.0.0.1:9000")
         >>> trainstate.save("s3://bucket/run1/step_5", state, storage=storage)
     """
 
@@ -71,7 +77,16 @@ class FsspecStorage(Storage):
 
     @classmethod
     def from_url(cls, url: str, **storage_options: Any) -> FsspecStorage:
-        """A storage for ``url``'s protocol; ``storage_options`` go to fsspec (credentials, endpoint, ...)."""
+        """A storage for ``url``'s protocol; ``storage_options`` go to fsspec (credentials, endpoint, ...).
+
+        Raises:
+            MissingDependencyError: fsspec, or the protocol's fsspec backend, is not installed.
+            StorageError: fsspec does not know the protocol.
+
+        Example:
+            >>> storage = trainstate.FsspecStorage.from_url("s3://bucket/run1", profile="training")
+            >>> mgr = trainstate.CheckpointManager("s3://bucket/run1", storage=storage, every_steps=500)
+        """
         protocol = url.split("://", 1)[0]
         with optional("fsspec", extra="s3", needed_for=f"{protocol}:// storage"):
             import fsspec  # type: ignore[import-untyped]
@@ -88,7 +103,12 @@ class FsspecStorage(Storage):
 
     @property
     def capabilities(self) -> Capabilities:
-        """No rename, no lock, no maps: data files are written in place and the manifest PUT commits."""
+        """No rename, no lock, no maps: data files are written in place and the manifest PUT commits.
+
+        Example:
+            >>> trainstate.FsspecStorage.from_url("memory://").capabilities.atomic_rename
+            False
+        """
         return Capabilities(
             in_place=True,
             target_file_bytes=self.target_file_bytes,
@@ -119,6 +139,10 @@ class FsspecStorage(Storage):
         pieces on the way), so one GET for the whole range would hold two more copies of it. Parts in
         flight are instead kept to about 1/8 of the range (at least one part of ``_MIN_READ_PART``),
         each copied into ``out`` and dropped as soon as it lands.
+
+        Example:
+            >>> buf = bytearray(2**20)
+            >>> storage.read_into("bucket/run1/step_5/data-0.safetensors", 0, memoryview(buf))   # 1 MiB
         """
         n = len(out)
         part = min(self.part_size, max(_MIN_READ_PART, -(-n // (8 * self.read_parallelism))))
@@ -209,7 +233,11 @@ class FsspecStorage(Storage):
             log.warning("could not clean up after a failed save in %s: %s", staging, e)
 
     def age(self, path: str) -> float:
-        """Seconds since anything under ``path`` last changed (0 if unknown or empty)."""
+        """Seconds since anything under ``path`` last changed (0 if unknown or empty).
+
+        Example:
+            >>> storage.age("bucket/run1/step_00000500")   # from the objects' modification times
+        """
         newest = 0.0
         for name in self.list(path):
             info = self.stat(posixpath.join(path, name))
@@ -217,7 +245,12 @@ class FsspecStorage(Storage):
         return time.time() - newest if newest else 0.0
 
     def without_retries(self) -> FsspecStorage:
-        """The same filesystem, failing fast: for one-off checks such as check_storage()."""
+        """The same filesystem, failing fast: for one-off checks such as check_storage().
+
+        Example:
+            >>> storage.without_retries().retries
+            0
+        """
         return type(self)(
             self.fs, part_size=self.part_size, read_parallelism=self.read_parallelism, retries=0, backoff=self.backoff
         )

@@ -45,7 +45,18 @@ _CAPABILITIES = Capabilities(
 
 
 class LocalStorage(Storage):
-    """Checkpoints on a local or shared POSIX filesystem."""
+    """Checkpoints on a local or shared POSIX filesystem.
+
+    Commits by rename (stage in a hidden ``.<name>.tmp-*`` sibling, fsync, rename; ``RENAME_EXCHANGE`` to
+    overwrite), locks a manager's directory with ``flock`` and reads tensors through memory maps. Every
+    plain path gets one without asking; its methods are :class:`Storage`'s.
+
+    Example:
+        >>> storage = trainstate.LocalStorage()
+        >>> trainstate.save("ckpt/step_5", state, storage=storage)   # the same as without storage=
+        >>> storage.list("ckpt")
+        ['step_5']
+    """
 
     @property
     def capabilities(self) -> Capabilities:
@@ -157,7 +168,12 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def age(self, path: str) -> float:
-        """Seconds since ``path`` or an entry directly inside it last changed (0 if it is gone)."""
+        """Seconds since ``path`` or an entry directly inside it last changed (0 if it is gone).
+
+        Example:
+            >>> trainstate.LocalStorage().age("runs/exp1") < 60   # a save committed within the minute
+            True
+        """
         try:
             newest = os.lstat(path).st_mtime
             with os.scandir(path) as entries:
