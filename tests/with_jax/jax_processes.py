@@ -101,6 +101,8 @@ def save(directory: str, process: int) -> dict[str, Any]:
     out["fully_addressable"] = state["params"]["w"].is_fully_addressable
     out["saved"] = trainstate.save(f"{directory}/one", state).path
     out["solo"] = error_of(lambda: trainstate.save(f"{directory}/solo{process}", state, collective=False))
+    for i in range(8):  # many saves, each exchanging through the store
+        trainstate.save(f"{directory}/many/{i}", {"step": state["step"]})
     devices = jax.devices()  # by process: interleave them, so no process's devices are neighbours in the mesh
     apart = jax.sharding.Mesh(np.array([devices[i // 2 + (i % 2) * (len(devices) // 2)] for i in range(8)]), ("x",))
     out["interleaved"] = error_of(lambda: trainstate.save(f"{directory}/apart", state_on(apart, P("x"))))
@@ -119,6 +121,13 @@ def save(directory: str, process: int) -> dict[str, Any]:
     out["restored_bad"] = check(target, step=3)
     out["restored_sharding"] = str(target["params"]["w"].sharding.spec)
     out.update(load(directory, process))
+    if process == 0:  # what the coordination stayed at in the JAX runtime's store, against what it exchanged
+        from jax._src.distributed import global_state
+
+        from trainstate._distributed import jax_group
+
+        out["store_keys"] = len(global_state.client.key_value_dir_get_bytes("trainstate/"))
+        out["exchanges"] = sum(jax_group._counters.values())
     if process == 0:  # the others never come to this save: it times out, and nothing is committed
         out["alone"] = error_of(lambda: trainstate.save(f"{directory}/alone", {"a": np.zeros(3)}, timeout=3))
     return out

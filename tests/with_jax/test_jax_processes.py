@@ -115,6 +115,13 @@ def test_a_save_of_part_of_an_array_from_one_process_alone_is_refused(saved) -> 
     assert not [p for p in saved[0].iterdir() if p.name.startswith(("solo", "apart"))]  # nothing committed
 
 
+def test_the_coordination_keys_are_deleted_as_the_processes_move_on(saved) -> None:
+    _, results = saved
+    exchanges, left = results[0]["exchanges"], results[0]["store_keys"]
+    assert exchanges > 60  # eleven saves and a manager's steps, each several exchanges
+    assert left <= 12  # the last exchange or two of each of the five channels (save, 2 managers x 2)
+
+
 def test_a_process_that_never_comes_makes_the_save_time_out_not_hang(saved) -> None:
     directory, results = saved
     assert results[0]["alone"].startswith("DistributedError: checkpoint save (planning): process 0 of 2 lost contact")

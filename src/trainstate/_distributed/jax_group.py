@@ -29,6 +29,7 @@ from trainstate.errors import DistributedError
 
 _PREFIX = "trainstate"
 _counters: dict[str, int] = {}  # the number of each channel's next exchange, shared by its coordinators
+_pending: dict[str, list[int]] = {}  # rank 0: each channel's exchanges whose keys are still in the store
 _lock = threading.Lock()
 
 
@@ -69,7 +70,6 @@ class KeyValueCoordinator(Coordinator):
         self.world = world
         self.timeout = timeout
         self.channel = channel
-        self._pending: list[int] = []  # rank 0: exchanges whose keys are still in the store
 
     def gather(self, value: Any, what: str) -> list[Any] | None:
         n = self._begin()
@@ -108,8 +108,8 @@ class KeyValueCoordinator(Coordinator):
         with _lock:
             n = _counters.get(self.channel, 0)
             _counters[self.channel] = n + 1
-        if self.rank == 0:
-            self._pending.append(n)
+            if self.rank == 0:
+                _pending.setdefault(self.channel, []).append(n)
         return n
 
     def _key(self, n: int, rank: int | None = None) -> str:
@@ -127,8 +127,10 @@ class KeyValueCoordinator(Coordinator):
 
     def _heard_from_all(self, n: int) -> None:
         """Every process has passed every exchange before ``n``: their keys can go."""
-        done = [m for m in self._pending if m < n]
-        self._pending = [m for m in self._pending if m >= n]
+        with _lock:
+            waiting = _pending.get(self.channel, [])
+            done = [m for m in waiting if m < n]
+            _pending[self.channel] = [m for m in waiting if m >= n]
         for m in done:
             try:
                 self.client.key_value_delete(self._key(m))
