@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -155,14 +156,16 @@ class HistoryLog:
         self._warned = False
 
     def append(self, facts: Mapping[str, Any], record: SaveRecord) -> None:
+        path = self.storage.join(self.directory, f"{int(facts['seq']):010d}-{self.session}.json")
         try:
             data = encode(facts, record, self.session)
             if not self._ready and self.storage.capabilities.makedirs:
                 ensure_directory(self.directory, "the history directory")
             self._ready = True
-            name = f"{int(facts['seq']):010d}-{self.session}.json"
-            self.storage.write(self.storage.join(self.directory, name), [memoryview(data)], fsync=False)
+            self.storage.write(path, [memoryview(data)], fsync=False)
         except Exception as e:  # noqa: BLE001 - the save is done either way: never fail it for its record
+            with contextlib.suppress(Exception):
+                self.storage.delete(path)  # a record cut short (a full disk) would only be skipped later
             if not self._warned:
                 log.warning(
                     "could not write the history record of step %d (the checkpoint is unaffected): %s", record.step, e

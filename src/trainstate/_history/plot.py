@@ -91,7 +91,9 @@ def draw(
         from matplotlib.figure import Figure
 
     panels = 1 + len(chosen)
-    fig = Figure(figsize=(8, 1.2 + 2.0 * panels), layout="constrained")
+    height = 1.0 + 2.0 * panels  # inches; fixed margins, since a layout engine would double the drawing time
+    fig = Figure(figsize=(8, height))
+    fig.subplots_adjust(left=0.1, right=0.97, top=1 - 0.45 / height, bottom=0.55 / height, hspace=0.12)
     FigureCanvasAgg(fig)  # its own canvas: no pyplot, no window, the global backend untouched
     axes = fig.subplots(panels, 1, sharex=True, squeeze=False)[:, 0]
     _save_times(axes[0], entries)
