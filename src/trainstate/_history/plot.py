@@ -28,8 +28,9 @@ def plot_history(
     how long it took to write and commit), and each chosen metric over the steps.
 
     Points of checkpoints still in the directory are filled, those retention deleted hollow; a failed save
-    is a red cross. A rollback (a step saved again after resuming from an older checkpoint) starts a new
-    line, so the abandoned timeline stays visible beside the new one.
+    is a red cross, and a dotted line marks the first save of each new process (a restart). A rollback (a step
+    saved again after resuming from an older checkpoint) starts a new line, so the abandoned timeline stays
+    visible beside the new one.
 
     Args:
         run: a run directory, or the entries :func:`trainstate.history` returned.
@@ -48,7 +49,7 @@ def plot_history(
 
     Example:
         >>> trainstate.plot_history("runs/exp1", "exp1.png", metrics=["loss"])
-        <Figure size 800x520 with 2 Axes>
+        <Figure size 800x500 with 2 Axes>
     """
     if isinstance(run, (str, os.PathLike)):
         return draw(history(run, key_env=key_env), path, metrics, os.fspath(run))
@@ -96,6 +97,10 @@ def draw(
     fig.subplots_adjust(left=0.1, right=0.97, top=1 - 0.45 / height, bottom=0.55 / height, hspace=0.12)
     FigureCanvasAgg(fig)  # its own canvas: no pyplot, no window, the global backend untouched
     axes = fig.subplots(panels, 1, sharex=True, squeeze=False)[:, 0]
+    restarts = [e.step for e in entries if "new process" in e.note]
+    for ax in axes:
+        for n, step in enumerate(restarts):
+            ax.axvline(step, color="grey", linestyle=":", lw=1, label="new process" if n == 0 else None)
     _save_times(axes[0], entries)
     for n, (ax, metric) in enumerate(zip(axes[1:], chosen)):
         _metric(ax, entries, metric, legend=n == 0)
