@@ -16,6 +16,8 @@ from trainstate._convert.onnx import export_onnx
 from trainstate._convert.pack import pack
 from trainstate._distributed.consolidate import consolidate
 from trainstate._format.manifest import FORMAT_VERSION
+from trainstate._history.entries import HistoryEntry, history
+from trainstate._history.plot import plot_history
 from trainstate._keys import generate_key
 from trainstate._manager import CheckpointInfo, CheckpointManager, SaveRecord
 from trainstate._manager.policies import (
@@ -106,6 +108,7 @@ __all__ = [
     "FileInfo",
     "FormatVersionError",
     "FsspecStorage",
+    "HistoryEntry",
     "IncompleteCheckpointError",
     "InvalidArgumentError",
     "KeepBest",
@@ -141,10 +144,12 @@ __all__ = [
     "export",
     "export_onnx",
     "generate_key",
+    "history",
     "import_checkpoint",
     "load",
     "open",
     "pack",
+    "plot_history",
     "save",
     "seed_per_sample",
 ]

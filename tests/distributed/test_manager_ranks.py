@@ -29,7 +29,11 @@ def test_policies_and_retention_are_the_same_on_every_rank_and_restore_latest_re
         assert np.array_equal(got["mine"], np.full(1024, rank + 8.0, np.float32))  # its own value
         assert got["rng_next"] == got["expected_rng_next"]  # its own RNG stream came back
     assert out[0]["rng_next"] != out[1]["rng_next"]
-    assert sorted(os.listdir(tmp_path / "run")) == [".trainstate.lock", "step_00000006", "step_00000008"]
+    assert sorted(os.listdir(tmp_path / "run")) == [".trainstate.lock", "_history", "step_00000006", "step_00000008"]
+    # one record per save, rank 0's: the run's history as one process would have written it
+    fates = [(e.step, e.status, e.background) for e in trainstate.history(tmp_path / "run")]
+    assert fates == [(s, "deleted" if s < 6 else "kept", async_save) for s in (0, 2, 4, 6, 8)]
+    assert len(os.listdir(tmp_path / "run" / "_history")) == 5
 
 
 def test_a_preemption_signal_on_one_rank_makes_every_rank_save_that_step_and_stop(tmp_path):

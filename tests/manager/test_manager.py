@@ -104,7 +104,9 @@ def test_crash_leftovers_are_invisible_and_swept(tmp_path):
     with trainstate.CheckpointManager(tmp_path) as mgr:
         assert [c.step for c in mgr.list()] == [0]
         assert sorted(mgr.swept) == [".step_00000001.tmp-abc", "step_00000002"]
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".trainstate.lock") == ["step_00000000"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name not in (".trainstate.lock", "_history")) == [
+        "step_00000000"
+    ]
 
 
 def test_a_second_manager_on_the_directory_is_refused(tmp_path):

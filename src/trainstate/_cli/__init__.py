@@ -3,6 +3,7 @@
 Commands::
 
     trainstate ls DIR|CKPT            checkpoints of a manager directory (complete, incomplete, corrupt)
+    trainstate history DIR            every save of a run: timings, size, metrics, kept or deleted (--plot OUT)
     trainstate inspect CKPT           metadata, plain values and the tensor table (--filter GLOB, --chunks)
     trainstate verify CKPT            re-check every checksum
     trainstate consolidate CKPT OUT   a checkpoint saved by many ranks rewritten as one process's (--rank N)
@@ -185,6 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("ls", "list the checkpoints of a manager directory (or show one checkpoint)")
     p.add_argument("path", metavar="DIR", help="a CheckpointManager directory, or one checkpoint")
 
+    p = command("history", "every save of a manager directory: time, size, seconds, metrics, kept or deleted")
+    p.add_argument("path", metavar="DIR", help="a CheckpointManager directory")
+    p.add_argument(
+        "--plot", metavar="OUT", help="also draw save times and metrics over steps into this image (.png, .svg, .pdf)"
+    )
+    p.add_argument(
+        "--metric",
+        metavar="NAME",
+        action="append",
+        help="only this metric, in the table and as a panel of the plot (repeatable; default: all)",
+    )
+
     p = command("inspect", "show a checkpoint's metadata, plain values and tensors")
     p.add_argument("path", metavar="CKPT")
     p.add_argument("--filter", metavar="GLOB", help="only names matching this glob, e.g. 'model.*'")
@@ -301,6 +314,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "ls":
             return _show.ls(out, args.path, key_env=key_env)
         return _show.inspect(out, args.path, args.filter, chunks=args.chunks, key_env=key_env)
+    if args.command == "history":
+        from trainstate._cli import _history
+
+        return _history.history(out, args.path, plot=args.plot, metrics=args.metric, key_env=key_env)
     if args.command == "consolidate":
         from trainstate._cli import _consolidate
 

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from trainstate._manager import naming
 from trainstate._manager.committer import Committer, SaveRecord, raise_background
@@ -104,8 +105,17 @@ class AsyncWriter:
         else:
             self.collect(block=True)
 
-    def write(self, step: int, reason: str, snapshot: Snapshot, background: bool, start: float) -> None:
-        """Write ``snapshot`` as ``step``, after :meth:`ready`; ``start`` is when the caller's save began."""
+    def write(
+        self,
+        step: int,
+        reason: str,
+        snapshot: Snapshot,
+        background: bool,
+        start: float,
+        facts: dict[str, Any] | None = None,
+    ) -> None:
+        """Write ``snapshot`` as ``step``, after :meth:`ready`; ``start`` is when the caller's save began,
+        ``facts`` what its manifest records (for the run's history, see Committer.write)."""
         budget = self.committer.config.staging_budget_bytes
         if background and budget is not None and snapshot.nbytes > budget:
             log.warning(
@@ -120,7 +130,7 @@ class AsyncWriter:
                 self.raise_pending()
         previous = (self.last_step, self.last_save_time)
         if not background:
-            record = self.committer.write(step, reason, snapshot, background=False, blocking_start=start)
+            record = self.committer.write(step, reason, snapshot, False, start, facts=facts)
             self.history.append(record)  # only now is the step saved: a failed save leaves it unsaved
             self.last_step, self.last_save_time = step, time.monotonic()
             return
@@ -132,7 +142,7 @@ class AsyncWriter:
         buffer.in_use.set()
         # the background job holds the committer, never the manager: a manager dropped with a save in
         # flight is collected at once, and its finalizer waits for the save before letting go of the lock
-        future = self._pool.submit(self.committer.write, step, reason, staged, True, None, blocking)
+        future = self._pool.submit(self.committer.write, step, reason, staged, True, None, blocking, facts)
         self.jobs.append(InFlight(future, buffer, step, reason, blocking, previous))
         self.last_step, self.last_save_time = step, time.monotonic()  # taken back if the write fails
         log.debug("step %d: async save started, blocked %.3fs", step, blocking)

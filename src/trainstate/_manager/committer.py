@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainstate._format.manifest import Manifest
+from trainstate._history.log import HistoryLog
 from trainstate._incremental.save import IncrementalSaver
 from trainstate._keys import Key
 from trainstate._manager import naming
@@ -106,6 +107,8 @@ class Committer:
         )
         self.restored_from: str | None = None  # what restore_latest restored, if it ran
         self.unrestorable: set[str] = set()  # checkpoints restore_latest found damaged
+        # each save's record in the run's _history/, for `trainstate history` (rank 0 writes, see _history/log.py)
+        self.history = HistoryLog(config.storage, config.directory) if ranks is None or ranks.leader else None
 
     def list(self) -> builtins.list[CheckpointInfo]:
         items = self.catalog.list()
@@ -125,6 +128,30 @@ class Committer:
         background: bool,
         blocking_start: float | None,
         blocking: float = 0.0,
+        facts: dict[str, Any] | None = None,
+    ) -> SaveRecord:
+        """Write, commit and apply retention; then, given the ``facts`` the manifest carries, append the
+        save's record to the run's history: its timings, or why it failed (the failure is raised)."""
+        try:
+            record = self._write(step, reason, snapshot, background, blocking_start, blocking)
+        except BaseException as e:
+            if facts is not None and self.history is not None:
+                took = time.perf_counter() - blocking_start if blocking_start is not None else blocking
+                path = self.catalog.path(naming.name_for(step))
+                self.history.append(facts, SaveRecord(step, reason, path, background, took, error=repr(e)))
+            raise
+        if facts is not None and self.history is not None:
+            self.history.append(facts, record)
+        return record
+
+    def _write(
+        self,
+        step: int,
+        reason: str,
+        snapshot: Snapshot,
+        background: bool,
+        blocking_start: float | None,
+        blocking: float,
     ) -> SaveRecord:
         c = self.config
         path = self.catalog.path(naming.name_for(step))

@@ -748,13 +748,10 @@ class CheckpointManager:
         self._writer.ready(background)  # a free staging buffer, or (synchronous) no save in flight
         self._seq = max(self._seq, self.catalog.next_seq() - 1) + 1
         saved, added = self._rng.wrap(state)
-        meta = {
-            **self._config.metadata,
-            **(metadata or {}),
-            META_KEY: facts(step, epoch, metrics, reason, time.time(), self._seq, added),
-        }
+        recorded = facts(step, epoch, metrics, reason, time.time(), self._seq, added)
+        meta = {**self._config.metadata, **(metadata or {}), META_KEY: recorded}
         if self._ranks is None:
-            self._writer.write(step, reason, encode_state(saved, meta), background, start)
+            self._writer.write(step, reason, encode_state(saved, meta), background, start, recorded)
             return
         try:
             snapshot = encode_state(saved, meta, rank=self._ranks.rank)
@@ -762,7 +759,7 @@ class CheckpointManager:
             self._writer.ready(background=False)
             self._refused = step if background else None  # the others learn of it at a later save()
             self._committer.refuse(step, e)
-        self._writer.write(step, reason, snapshot, background, start)
+        self._writer.write(step, reason, snapshot, background, start, recorded)
 
     def prune(self, *, dry_run: bool = False) -> RetentionPlan:
         """Apply the retention policies now (without saving); returns what was kept and deleted, and why.
