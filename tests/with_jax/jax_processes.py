@@ -108,7 +108,9 @@ def save(directory: str, process: int) -> dict[str, Any]:
     out["interleaved"] = error_of(lambda: trainstate.save(f"{directory}/apart", state_on(apart, P("x"))))
 
     step_once = jax.jit(lambda w, m: (w + 1, m + 1))
+    out["paths"] = error_of(lambda: trainstate.save(f"{directory}/path{process}", {"a": np.zeros(3)}))
     with trainstate.CheckpointManager(f"{directory}/run", keep_last=2, async_save=True) as mgr:
+        assert mgr.restore_latest(state) is None  # nothing yet; gets the async staging ready for this state
         for step in range(1, 4):
             state["params"]["w"], state["opt"]["m"] = step_once(state["params"]["w"], state["opt"]["m"])
             state["step"] = jax.jit(lambda s: s + 1)(state["step"])
@@ -130,6 +132,11 @@ def save(directory: str, process: int) -> dict[str, Any]:
         out["exchanges"] = sum(jax_group._counters.values())
     if process == 0:  # the others never come to this save: it times out, and nothing is committed
         out["alone"] = error_of(lambda: trainstate.save(f"{directory}/alone", {"a": np.zeros(3)}, timeout=3))
+    else:  # comes late, once process 0 gave up: must not pair its call with another call of process 0's
+        from jax._src.distributed import global_state
+
+        global_state.client.blocking_key_value_get_bytes("trainstate/save/abandoned", 60_000)
+        out["late"] = error_of(lambda: trainstate.save(f"{directory}/late", {"a": np.zeros(3)}))
     return out
 
 

@@ -106,6 +106,23 @@ def test_one_process_restores_them_onto_one_device_and_onto_its_own_mesh(saved) 
         assert restored["params"]["w"].sharding.mesh == mesh
 
 
+def test_one_process_resumes_the_managers_run_of_two_keeping_its_own_rng(saved, caplog) -> None:
+    from jax_processes import check, state_on, zeros_like
+
+    target = zeros_like(state_on(jax.make_mesh((4, 2), ("x", "y")), P("x", "y")))
+    with trainstate.CheckpointManager(saved[0] / "run", read_only=True) as mgr:
+        assert mgr.restore_latest(target) == 4
+    assert check(target, step=3) == []
+    assert "_rng: restoring on 1 process(es) a checkpoint whose per-process values were saved by 2" in caplog.text
+
+
+def test_processes_that_pass_different_paths_are_refused(saved) -> None:
+    for r in saved[1]:
+        assert r["paths"].startswith("DistributedError: checkpoint save of ")
+        assert "rank 1 saves to" in r["paths"] and "every rank passes the same path" in r["paths"]
+    assert not [p for p in saved[0].iterdir() if p.name.startswith("path")]
+
+
 def test_a_save_of_part_of_an_array_from_one_process_alone_is_refused(saved) -> None:
     _, results = saved
     for r in results:
@@ -127,6 +144,10 @@ def test_a_process_that_never_comes_makes_the_save_time_out_not_hang(saved) -> N
     assert results[0]["alone"].startswith("DistributedError: checkpoint save (planning): process 0 of 2 lost contact")
     assert "within 3 s" in results[0]["alone"]
     assert not (directory / "alone").exists()
+    # the process that came late is told, instead of pairing its save with whatever process 0 calls next
+    assert results[1]["late"].startswith("DistributedError: checkpoint save (planning): the JAX processes are out")
+    assert "process 0 gave up waiting in checkpoint save (planning) after 3 s" in results[1]["late"]
+    assert not (directory / "late").exists()
 
 
 def test_the_manager_saves_async_and_restores_latest_across_processes(saved) -> None:

@@ -12,6 +12,10 @@ plans, file lists, error texts, never tensor bytes -- sent between the processes
 object collectives do; nothing pickled is ever written to a checkpoint. Every read waits at most the
 timeout, so a process that died or never came makes the others raise :class:`DistributedError`.
 
+A process that gives up waiting (its timeout) marks the channel abandoned in the store: every process's
+next exchange on it is refused, since a process that came late could otherwise pair its call with
+another call of the others (one save's shards committed under another's path).
+
 The store is kept small: rank 0 deletes an exchange's keys once every process has been heard from in a
 later exchange (by then every process has read them). The client is JAX's own (``jax._src.distributed``,
 as Orbax reaches it): JAX has no public key-value API.
@@ -30,6 +34,7 @@ from trainstate.errors import DistributedError
 _PREFIX = "trainstate"
 _counters: dict[str, int] = {}  # the number of each channel's next exchange, shared by its coordinators
 _pending: dict[str, list[int]] = {}  # rank 0: each channel's exchanges whose keys are still in the store
+_abandoned: dict[str, str] = {}  # channels on which some process gave up waiting: why (see _begin)
 _lock = threading.Lock()
 
 
@@ -72,7 +77,7 @@ class KeyValueCoordinator(Coordinator):
         self.channel = channel
 
     def gather(self, value: Any, what: str) -> list[Any] | None:
-        n = self._begin()
+        n = self._begin(what)
         self._put(n, self.rank, value, what)
         if self.rank != 0:
             return None
@@ -81,14 +86,14 @@ class KeyValueCoordinator(Coordinator):
         return out
 
     def broadcast(self, value: Any, what: str) -> Any:
-        n = self._begin()
+        n = self._begin(what)
         if self.rank == 0:
             self._put(n, 0, value, what)
             return value
         return self._get(n, 0, what)
 
     def scatter(self, values: list[Any] | None, what: str) -> Any:
-        n = self._begin()
+        n = self._begin(what)
         if self.rank == 0:
             assert values is not None and len(values) == self.world
             for r in range(1, self.world):
@@ -97,14 +102,29 @@ class KeyValueCoordinator(Coordinator):
         return self._get(n, self.rank, what)
 
     def all_gather(self, value: Any, what: str) -> list[Any]:
-        n = self._begin()
+        n = self._begin(what)
         self._put(n, self.rank, value, what)
         out = [value if r == self.rank else self._get(n, r, what) for r in range(self.world)]
         if self.rank == 0:
             self._heard_from_all(n)
         return out
 
-    def _begin(self) -> int:
+    def _begin(self, what: str) -> int:
+        """The number of this exchange; refused once any process gave up on an exchange of this channel."""
+        given_up = _abandoned.get(self.channel)
+        if given_up is None:
+            try:
+                given_up = self.client.key_value_try_get_bytes(self._abandoned_key()).decode()
+            except Exception:  # noqa: BLE001 - NOT_FOUND: no process gave up (the usual case)
+                given_up = None
+        if given_up is not None:
+            _abandoned[self.channel] = given_up
+            raise DistributedError(
+                f"{what}: the JAX processes are out of step on trainstate's exchanges: {given_up}. A process that "
+                "gives up on an exchange cannot tell the late ones which call they are in, so no later save of this "
+                "kind can pair the processes' calls safely: restart the job (every process), and see why a process "
+                "was late (or raise timeout=)"
+            )
         with _lock:
             n = _counters.get(self.channel, 0)
             _counters[self.channel] = n + 1
@@ -137,11 +157,20 @@ class KeyValueCoordinator(Coordinator):
             except Exception:  # noqa: BLE001 - only memory: the service forgets the keys when the job ends
                 pass
 
+    def _abandoned_key(self) -> str:
+        return f"{_PREFIX}/{self.channel}/abandoned"
+
     def _call(self, what: str, op: Any) -> None:
         try:
             op()
         except Exception as e:  # noqa: BLE001 - the runtime's error: a deadline passed, or the service is gone
             first = str(e).splitlines()[0][:200] if str(e) else "no message"
+            given_up = f"process {self.rank} gave up waiting in {what} after {self.timeout:g} s"
+            _abandoned.setdefault(self.channel, given_up)
+            try:  # the late processes learn it when they come to their next exchange of this channel
+                self.client.key_value_set_bytes(self._abandoned_key(), given_up.encode(), allow_overwrite=True)
+            except Exception:  # noqa: BLE001 - the service itself is gone: nobody will come
+                pass
             raise DistributedError(
                 f"{what}: process {self.rank} of {self.world} lost contact with the other JAX processes "
                 f"({type(e).__name__}: {first}). A process died or did not reach this point within "

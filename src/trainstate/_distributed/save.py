@@ -94,7 +94,7 @@ def write_collective(
         assert snapshot is not None
         try:
             digests, parts = per_rank.split(snapshot.tree)
-            mine = (_plan_of(snapshot), digests)
+            mine = (_plan_of(snapshot), digests, str(root))
         except Exception as e:  # noqa: BLE001 - every rank still takes part, so the others hear why
             error = e
     if error is not None:
@@ -152,6 +152,15 @@ def _decide(sent: list[Any], storage: Storage, root: str, overwrite: bool) -> tu
     """Rank 0: every rank's share (the staging location and the boxes it writes), or a Failure for all;
     and the plan, which the commit reads the manifest's boxes from."""
     failed = next((s for s in sent if isinstance(s, Failure)), None)
+    if failed is None:
+        elsewhere = next((r for r, s in enumerate(sent) if s[2] != sent[0][2]), None)
+        if elsewhere is not None:  # each rank would believe its own path holds the checkpoint
+            failed = Failure(
+                elsewhere,
+                f"rank {elsewhere} saves to {sent[elsewhere][2]!r:.200}, rank 0 to {sent[0][2]!r:.200}: a collective "
+                "save writes one checkpoint, so every rank passes the same path (one every rank sees: a shared "
+                "filesystem or an object store), or collective=False to save each rank's own",
+            )
     if failed is None:
         differ = per_rank.differing_keys([s[1] for s in sent])
         if differ:

@@ -633,7 +633,8 @@ class CheckpointManager:
             >>> mgr.prepare(state)   # a fresh run that does not call restore_latest
         """
         if not self.read_only:
-            self._writer.reserve(lambda: encode_state(self._rng.wrap(state)[0]))  # cheap: no array is copied
+            rank = None if self._ranks is None else self._ranks.rank  # as save() encodes: a shard is a part
+            self._writer.reserve(lambda: encode_state(self._rng.wrap(state)[0], rank=rank))  # no array is copied
 
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
         """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`); returns the restored

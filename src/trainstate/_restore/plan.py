@@ -23,6 +23,7 @@ Matching rules:
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
@@ -59,6 +60,8 @@ Planned: TypeAlias = "Finisher | tree.Branch[_Item, Finisher]"
 _ABSENT = object()
 _UNEXPECTED = object()  # the target part for a saved key the target has no place for
 _SKIP = object()  # the target part for a saved key a bound object leaves unread (strict=False)
+
+log = logging.getLogger("trainstate")
 
 
 def selector(include: str | list[str] | None, exclude: str | list[str] | None) -> Callable[[str], bool] | None:
@@ -236,6 +239,23 @@ class Restorer:
             self.extra_jobs.append((name, job))
         return lambda: job.value
 
+    def _writer_added(self, path: tuple[str, ...]) -> bool:
+        """Whether ``path`` lies under a top-level key the writer added beside the user's state (the manager's
+        captured RNG, ``optional``): the user never asked for it, so a change of process count is no error."""
+        return bool(path) and path[0] in self.optional
+
+    def _keep_own(self, key: str, target: Any, saved: str) -> Planned:
+        """Leave a writer-added per-rank value as this run has it, and say so: at another process count no
+        process's saved RNG is its own, so the resumed run draws other random numbers than the saved run."""
+        log.warning(
+            "%s: restoring on %d process(es) a checkpoint whose per-process values were %s: this run keeps its own "
+            "(its random numbers will differ from an uninterrupted run's)",
+            key,
+            self.world,
+            saved,
+        )
+        return lambda: target
+
     def _plan_per_rank(self, target: Any, node: tree.Node, path: tuple[str, ...], free: bool) -> Planned:
         """A per-rank part: this rank's own value, saved by as many ranks as there are now (docs/distributed.md)."""
         key = tree.join(path) or "<root>"
@@ -245,6 +265,8 @@ class Restorer:
                 self.mismatched.append((key, _describe(target), "values saved per rank (trainstate.PerRank)"))
                 return lambda: target
             chosen = per_rank.entry(node, self.rank, self.world)
+            if chosen is None and self._writer_added(path):
+                return self._keep_own(key, target, f"saved by {per_rank.saved_ranks(node)} processes")
             if chosen is None:
                 saved = per_rank.saved_ranks(node)
                 self.mismatched.append(
@@ -253,6 +275,8 @@ class Restorer:
                 self.world_size_changed = True
                 return lambda: target
             node, path = chosen, path + (str(self.rank),)
+        elif self.world > 1 and self._writer_added(path):
+            return self._keep_own(key, target, "saved by one process")
         elif self.world > 1:  # a per-rank target, a value saved by one process: every rank would get the same
             self.mismatched.append((key, f"a per-rank value on {self.world} ranks", "one value saved by one process"))
             self.world_size_changed = True
