@@ -1,0 +1,336 @@
+"""TrainstateCheckpointIO and ExactResume in real Lightning runs, in this process (tiny model, few steps).
+
+What a Lightning user meets: ModelCheckpoint's top-k files and last.ckpt (also as a link), resuming with
+ckpt_path="last" (the same plugin object again), the dict Lightning gets back, background saves and their
+failures, values that cannot be stored, files and folders other tools left at a checkpoint's path, and an
+interrupted run resumed exactly (here the dataset's augmentation draws from the training process's RNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("lightning")
+torch = pytest.importorskip("torch")
+
+import lightning as L  # noqa: E402
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import trainstate  # noqa: E402
+from helpers import assert_same  # noqa: E402
+from integrations import lightning_run as run  # noqa: E402
+from trainstate.errors import (  # noqa: E402
+    CheckpointExistsError,
+    InvalidArgumentError,
+    UnsupportedValueError,
+)
+from trainstate.integrations.lightning import ExactResume, TrainstateCheckpointIO  # noqa: E402
+
+
+class Recording(TrainstateCheckpointIO):
+    """The plugin, noting which checkpoints Lightning asked it to remove."""
+
+    removed: list[str]
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.__dict__.setdefault("removed", []).append(os.path.basename(path))
+        super().remove_checkpoint(path)
+
+
+def _names(directory: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+class Steps(L.Callback):
+    """Counts the training steps a fit runs."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.count += 1
+
+
+@pytest.mark.parametrize("async_save, save_last", [(False, True), (True, True), (False, "link")])
+def test_modelcheckpoint_topk_last_and_resume(tmp_path, async_save, save_last):
+    plugin = Recording(async_save=async_save)
+    checkpoints = tmp_path / "checkpoints"
+    steps = Steps()
+
+    def trainer(epochs: int) -> L.Trainer:
+        cb = ModelCheckpoint(
+            checkpoints, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=save_last
+        )
+        return L.Trainer(
+            max_epochs=epochs,
+            default_root_dir=tmp_path,
+            plugins=[plugin],
+            callbacks=[cb, steps],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+
+    L.seed_everything(0, verbose=False)
+    trainer(1).fit(run.Tiny(), run.loader())
+    assert _names(checkpoints) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]  # top 2, and last
+    assert plugin.removed == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]  # ModelCheckpoint's removals
+    for name, step in (("epoch=0-step=6.ckpt", 6), ("epoch=0-step=8.ckpt", 8), ("last.ckpt", 8)):
+        with trainstate.open(checkpoints / name) as ck:  # a committed, checksummed trainstate checkpoint
+            assert ck.metadata["step"] == step
+    assert (checkpoints / "last.ckpt").is_symlink() == (save_last == "link")
+
+    second = trainer(2)  # the same plugin object in a second Trainer, resuming from last.ckpt
+    second.fit(run.Tiny(), run.loader(), ckpt_path="last")
+    assert steps.count == 16  # 8 in the first fit, then only the 8 of epoch 2: it resumed
+    assert second.checkpoint_callback.best_model_path.endswith("epoch=1-step=16.ckpt")
+    assert not [n for n in _names(checkpoints) if n.startswith(".")]
+
+    if async_save or save_last == "link":
+        return
+    # what load_checkpoint returns is what torch.load returns for the same Lightning dict
+    second.save_checkpoint(tmp_path / "ours.ckpt")
+    second.strategy.checkpoint_io = TorchCheckpointIO()
+    second.save_checkpoint(tmp_path / "torch.ckpt")
+    expected = torch.load(tmp_path / "torch.ckpt", weights_only=False)
+    got = plugin.load_checkpoint(tmp_path / "ours.ckpt")
+    assert_same(got, expected)
+    assert dict(got["state_dict"]._metadata) == dict(expected["state_dict"]._metadata)
+
+
+@dataclasses.dataclass
+class Config:
+    layers: int
+    data: pathlib.Path
+
+
+def _lightning_like_dict() -> dict[str, Any]:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    return {
+        "epoch": 1,
+        "global_step": 7,
+        "pytorch-lightning_version": "2.6.6",
+        "state_dict": model.state_dict(),
+        "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 2}}}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': 'val/loss', 'mode': 'min'}": {
+                "best_model_score": torch.tensor(0.25),
+                "best_k_models": {"/runs/epoch=0-step=7.ckpt": torch.tensor(0.25)},
+                "kth_value": torch.tensor(float("inf")),
+                "dirpath": "/runs",
+            }
+        },
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [{"base_lrs": [0.1], "last_epoch": 7, "_get_lr_called_within_step": False}],
+        "hparams_name": "kwargs",
+        "hyper_parameters": {
+            "args": argparse.Namespace(lr=0.1, out=pathlib.Path("/tmp/out"), betas=(0.9, 0.99)),
+            "config": Config(2, pathlib.Path("data")),
+            "threshold": np.float32(0.5),
+            "seed": np.int64(3),
+            "nan": float("nan"),
+            "blob": b"\x00\x01",
+        },
+    }
+
+
+def test_round_trip_converts_hparams_and_keeps_everything_else(tmp_path):
+    checkpoint = _lightning_like_dict()
+    plugin = TrainstateCheckpointIO()
+    plugin.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    got = plugin.load_checkpoint(tmp_path / "a.ckpt")
+    expected = dict(checkpoint)
+    expected["hyper_parameters"] = {
+        **checkpoint["hyper_parameters"],
+        "config": {"layers": 2, "data": pathlib.Path("data")},
+    }
+    nan = expected["hyper_parameters"].pop("nan")
+    assert np.isnan(got["hyper_parameters"].pop("nan")) and np.isnan(nan)
+    assert_same(got, expected)  # tensors, int keys, tuples, OrderedDict, Namespace, Path, NumPy scalar types
+    assert got["state_dict"]._metadata == checkpoint["state_dict"]._metadata  # submodule versions, for migrations
+    assert got["optimizer_states"][0]["state"][0]["exp_avg"].numpy().flags.writeable  # the optimizer updates it
+
+
+def test_map_location(tmp_path):
+    plugin = TrainstateCheckpointIO()
+    plugin.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "n": 1}, tmp_path / "a.ckpt")
+    meta = torch.empty(0, device="meta").untyped_storage()
+    for where in ("meta", torch.device("meta"), {"cpu": "meta"}, lambda storage, loc: meta):
+        assert plugin.load_checkpoint(tmp_path / "a.ckpt", map_location=where)["state_dict"]["w"].is_meta
+    for where in (None, lambda storage, loc: None, lambda storage, loc: storage):
+        assert plugin.load_checkpoint(tmp_path / "a.ckpt", map_location=where)["state_dict"]["w"].device.type == "cpu"
+    with pytest.raises(InvalidArgumentError, match="map_location"):
+        plugin.load_checkpoint(tmp_path / "a.ckpt", map_location=3)
+
+
+class Opaque:
+    """Something a user passes to their module (a tokenizer, a loss object): no arrays, no state_dict."""
+
+
+class WithObjectHparam(run.Tiny):
+    def __init__(self, tokenizer: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_unstorable_values_are_named_with_the_fix(tmp_path):
+    trainer = L.Trainer(
+        max_steps=2,
+        default_root_dir=tmp_path,
+        plugins=[TrainstateCheckpointIO()],
+        callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=1)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(UnsupportedValueError, match=r"hyper_parameters\.tokenizer.*save_hyperparameters\(ignore="):
+        trainer.fit(WithObjectHparam(tokenizer=Opaque()), run.loader())
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".ckpt") or p.name.startswith(".")]
+
+    plugin = TrainstateCheckpointIO()
+    with pytest.raises(UnsupportedValueError, match=r"callbacks\.Mine.*state_dict\(\)"):
+        plugin.save_checkpoint({"callbacks": {"Mine": {"seen": {1, 2}}}}, tmp_path / "b.ckpt")
+    with pytest.raises(UnsupportedValueError, match=r"extra.*on_save_checkpoint"):
+        plugin.save_checkpoint({"extra": Opaque()}, tmp_path / "b.ckpt")
+
+
+def test_what_other_tools_left_at_the_path(tmp_path):
+    plugin = TrainstateCheckpointIO()
+    checkpoint = {"state_dict": {"w": torch.arange(3.0)}, "global_step": 3}
+
+    torch.save(checkpoint, tmp_path / "old.ckpt")  # Lightning's default plugin wrote it (a run switching over)
+    with pytest.raises(InvalidArgumentError, match="read_torch_files=True"):
+        plugin.load_checkpoint(tmp_path / "old.ckpt")
+    assert_same(TrainstateCheckpointIO(read_torch_files=True).load_checkpoint(tmp_path / "old.ckpt"), checkpoint)
+    plugin.save_checkpoint(checkpoint, tmp_path / "old.ckpt")  # saving over it replaces the file
+    assert (tmp_path / "old.ckpt" / "manifest.json").exists()
+    assert_same(plugin.load_checkpoint(tmp_path / "old.ckpt"), checkpoint)
+
+    plugin.save_checkpoint(checkpoint, tmp_path / "epoch=0.ckpt")
+    os.symlink("epoch=0.ckpt", tmp_path / "last.ckpt")  # ModelCheckpoint(save_last="link")
+    assert_same(plugin.load_checkpoint(tmp_path / "last.ckpt"), checkpoint)
+    plugin.save_checkpoint({**checkpoint, "global_step": 4}, tmp_path / "last.ckpt")  # replaces the link only
+    assert not (tmp_path / "last.ckpt").is_symlink()
+    assert plugin.load_checkpoint(tmp_path / "epoch=0.ckpt")["global_step"] == 3
+    plugin.remove_checkpoint(tmp_path / "epoch=0.ckpt")
+    plugin.remove_checkpoint(tmp_path / "epoch=0.ckpt")  # gone already: nothing to do, as Lightning's own
+    assert plugin.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 4
+
+    (tmp_path / "notes.ckpt").write_text("my notes")
+    (tmp_path / "data.ckpt").mkdir()
+    (tmp_path / "data.ckpt" / "keep.txt").write_text("another tool's folder")
+    for name in ("notes.ckpt", "data.ckpt"):
+        with pytest.raises(CheckpointExistsError, match="refusing to replace"):
+            plugin.save_checkpoint(checkpoint, tmp_path / name)
+    plugin.remove_checkpoint(tmp_path / "data.ckpt")  # not a checkpoint: left alone
+    assert (tmp_path / "notes.ckpt").read_text() == "my notes" and (tmp_path / "data.ckpt" / "keep.txt").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_background_save_failure_keeps_the_checkpoint_it_would_replace(tmp_path):
+    plugin = TrainstateCheckpointIO(async_save=True)
+    state = {"state_dict": {"w": torch.ones(4)}}
+    plugin.save_checkpoint(state, tmp_path / "a.ckpt")
+    (tmp_path / "b.ckpt").mkdir()
+    (tmp_path / "b.ckpt" / "x").write_text("not a checkpoint")
+    state["state_dict"]["w"].add_(1)  # the save copied the tensors: training may change them at once
+    plugin.save_checkpoint(state, tmp_path / "b.ckpt")  # fails in the background
+    with pytest.raises(CheckpointExistsError):  # raised by the next call: this one, or the end of fit
+        plugin.remove_checkpoint(tmp_path / "a.ckpt")  # ModelCheckpoint drops the old top-k: never done
+        plugin.teardown()
+    assert plugin.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"].tolist() == [1.0] * 4
+    plugin.save_checkpoint(state, tmp_path / "c.ckpt")  # the error was reported once; saving goes on
+    plugin.teardown()
+    assert plugin.load_checkpoint(tmp_path / "c.ckpt")["state_dict"]["w"].tolist() == [2.0] * 4
+
+
+def test_wrong_arguments(tmp_path):
+    for kwargs in ({"async_save": "yes"}, {"threads": 0}, {"compression": "gzip"}, {"fsync": None}):
+        with pytest.raises(InvalidArgumentError):
+            TrainstateCheckpointIO(**kwargs)
+    plugin = TrainstateCheckpointIO()
+    with pytest.raises(InvalidArgumentError, match="storage_options"):
+        plugin.save_checkpoint({}, tmp_path / "a.ckpt", storage_options={"x": 1})
+    with pytest.raises(InvalidArgumentError, match="path"):
+        plugin.save_checkpoint({}, 3)
+    with pytest.raises(InvalidArgumentError, match="dict"):
+        plugin.save_checkpoint([1], tmp_path / "a.ckpt")
+    copy = pickle.loads(pickle.dumps(TrainstateCheckpointIO(async_save=True)))  # ddp_spawn pickles plugins
+    copy.save_checkpoint({"n": 1}, tmp_path / "p.ckpt")
+    copy.teardown()
+    assert copy.load_checkpoint(tmp_path / "p.ckpt") == {"n": 1}
+
+
+def test_exact_resume_refuses_loaders_it_cannot_replay(tmp_path):
+    def fit(loaders: Any) -> None:
+        L.Trainer(
+            max_steps=2,
+            default_root_dir=tmp_path,
+            plugins=[TrainstateCheckpointIO()],
+            callbacks=[ExactResume()],
+            enable_checkpointing=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(run.Tiny(), loaders)
+
+    with pytest.raises(InvalidArgumentError, match="persistent_workers"):
+        fit(run.loader(1, persistent_workers=True))
+    with pytest.raises(InvalidArgumentError, match="one training torch DataLoader"):
+        fit([run.loader(), run.loader()])
+
+
+class Interrupted(Exception):
+    pass
+
+
+class Interrupt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise Interrupted  # in the batch after the checkpoint (Lightning re-raises it after its teardown)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, dict[str, torch.Tensor]]:
+    return {kind: run.fit(tmp_path_factory.mktemp("reference"), iterable=kind).state_dict() for kind in (False, True)}
+
+
+@pytest.mark.parametrize(
+    "iterable, every, stop",
+    [
+        (True, 5, 11),  # a stream: checkpoint at step 10, mid-epoch (8-step epochs), with one batch prefetched
+        (False, 8, 16),  # a shuffling map-style dataset: checkpoint at step 16, at an epoch's end
+    ],
+)
+def test_exact_resume_in_process(tmp_path, uninterrupted, iterable, every, stop):
+    """Augmentation drawn in this process (num_workers=0) is interleaved with the training's own draws: the
+    batch Lightning had fetched ahead at the save is loaded again from the RNG it was loaded from."""
+    with pytest.raises(Interrupted):
+        run.fit(tmp_path, iterable=iterable, every=every, callbacks=(Interrupt(stop),))
+    resumed = run.fit(tmp_path, iterable=iterable, every=every)
+    assert_same(resumed.state_dict(), uninterrupted[iterable])
+    plain = run.fit(_copy_checkpoints(tmp_path), iterable=iterable, every=every, exact=False)
+    assert any(not torch.equal(plain.state_dict()[k], v) for k, v in uninterrupted[iterable].items())
+
+
+def _copy_checkpoints(root: pathlib.Path) -> pathlib.Path:
+    import shutil
+
+    other = root.parent / f"{root.name}-plain"
+    shutil.copytree(root / "checkpoints", other / "checkpoints", symlinks=True)
+    return other
