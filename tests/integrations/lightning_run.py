@@ -96,15 +96,22 @@ def loader(workers: int = 0, iterable: bool = False, **kwargs: Any) -> DataLoade
 
 
 def trainer(
-    root: Path, *, exact: bool = True, every: int = 5, callbacks: tuple[Any, ...] = (), **plugin: Any
+    root: Path,
+    *,
+    exact: bool = True,
+    every: int = 5,
+    callbacks: tuple[Any, ...] = (),
+    lightning_io: bool = False,
+    **plugin: Any,
 ) -> L.Trainer:
+    """``lightning_io``: Lightning's own checkpoint plugin (torch.save) instead of TrainstateCheckpointIO."""
     checkpoint = ModelCheckpoint(
         dirpath=root / "checkpoints", every_n_train_steps=every, save_top_k=2, monitor="train_loss", save_last=True
     )
     return L.Trainer(
         max_epochs=EPOCHS,
         default_root_dir=root,
-        plugins=[TrainstateCheckpointIO(**plugin)],
+        plugins=[] if lightning_io else [TrainstateCheckpointIO(**plugin)],
         callbacks=[*([ExactResume()] if exact else []), checkpoint, *callbacks],
         logger=False,
         enable_progress_bar=False,
@@ -120,12 +127,13 @@ def fit(
     iterable: bool = False,
     every: int = 5,
     callbacks: tuple[Any, ...] = (),
+    lightning_io: bool = False,
     **plugin: Any,
 ) -> Tiny:
     """Train ``root``'s run to the end (resuming from its last checkpoint if it has one)."""
     L.seed_everything(0, verbose=False)
     model = Tiny()
-    run = trainer(root, exact=exact, every=every, callbacks=callbacks, **plugin)
+    run = trainer(root, exact=exact, every=every, callbacks=callbacks, lightning_io=lightning_io, **plugin)
     run.fit(model, loader(workers, iterable), ckpt_path="last")
     return model
 

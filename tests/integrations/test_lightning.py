@@ -311,20 +311,22 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, dict[s
 
 
 @pytest.mark.parametrize(
-    "iterable, every, stop",
+    "iterable, every, stop, lightning_io",
     [
-        (True, 5, 11),  # a stream: checkpoint at step 10, mid-epoch (8-step epochs), with one batch prefetched
-        (False, 8, 16),  # a shuffling map-style dataset: checkpoint at step 16, at an epoch's end
+        (True, 5, 11, False),  # a stream: checkpoint at step 10, mid-epoch (8-step epochs), a batch prefetched
+        (False, 8, 16, False),  # a shuffling map-style dataset: checkpoint at step 16, at an epoch's end
+        (False, 5, 11, True),  # mid-epoch, with Lightning's own torch.save plugin (it loads weights_only=True)
     ],
 )
-def test_exact_resume_in_process(tmp_path, uninterrupted, iterable, every, stop):
+def test_exact_resume_in_process(tmp_path, uninterrupted, iterable, every, stop, lightning_io):
     """Augmentation drawn in this process (num_workers=0) is interleaved with the training's own draws: the
     batch Lightning had fetched ahead at the save is loaded again from the RNG it was loaded from."""
+    kwargs = {"iterable": iterable, "every": every, "lightning_io": lightning_io}
     with pytest.raises(Interrupted):
-        run.fit(tmp_path, iterable=iterable, every=every, callbacks=(Interrupt(stop),))
-    resumed = run.fit(tmp_path, iterable=iterable, every=every)
+        run.fit(tmp_path, callbacks=(Interrupt(stop),), **kwargs)
+    resumed = run.fit(tmp_path, **kwargs)
     assert_same(resumed.state_dict(), uninterrupted[iterable])
-    plain = run.fit(_copy_checkpoints(tmp_path), iterable=iterable, every=every, exact=False)
+    plain = run.fit(_copy_checkpoints(tmp_path), exact=False, **kwargs)
     assert any(not torch.equal(plain.state_dict()[k], v) for k, v in uninterrupted[iterable].items())
 
 

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trainstate import _arguments as arguments
 from trainstate import _keys
 from trainstate import _transforms as transforms
@@ -77,7 +79,9 @@ with optional("lightning", extra="lightning", needed_for="trainstate.integration
     import torch
     from torch.utils.data import DataLoader
 
-    pl, CheckpointIO = _import_lightning()
+    _lightning: tuple[Any, Any] = _import_lightning()
+    pl: Any = _lightning[0]
+    CheckpointIO: Any = _lightning[1]  # the base class Lightning's Trainer checks plugins against
 
 __all__ = ["ExactResume", "TrainstateCheckpointIO"]
 
@@ -436,14 +440,15 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
             )
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rng": RNGState().state_dict()}
+        # tensors, not NumPy arrays: Lightning's default plugin loads with torch.load(weights_only=True) too
+        state: dict[str, Any] = {"rng": _tensors_only(RNGState().state_dict())}
         trainer = self._trainer
         if trainer is not None and self._replay is not None:
             trained = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
             if 0 < trained < trainer.num_training_batches:  # mid-epoch: the next run replays it
                 position = self._replay.position(trained)
                 if position is not None:
-                    state["loader"] = position
+                    state["loader"] = _tensors_only(position)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -510,6 +515,16 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         if self._replay is not None and loader is not None:
             self._replay.close(loader)
         self._replay, self._loader = None, None
+
+
+def _tensors_only(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, Mapping):
+        return {k: _tensors_only(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_tensors_only(v) for v in value]
+    return value
 
 
 def _on_cpu(value: Any) -> Any:
