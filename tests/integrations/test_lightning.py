@@ -256,6 +256,20 @@ def test_background_save_failure_keeps_the_checkpoint_it_would_replace(tmp_path)
     assert plugin.load_checkpoint(tmp_path / "c.ckpt")["state_dict"]["w"].tolist() == [2.0] * 4
 
 
+def test_compressed_encrypted_background_round_trip(tmp_path, monkeypatch):
+    pytest.importorskip("zstandard")
+    pytest.importorskip("cryptography")
+    monkeypatch.setenv("LIGHTNING_TEST_KEY", trainstate.generate_key())
+    plugin = TrainstateCheckpointIO(async_save=True, compression="zstd:1", key_env="LIGHTNING_TEST_KEY")
+    checkpoint = _lightning_like_dict()
+    plugin.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    got = plugin.load_checkpoint(tmp_path / "a.ckpt")  # waits for the background save
+    assert_same(got["optimizer_states"], checkpoint["optimizer_states"])
+    with pytest.raises(trainstate.KeyRequiredError):
+        TrainstateCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
+    plugin.teardown()
+
+
 def test_wrong_arguments(tmp_path):
     for kwargs in ({"async_save": "yes"}, {"threads": 0}, {"compression": "gzip"}, {"fsync": None}):
         with pytest.raises(InvalidArgumentError):
