@@ -71,6 +71,7 @@ class EpochReplay:
         self._pulled = 0  # batches pulled from the current iterator
         self._before: deque[tuple[int, dict[str, Any]]] = deque(maxlen=_KEEP)  # (pull, RNG right before it)
         self._plan: dict[str, Any] | None = None
+        self._start_from: Mapping[str, Any] | None = None  # RNG each iterator starts from until one yields
         watch(loader, self)
 
     def close(self, loader: DataLoader[Any]) -> None:
@@ -103,9 +104,17 @@ class EpochReplay:
             "in_flight": [s if s is not None else {} for s in in_flight],
         }
 
-    def resume(self, position: Mapping[str, Any], rng_at_save: Mapping[str, Any]) -> None:
+    def resume(self, position: Mapping[str, Any] | None, rng_at_save: Mapping[str, Any]) -> None:
         """Replay the epoch ``position`` describes when the loader's next iterator starts, then set the RNG
-        to ``rng_at_save`` (an ``RNGState().state_dict()``)."""
+        to ``rng_at_save`` (a :meth:`rng` state).
+
+        Without a position (the save came at an epoch's end) the next epoch starts from ``rng_at_save``:
+        every iterator started before one yields a batch starts from it (a framework may start one for
+        the epoch that had ended, and drop it, which the interrupted run never did).
+        """
+        if position is None:
+            self._plan, self._start_from = None, rng_at_save
+            return
         trained, pulled = int(position["trained"]), int(position["pulled"])
         in_flight = list(position["in_flight"])
         if not 0 <= trained <= pulled or len(in_flight) != pulled - trained:
@@ -119,11 +128,20 @@ class EpochReplay:
             "in_flight": in_flight,
             "at_save": rng_at_save,
         }
+        self._start_from = None
+
+    @staticmethod
+    def rng(loader: DataLoader[Any]) -> dict[str, Any]:
+        """The generators a resumed epoch needs back: torch's, NumPy's, Python's, and the loader's and its
+        sampler's own."""
+        return RNGState(torch_generators=_generators(loader)).state_dict()
 
     # -- the loader's hook (trainstate._data) ------------------------------------------------------
 
     def iterator_starting(self, loader: DataLoader[Any]) -> None:
         rng = RNGState(torch_generators=_generators(loader))
+        if self._start_from is not None:
+            rng.load_state_dict(self._start_from)
         if self._plan is not None:
             rng.load_state_dict(self._plan["epoch_start"])
             if getattr(loader, "next_iter_state", None) is not None:  # torchdata's own resume: we replay instead
@@ -143,6 +161,7 @@ class EpochReplay:
         self._before.append((self._pulled, RNGState().state_dict()))
         batch = next(it)
         self._pulled += 1
+        self._start_from = None  # the resumed epoch is under way
         return batch
 
 

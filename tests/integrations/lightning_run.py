@@ -77,6 +77,12 @@ class Tiny(L.LightningModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)]
 
 
+class Validated(Tiny):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+
 class HangAfter(L.Callback):
     """In the batch after the checkpoint of ``step``, say so and wait for SIGKILL."""
 
@@ -102,12 +108,17 @@ def trainer(
     every: int = 5,
     callbacks: tuple[Any, ...] = (),
     lightning_io: bool = False,
+    validate: bool = False,
     **plugin: Any,
 ) -> L.Trainer:
-    """``lightning_io``: Lightning's own checkpoint plugin (torch.save) instead of TrainstateCheckpointIO."""
-    checkpoint = ModelCheckpoint(
-        dirpath=root / "checkpoints", every_n_train_steps=every, save_top_k=2, monitor="train_loss", save_last=True
-    )
+    """``lightning_io``: Lightning's own checkpoint plugin (torch.save) instead of TrainstateCheckpointIO.
+    ``validate``: validation twice an epoch, and ModelCheckpoint saving after each (by val_loss)."""
+    if validate:
+        checkpoint = ModelCheckpoint(dirpath=root / "checkpoints", save_top_k=2, monitor="val_loss", save_last=True)
+    else:
+        checkpoint = ModelCheckpoint(
+            dirpath=root / "checkpoints", every_n_train_steps=every, save_top_k=2, monitor="train_loss", save_last=True
+        )
     return L.Trainer(
         max_epochs=EPOCHS,
         default_root_dir=root,
@@ -116,6 +127,7 @@ def trainer(
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        val_check_interval=0.5 if validate else None,
     )
 
 
@@ -128,13 +140,17 @@ def fit(
     every: int = 5,
     callbacks: tuple[Any, ...] = (),
     lightning_io: bool = False,
+    validate: bool = False,
     **plugin: Any,
 ) -> Tiny:
     """Train ``root``'s run to the end (resuming from its last checkpoint if it has one)."""
     L.seed_everything(0, verbose=False)
-    model = Tiny()
-    run = trainer(root, exact=exact, every=every, callbacks=callbacks, lightning_io=lightning_io, **plugin)
-    run.fit(model, loader(workers, iterable), ckpt_path="last")
+    model = Validated() if validate else Tiny()
+    run = trainer(
+        root, exact=exact, every=every, callbacks=callbacks, lightning_io=lightning_io, validate=validate, **plugin
+    )
+    val = DataLoader(Noisy(12), batch_size=4, shuffle=True, num_workers=workers) if validate else None
+    run.fit(model, loader(workers, iterable), val, ckpt_path="last")
     return model
 
 

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 import lightning as L  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 import trainstate  # noqa: E402
 from helpers import assert_same  # noqa: E402
@@ -214,6 +215,9 @@ def test_what_other_tools_left_at_the_path(tmp_path):
     with pytest.raises(InvalidArgumentError, match="read_torch_files=True"):
         plugin.load_checkpoint(tmp_path / "old.ckpt")
     assert_same(TrainstateCheckpointIO(read_torch_files=True).load_checkpoint(tmp_path / "old.ckpt"), checkpoint)
+    with pytest.raises(UnsupportedValueError):  # a save that fails leaves the file as it was
+        plugin.save_checkpoint({**checkpoint, "extra": Opaque()}, tmp_path / "old.ckpt")
+    assert_same(torch.load(tmp_path / "old.ckpt"), checkpoint)
     plugin.save_checkpoint(checkpoint, tmp_path / "old.ckpt")  # saving over it replaces the file
     assert (tmp_path / "old.ckpt" / "manifest.json").exists()
     assert_same(plugin.load_checkpoint(tmp_path / "old.ckpt"), checkpoint)
@@ -306,6 +310,22 @@ def test_exact_resume_refuses_loaders_it_cannot_replay(tmp_path):
         fit([run.loader(), run.loader()])
 
 
+def test_exact_resume_warns_of_a_checkpoint_amid_gradient_accumulation(tmp_path):
+    trainer = L.Trainer(
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        plugins=[TrainstateCheckpointIO()],
+        callbacks=[ExactResume(), ModelCheckpoint(tmp_path, monitor="val_loss")],
+        accumulate_grad_batches=3,
+        val_check_interval=0.5,  # validation, and a checkpoint, after batch 4: a step is 3 batches
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(UserWarning, match="accumulating gradients over 3 batches"):
+        trainer.fit(run.Validated(), run.loader(), DataLoader(run.Noisy(12), batch_size=4))
+
+
 class Interrupted(Exception):
     pass
 
@@ -319,29 +339,35 @@ class Interrupt(L.Callback):
             raise Interrupted  # in the batch after the checkpoint (Lightning re-raises it after its teardown)
 
 
+KINDS = {"stream": {"iterable": True}, "shuffled": {}, "validated": {"validate": True}}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, dict[str, torch.Tensor]]:
-    return {kind: run.fit(tmp_path_factory.mktemp("reference"), iterable=kind).state_dict() for kind in (False, True)}
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+    return {kind: run.fit(tmp_path_factory.mktemp("reference"), **kw).state_dict() for kind, kw in KINDS.items()}
 
 
 @pytest.mark.parametrize(
-    "iterable, every, stop, lightning_io",
+    "kind, every, stop, lightning_io",
     [
-        (True, 5, 11, False),  # a stream: checkpoint at step 10, mid-epoch (8-step epochs), a batch prefetched
-        (False, 8, 16, False),  # a shuffling map-style dataset: checkpoint at step 16, at an epoch's end
-        (False, 5, 11, True),  # mid-epoch, with Lightning's own torch.save plugin (it loads weights_only=True)
+        ("stream", 5, 11, False),  # checkpoint at step 10, mid-epoch (8-step epochs), with a batch fetched ahead
+        ("shuffled", 8, 16, False),  # a shuffling map-style dataset: checkpoint at step 16, at an epoch's end
+        ("shuffled", 5, 11, True),  # mid-epoch, with Lightning's own torch.save plugin (it loads weights_only=True)
+        # validation twice an epoch, ModelCheckpoint saving after it: the checkpoint at step 8 is at an epoch's
+        # end, and Lightning starts (and drops) an iterator for the finished epoch before the next one's
+        ("validated", 0, 10, False),
     ],
 )
-def test_exact_resume_in_process(tmp_path, uninterrupted, iterable, every, stop, lightning_io):
+def test_exact_resume_in_process(tmp_path, uninterrupted, kind, every, stop, lightning_io):
     """Augmentation drawn in this process (num_workers=0) is interleaved with the training's own draws: the
     batch Lightning had fetched ahead at the save is loaded again from the RNG it was loaded from."""
-    kwargs = {"iterable": iterable, "every": every, "lightning_io": lightning_io}
+    kwargs = {**KINDS[kind], "every": every, "lightning_io": lightning_io}
     with pytest.raises(Interrupted):
         run.fit(tmp_path, callbacks=(Interrupt(stop),), **kwargs)
     resumed = run.fit(tmp_path, **kwargs)
-    assert_same(resumed.state_dict(), uninterrupted[iterable])
+    assert_same(resumed.state_dict(), uninterrupted[kind])
     plain = run.fit(_copy_checkpoints(tmp_path), exact=False, **kwargs)
-    assert any(not torch.equal(plain.state_dict()[k], v) for k, v in uninterrupted[iterable].items())
+    assert any(not torch.equal(plain.state_dict()[k], v) for k, v in uninterrupted[kind].items())
 
 
 def _copy_checkpoints(root: pathlib.Path) -> pathlib.Path:

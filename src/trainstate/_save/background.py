@@ -72,12 +72,11 @@ class BackgroundSaver:
         storage: Storage | None = None,
         pipeline: Pipeline | None = None,
         key: _keys.Key | None = None,
-        before: Callable[[], None] | None = None,
-        after: Callable[[], None] | None = None,
+        around: Callable[[Callable[[], Any]], Any] | None = None,
     ) -> float:
         """Copy ``state``'s arrays and write them as a checkpoint at ``path`` in the background; returns the
-        seconds the caller was blocked. ``before`` and ``after`` run on the background thread right before
-        the write and once it committed."""
+        seconds the caller was blocked. ``around``, if given, is called on the background thread with the
+        write (a function) and calls it: to prepare the path before and tidy up after."""
         start = time.perf_counter()
         self._raise_pending()
         busy = self._wait_for_buffer()
@@ -89,9 +88,7 @@ class BackgroundSaver:
         blocking = time.perf_counter() - start
 
         def write() -> SaveResult:
-            if before is not None:
-                before()
-            result = write_checkpoint(
+            return write_checkpoint(
                 root,
                 staged,
                 storage=backend,
@@ -102,11 +99,8 @@ class BackgroundSaver:
                 pipeline=pipeline,
                 key=key,
             )
-            if after is not None:
-                after()
-            return result
 
-        self._submit(write, buffer, f"the save of {path}")
+        self._submit(write if around is None else lambda: around(write), buffer, f"the save of {path}")
         return blocking
 
     def then(self, job: Callable[[], Any], what: str) -> None:

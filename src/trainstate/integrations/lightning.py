@@ -23,9 +23,10 @@ import logging
 import os
 import sys
 import uuid
+import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,8 @@ def _import_lightning() -> tuple[Any, Any]:
 with optional("lightning", extra="lightning", needed_for="trainstate.integrations.lightning"):
     import torch
     from torch.utils.data import DataLoader
+
+    from trainstate._replay import EpochReplay
 
     _lightning: tuple[Any, Any] = _import_lightning()
     pl: Any = _lightning[0]
@@ -166,23 +169,23 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
                     threads=self.threads,
                     pipeline=self._pipeline,
                     key=self._key,
-                    before=lambda: _make_room(target),
-                    after=lambda: _finish_room(target),
+                    around=lambda write: _replacing(target, write),
                 )
                 return
-            _make_room(target)
-            _save(
+            _replacing(
                 target,
-                state,
-                metadata=metadata,
-                overwrite=True,
-                fsync=self.fsync,
-                threads=self.threads,
-                collective=False,  # under DDP only rank 0 saves Lightning's checkpoint: never a collective
-                compression=self.compression,
-                key=self._key,
+                lambda: _save(
+                    target,
+                    state,
+                    metadata=metadata,
+                    overwrite=True,
+                    fsync=self.fsync,
+                    threads=self.threads,
+                    collective=False,  # under DDP only rank 0 saves Lightning's checkpoint: never a collective
+                    compression=self.compression,
+                    key=self._key,
+                ),
             )
-            _finish_room(target)
         except UnsupportedValueError as e:
             raise lightning_dict.explain(e) from None
 
@@ -290,16 +293,34 @@ def _is_torch_file(path: str) -> bool:
     return any(head.startswith(m) for m in _TORCH_MAGIC)
 
 
-def _make_room(path: str) -> None:
+def _replacing(path: str, write: Callable[[], Any]) -> Any:
+    """Run ``write`` (a save to ``path``) once the path is ready for it (:func:`_make_room`); a file moved
+    aside for it is deleted once the save committed, and put back if the save failed."""
+    aside = _make_room(path)
+    try:
+        result = write()
+    except BaseException:
+        if aside is not None and not os.path.lexists(path):
+            aside.rename(path)
+        raise
+    if aside is not None:
+        aside.unlink(missing_ok=True)
+    return result
+
+
+def _make_room(path: str) -> Path | None:
     """Before a save to ``path``: clear what a crashed save of the same name left, drop a link Lightning
     made there (``save_last="link"``; what it points to stays), and move a ``torch.save`` file there aside
-    (deleted once the new checkpoint committed; a non-checkpoint file or directory is refused by the save)."""
+    (returned; a non-checkpoint file or directory is refused by the save)."""
     local = _local(path)
     if local is None:
-        return
+        return None
     backend = LocalStorage()
     backend.recover(str(local))  # a checkpoint a crash left mid-replace goes back first
     prefix = f".{local.name}."
+    aside = [n for n in backend.list(str(local.parent)) if n.startswith(f"{prefix}replaced-")]
+    if aside and not local.exists() and not local.is_symlink():  # a crash after moving a file aside: put it back
+        (local.parent / aside[0]).rename(local)
     for name in backend.list(str(local.parent)):
         if name.startswith(prefix) and name[len(prefix) :].split("-", 1)[0] in ("tmp", "del", "old", "replaced"):
             backend.delete(str(local.parent / name))
@@ -308,17 +329,10 @@ def _make_room(path: str) -> None:
     elif local.is_file():
         if not _is_torch_file(str(local)) and local.stat().st_size:
             raise CheckpointExistsError(f"{local} exists and is not a checkpoint; refusing to replace it")
-        local.rename(local.parent / f"{prefix}replaced-{uuid.uuid4().hex[:12]}")
-
-
-def _finish_room(path: str) -> None:
-    local = _local(path)
-    if local is None:
-        return
-    prefix = f".{local.name}.replaced-"
-    for name in LocalStorage().list(str(local.parent)):
-        if name.startswith(prefix):
-            (local.parent / name).unlink(missing_ok=True)
+        moved = local.parent / f"{prefix}replaced-{uuid.uuid4().hex[:12]}"
+        local.rename(moved)
+        return moved
+    return None
 
 
 def _remove(path: str) -> None:
@@ -441,11 +455,22 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
 
     def state_dict(self) -> dict[str, Any]:
         # tensors, not NumPy arrays: Lightning's default plugin loads with torch.load(weights_only=True) too
-        state: dict[str, Any] = {"rng": _tensors_only(RNGState().state_dict())}
+        loader = self._loader() if self._loader is not None else None
+        rng = EpochReplay.rng(loader) if loader is not None else RNGState().state_dict()
+        state: dict[str, Any] = {"rng": _tensors_only(rng)}
         trainer = self._trainer
         if trainer is not None and self._replay is not None:
             trained = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
             if 0 < trained < trainer.num_training_batches:  # mid-epoch: the next run replays it
+                if trained % trainer.accumulate_grad_batches:
+                    warnings.warn(
+                        f"ExactResume: this checkpoint is taken after batch {trained} of the epoch, in the middle of "
+                        f"accumulating gradients over {trainer.accumulate_grad_batches} batches; the gradients "
+                        "are not in a checkpoint, so a run resumed from it is not exact: save every multiple of "
+                        "accumulate_grad_batches (val_check_interval too, when ModelCheckpoint saves after "
+                        "validation)",
+                        stacklevel=2,
+                    )
                 position = self._replay.position(trained)
                 if position is not None:
                     state["loader"] = _tensors_only(position)
@@ -495,8 +520,6 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
             return  # on_train_start names what it got
         if self._loader is not None and self._loader() is loader:
             return
-        from trainstate._replay import EpochReplay
-
         self._detach()
         self._replay = EpochReplay(loader)
         self._loader = weakref.ref(loader)
@@ -506,9 +529,7 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
     def _apply_pending(self) -> None:
         state, self._pending = self._pending, None
         assert state is not None
-        position = state.get("loader")
-        if position:
-            self._replay.resume(position, state["rng"])
+        self._replay.resume(state.get("loader") or None, state["rng"])
 
     def _detach(self) -> None:
         loader = self._loader() if self._loader is not None else None
