@@ -1,4 +1,4 @@
-"""A tiny Lightning run for the Lightning tests: dropout, a shuffling DataLoader with random augmentation in
+"""A tiny Lightning run (and the helpers) for the Lightning tests: dropout, a shuffling DataLoader with random augmentation in
 the dataset, AdamW with a step LR schedule, ModelCheckpoint every few steps (top 2 by loss, and last.ckpt).
 
 As a script (test_lightning_resume.py runs it in two fresh processes)::
@@ -24,12 +24,15 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import trainstate
 from trainstate.integrations.lightning import ExactResume, TrainstateCheckpointIO
+
+__all__ = ["L", "DataLoader", "ExactResume", "ModelCheckpoint", "TorchCheckpointIO", "TrainstateCheckpointIO"]
 
 STEPS_PER_EPOCH = 8
 EPOCHS = 3
@@ -81,6 +84,47 @@ class Validated(Tiny):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+
+class Recording(TrainstateCheckpointIO):
+    """The plugin, noting which checkpoints Lightning asked it to remove."""
+
+    removed: list[str]
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.__dict__.setdefault("removed", []).append(os.path.basename(path))
+        super().remove_checkpoint(path)
+
+
+class Steps(L.Callback):
+    """Counts the training steps a fit runs."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.count += 1
+
+
+class WithObjectHparam(Tiny):
+    def __init__(self, tokenizer: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+class Interrupted(Exception):
+    pass
+
+
+class Interrupt(L.Callback):
+    """Raise Interrupted in the batch after ``step``'s checkpoint (Lightning re-raises it after its teardown)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise Interrupted
 
 
 class HangAfter(L.Callback):

@@ -10,68 +10,53 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import pathlib
 import pickle
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 
-pytest.importorskip("lightning")
+if importlib.util.find_spec("lightning") is None:
+    pytest.skip("lightning is not installed", allow_module_level=True)
 torch = pytest.importorskip("torch")
-
-import lightning as L  # noqa: E402
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
 
 import trainstate  # noqa: E402
 from helpers import assert_same  # noqa: E402
-from integrations import lightning_run as run  # noqa: E402
 from trainstate.errors import (  # noqa: E402
     CheckpointExistsError,
     InvalidArgumentError,
     UnsupportedValueError,
 )
-from trainstate.integrations.lightning import ExactResume, TrainstateCheckpointIO  # noqa: E402
 
 
-class Recording(TrainstateCheckpointIO):
-    """The plugin, noting which checkpoints Lightning asked it to remove."""
+@pytest.fixture(scope="module")
+def run() -> ModuleType:
+    """Lightning and the tiny run, imported by the first test that needs them: importing Lightning costs
+    seconds of CPU, paid only by the pytest worker that runs these tests, not at collection by every one."""
+    from integrations import lightning_run
 
-    removed: list[str]
-
-    def remove_checkpoint(self, path: Any) -> None:
-        self.__dict__.setdefault("removed", []).append(os.path.basename(path))
-        super().remove_checkpoint(path)
+    return lightning_run
 
 
 def _names(directory: pathlib.Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-class Steps(L.Callback):
-    """Counts the training steps a fit runs."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.count += 1
-
-
 @pytest.mark.parametrize("async_save, save_last", [(False, True), (True, True), (False, "link")])
-def test_modelcheckpoint_topk_last_and_resume(tmp_path, async_save, save_last):
-    plugin = Recording(async_save=async_save)
+def test_modelcheckpoint_topk_last_and_resume(run, tmp_path, async_save, save_last):
+    plugin = run.Recording(async_save=async_save)
     checkpoints = tmp_path / "checkpoints"
-    steps = Steps()
+    steps = run.Steps()
 
-    def trainer(epochs: int) -> L.Trainer:
-        cb = ModelCheckpoint(
+    def trainer(epochs: int) -> Any:
+        cb = run.ModelCheckpoint(
             checkpoints, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=save_last
         )
-        return L.Trainer(
+        return run.L.Trainer(
             max_epochs=epochs,
             default_root_dir=tmp_path,
             plugins=[plugin],
@@ -81,7 +66,7 @@ def test_modelcheckpoint_topk_last_and_resume(tmp_path, async_save, save_last):
             enable_model_summary=False,
         )
 
-    L.seed_everything(0, verbose=False)
+    run.L.seed_everything(0, verbose=False)
     trainer(1).fit(run.Tiny(), run.loader())
     assert _names(checkpoints) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]  # top 2, and last
     assert plugin.removed == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]  # ModelCheckpoint's removals
@@ -100,7 +85,7 @@ def test_modelcheckpoint_topk_last_and_resume(tmp_path, async_save, save_last):
         return
     # what load_checkpoint returns is what torch.load returns for the same Lightning dict
     second.save_checkpoint(tmp_path / "ours.ckpt")
-    second.strategy.checkpoint_io = TorchCheckpointIO()
+    second.strategy.checkpoint_io = run.TorchCheckpointIO()
     second.save_checkpoint(tmp_path / "torch.ckpt")
     expected = torch.load(tmp_path / "torch.ckpt", weights_only=False)
     got = plugin.load_checkpoint(tmp_path / "ours.ckpt")
@@ -147,9 +132,9 @@ def _lightning_like_dict() -> dict[str, Any]:
     }
 
 
-def test_round_trip_converts_hparams_and_keeps_everything_else(tmp_path):
+def test_round_trip_converts_hparams_and_keeps_everything_else(run, tmp_path):
     checkpoint = _lightning_like_dict()
-    plugin = TrainstateCheckpointIO()
+    plugin = run.TrainstateCheckpointIO()
     plugin.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
     got = plugin.load_checkpoint(tmp_path / "a.ckpt")
     expected = dict(checkpoint)
@@ -164,8 +149,8 @@ def test_round_trip_converts_hparams_and_keeps_everything_else(tmp_path):
     assert got["optimizer_states"][0]["state"][0]["exp_avg"].numpy().flags.writeable  # the optimizer updates it
 
 
-def test_map_location(tmp_path):
-    plugin = TrainstateCheckpointIO()
+def test_map_location(run, tmp_path):
+    plugin = run.TrainstateCheckpointIO()
     plugin.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "n": 1}, tmp_path / "a.ckpt")
     meta = torch.empty(0, device="meta").untyped_storage()
     for where in ("meta", torch.device("meta"), {"cpu": "meta"}, lambda storage, loc: meta):
@@ -180,41 +165,35 @@ class Opaque:
     """Something a user passes to their module (a tokenizer, a loss object): no arrays, no state_dict."""
 
 
-class WithObjectHparam(run.Tiny):
-    def __init__(self, tokenizer: Any = None) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-
-
-def test_unstorable_values_are_named_with_the_fix(tmp_path):
-    trainer = L.Trainer(
+def test_unstorable_values_are_named_with_the_fix(run, tmp_path):
+    trainer = run.L.Trainer(
         max_steps=2,
         default_root_dir=tmp_path,
-        plugins=[TrainstateCheckpointIO()],
-        callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=1)],
+        plugins=[run.TrainstateCheckpointIO()],
+        callbacks=[run.ModelCheckpoint(tmp_path, every_n_train_steps=1)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     with pytest.raises(UnsupportedValueError, match=r"hyper_parameters\.tokenizer.*save_hyperparameters\(ignore="):
-        trainer.fit(WithObjectHparam(tokenizer=Opaque()), run.loader())
+        trainer.fit(run.WithObjectHparam(tokenizer=Opaque()), run.loader())
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".ckpt") or p.name.startswith(".")]
 
-    plugin = TrainstateCheckpointIO()
+    plugin = run.TrainstateCheckpointIO()
     with pytest.raises(UnsupportedValueError, match=r"callbacks\.Mine.*state_dict\(\)"):
         plugin.save_checkpoint({"callbacks": {"Mine": {"seen": {1, 2}}}}, tmp_path / "b.ckpt")
     with pytest.raises(UnsupportedValueError, match=r"extra.*on_save_checkpoint"):
         plugin.save_checkpoint({"extra": Opaque()}, tmp_path / "b.ckpt")
 
 
-def test_what_other_tools_left_at_the_path(tmp_path):
-    plugin = TrainstateCheckpointIO()
+def test_what_other_tools_left_at_the_path(run, tmp_path):
+    plugin = run.TrainstateCheckpointIO()
     checkpoint = {"state_dict": {"w": torch.arange(3.0)}, "global_step": 3}
 
     torch.save(checkpoint, tmp_path / "old.ckpt")  # Lightning's default plugin wrote it (a run switching over)
     with pytest.raises(InvalidArgumentError, match="read_torch_files=True"):
         plugin.load_checkpoint(tmp_path / "old.ckpt")
-    assert_same(TrainstateCheckpointIO(read_torch_files=True).load_checkpoint(tmp_path / "old.ckpt"), checkpoint)
+    assert_same(run.TrainstateCheckpointIO(read_torch_files=True).load_checkpoint(tmp_path / "old.ckpt"), checkpoint)
     with pytest.raises(UnsupportedValueError):  # a save that fails leaves the file as it was
         plugin.save_checkpoint({**checkpoint, "extra": Opaque()}, tmp_path / "old.ckpt")
     assert_same(torch.load(tmp_path / "old.ckpt"), checkpoint)
@@ -243,8 +222,8 @@ def test_what_other_tools_left_at_the_path(tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_background_save_failure_keeps_the_checkpoint_it_would_replace(tmp_path):
-    plugin = TrainstateCheckpointIO(async_save=True)
+def test_background_save_failure_keeps_the_checkpoint_it_would_replace(run, tmp_path):
+    plugin = run.TrainstateCheckpointIO(async_save=True)
     state = {"state_dict": {"w": torch.ones(4)}}
     plugin.save_checkpoint(state, tmp_path / "a.ckpt")
     (tmp_path / "b.ckpt").mkdir()
@@ -260,44 +239,44 @@ def test_background_save_failure_keeps_the_checkpoint_it_would_replace(tmp_path)
     assert plugin.load_checkpoint(tmp_path / "c.ckpt")["state_dict"]["w"].tolist() == [2.0] * 4
 
 
-def test_compressed_encrypted_background_round_trip(tmp_path, monkeypatch):
+def test_compressed_encrypted_background_round_trip(run, tmp_path, monkeypatch):
     pytest.importorskip("zstandard")
     pytest.importorskip("cryptography")
     monkeypatch.setenv("LIGHTNING_TEST_KEY", trainstate.generate_key())
-    plugin = TrainstateCheckpointIO(async_save=True, compression="zstd:1", key_env="LIGHTNING_TEST_KEY")
+    plugin = run.TrainstateCheckpointIO(async_save=True, compression="zstd:1", key_env="LIGHTNING_TEST_KEY")
     checkpoint = _lightning_like_dict()
     plugin.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
     got = plugin.load_checkpoint(tmp_path / "a.ckpt")  # waits for the background save
     assert_same(got["optimizer_states"], checkpoint["optimizer_states"])
     with pytest.raises(trainstate.KeyRequiredError):
-        TrainstateCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
+        run.TrainstateCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
     plugin.teardown()
 
 
-def test_wrong_arguments(tmp_path):
+def test_wrong_arguments(run, tmp_path):
     for kwargs in ({"async_save": "yes"}, {"threads": 0}, {"compression": "gzip"}, {"fsync": None}):
         with pytest.raises(InvalidArgumentError):
-            TrainstateCheckpointIO(**kwargs)
-    plugin = TrainstateCheckpointIO()
+            run.TrainstateCheckpointIO(**kwargs)
+    plugin = run.TrainstateCheckpointIO()
     with pytest.raises(InvalidArgumentError, match="storage_options"):
         plugin.save_checkpoint({}, tmp_path / "a.ckpt", storage_options={"x": 1})
     with pytest.raises(InvalidArgumentError, match="path"):
         plugin.save_checkpoint({}, 3)
     with pytest.raises(InvalidArgumentError, match="dict"):
         plugin.save_checkpoint([1], tmp_path / "a.ckpt")
-    copy = pickle.loads(pickle.dumps(TrainstateCheckpointIO(async_save=True)))  # ddp_spawn pickles plugins
+    copy = pickle.loads(pickle.dumps(run.TrainstateCheckpointIO(async_save=True)))  # ddp_spawn pickles plugins
     copy.save_checkpoint({"n": 1}, tmp_path / "p.ckpt")
     copy.teardown()
     assert copy.load_checkpoint(tmp_path / "p.ckpt") == {"n": 1}
 
 
-def test_exact_resume_refuses_loaders_it_cannot_replay(tmp_path):
+def test_exact_resume_refuses_loaders_it_cannot_replay(run, tmp_path):
     def fit(loaders: Any) -> None:
-        L.Trainer(
+        run.L.Trainer(
             max_steps=2,
             default_root_dir=tmp_path,
-            plugins=[TrainstateCheckpointIO()],
-            callbacks=[ExactResume()],
+            plugins=[run.TrainstateCheckpointIO()],
+            callbacks=[run.ExactResume()],
             enable_checkpointing=False,
             logger=False,
             enable_progress_bar=False,
@@ -310,12 +289,12 @@ def test_exact_resume_refuses_loaders_it_cannot_replay(tmp_path):
         fit([run.loader(), run.loader()])
 
 
-def test_exact_resume_warns_of_a_checkpoint_amid_gradient_accumulation(tmp_path):
-    trainer = L.Trainer(
+def test_exact_resume_warns_of_a_checkpoint_amid_gradient_accumulation(run, tmp_path):
+    trainer = run.L.Trainer(
         max_epochs=1,
         default_root_dir=tmp_path,
-        plugins=[TrainstateCheckpointIO()],
-        callbacks=[ExactResume(), ModelCheckpoint(tmp_path, monitor="val_loss")],
+        plugins=[run.TrainstateCheckpointIO()],
+        callbacks=[run.ExactResume(), run.ModelCheckpoint(tmp_path, monitor="val_loss")],
         accumulate_grad_batches=3,
         val_check_interval=0.5,  # validation, and a checkpoint, after batch 4: a step is 3 batches
         logger=False,
@@ -323,27 +302,14 @@ def test_exact_resume_warns_of_a_checkpoint_amid_gradient_accumulation(tmp_path)
         enable_model_summary=False,
     )
     with pytest.warns(UserWarning, match="accumulating gradients over 3 batches"):
-        trainer.fit(run.Validated(), run.loader(), DataLoader(run.Noisy(12), batch_size=4))
-
-
-class Interrupted(Exception):
-    pass
-
-
-class Interrupt(L.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            raise Interrupted  # in the batch after the checkpoint (Lightning re-raises it after its teardown)
+        trainer.fit(run.Validated(), run.loader(), run.DataLoader(run.Noisy(12), batch_size=4))
 
 
 KINDS = {"stream": {"iterable": True}, "shuffled": {}, "validated": {"validate": True}}
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+def uninterrupted(run: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
     return {kind: run.fit(tmp_path_factory.mktemp("reference"), **kw).state_dict() for kind, kw in KINDS.items()}
 
 
@@ -358,12 +324,12 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
         ("validated", 0, 10, False),
     ],
 )
-def test_exact_resume_in_process(tmp_path, uninterrupted, kind, every, stop, lightning_io):
+def test_exact_resume_in_process(run, tmp_path, uninterrupted, kind, every, stop, lightning_io):
     """Augmentation drawn in this process (num_workers=0) is interleaved with the training's own draws: the
     batch Lightning had fetched ahead at the save is loaded again from the RNG it was loaded from."""
     kwargs = {**KINDS[kind], "every": every, "lightning_io": lightning_io}
-    with pytest.raises(Interrupted):
-        run.fit(tmp_path, callbacks=(Interrupt(stop),), **kwargs)
+    with pytest.raises(run.Interrupted):
+        run.fit(tmp_path, callbacks=(run.Interrupt(stop),), **kwargs)
     resumed = run.fit(tmp_path, **kwargs)
     assert_same(resumed.state_dict(), uninterrupted[kind])
     plain = run.fit(_copy_checkpoints(tmp_path), exact=False, **kwargs)
