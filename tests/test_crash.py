@@ -72,3 +72,32 @@ def test_overwrite_without_rename_exchange_and_recovery(tmp_path, monkeypatch):
     os.rename(tmp_path / "c", tmp_path / ".c.old-123")  # as if killed between the two renames
     assert trainstate.load(tmp_path / "c") == {"v": 1}  # a reader puts it back
     assert [p.name for p in tmp_path.iterdir()] == ["c"]
+
+
+_STARTED: list[str] = []  # processes started while a test below listens (the audit hook stays, inert, after it)
+_LISTENING: list[bool] = []
+_HOOKED: list[bool] = []
+
+
+def _record_process_starts(event: str, args: tuple[object, ...]) -> None:
+    if _LISTENING and event in ("subprocess.Popen", "os.fork", "os.posix_spawn", "os.exec"):
+        _STARTED.append(f"{event} {args!r:.80}")
+
+
+def test_overwrite_starts_no_process(tmp_path):
+    """Saving over a checkpoint starts no other process. It used to run ``ldconfig -p`` (ctypes.util.find_library)
+    at every overwrite to find renameat2: on a background save thread (Lightning's async save overwrites
+    last.ckpt) that raced the DataLoader forking its workers, a worker inherited the pipe that subprocess waits
+    on, and the save, and then training, hung for good."""
+    if not _HOOKED:  # an audit hook cannot be removed: one per process, listening only inside this test
+        sys.addaudithook(_record_process_starts)
+        _HOOKED.append(True)
+    trainstate.save(tmp_path / "c", {"v": 0})
+    _STARTED.clear()
+    _LISTENING.append(True)
+    try:
+        trainstate.save(tmp_path / "c", {"v": 1}, overwrite=True)
+    finally:
+        _LISTENING.clear()
+    assert _STARTED == []
+    assert trainstate.load(tmp_path / "c") == {"v": 1}

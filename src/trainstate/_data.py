@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sized
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from trainstate._optional import optional
 
@@ -211,6 +211,14 @@ class ResumableSampler(Sampler[int]):
         self._start = self._batches = 0
 
 
+class IteratorWatcher(Protocol):
+    """Told when a loader's iterator starts, and given the new iterator to wrap (``trainstate._replay``)."""
+
+    def iterator_starting(self, loader: DataLoader[Any]) -> None: ...
+
+    def iterator_started(self, it: Any) -> Any: ...
+
+
 class _Hooks:
     """Per-loader one-shot and counting behaviour, installed as an instance attribute ``_get_iterator``.
 
@@ -226,10 +234,13 @@ class _Hooks:
         self.base_seed_rng: torch.Tensor | None = None
         self.after_start: list[Callable[[], None]] = []
         self.seed_samples = False
+        self.watcher: IteratorWatcher | None = None
 
     def __call__(self) -> Any:
         loader = self._loader()
         assert loader is not None  # it is calling us
+        if self.watcher is not None:
+            self.watcher.iterator_starting(loader)
         if self.counter is not None:
             self.counter._iterator_starting()
         source, user_init = loader.generator, loader.worker_init_fn
@@ -251,6 +262,8 @@ class _Hooks:
         callbacks, self.after_start = self.after_start, []
         for callback in callbacks:
             callback()
+        if self.watcher is not None:
+            it = self.watcher.iterator_started(it)
         if self.counter is None:
             return it
         self.counter._iterator_started(loader_rng)
@@ -342,6 +355,16 @@ def _hooks(loader: DataLoader[Any]) -> _Hooks:
         hooks = _Hooks(loader)
         object.__setattr__(loader, _HOOK, hooks)
     return hooks
+
+
+def watch(loader: DataLoader[Any], watcher: IteratorWatcher | None) -> None:
+    """Make ``watcher`` see every iterator ``loader`` starts from now on (None: stop); one per loader."""
+    hooks = _hooks(loader)
+    if watcher is not None and hooks.watcher is not None and hooks.watcher is not watcher:
+        raise InvalidArgumentError(
+            "this DataLoader is already replayed by another ExactResume (or EpochReplay): give each its own loader"
+        )
+    hooks.watcher = watcher
 
 
 def is_loader(obj: Any) -> bool:

@@ -16,8 +16,8 @@ can fail any one of them (storage/faulty.py).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
+import functools
 import mmap
 import os
 import shutil
@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._storage.base import Capabilities, FileInfo, Storage
@@ -255,8 +255,7 @@ class LocalStorage(Storage):
         os.rename(src, dst)
 
     def _exchange(self, a: Path, b: Path) -> bool:
-        libc_name = ctypes.util.find_library("c")
-        renameat2 = getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None) if libc_name else None
+        renameat2 = _renameat2()
         if renameat2 is None:
             return False
         if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
@@ -317,6 +316,20 @@ class LocalStorage(Storage):
             raise CheckpointExistsError(
                 f"{final} is a non-empty directory without a trainstate manifest; refusing to replace it"
             )
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's ``renameat2``, or None where there is none (not Linux, an old glibc, musl without it).
+
+    Looked up among the symbols the process has loaded already (``dlopen(NULL)``), never with
+    ``ctypes.util.find_library``: that runs ``ldconfig -p`` in a subprocess, and on a save thread racing a
+    DataLoader's fork the forked worker inherits the pipe the subprocess is waited on, so the save hangs.
+    """
+    try:
+        return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    except OSError:  # pragma: no cover - a platform without dlopen(NULL)
+        return None
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:

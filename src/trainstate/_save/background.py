@@ -1,0 +1,180 @@
+"""Saves to paths a caller names, written on a background thread, with later jobs queued behind them in order.
+
+A framework's checkpoint hook (Lightning's ``CheckpointIO``) names each checkpoint itself and deletes old ones
+itself, right after asking for the next save. Run in the background without order, that delete could land
+before the new checkpoint commits, and a crash in between would leave neither. Here every job runs on one
+thread in the order it was asked for, and a job queued behind a save that failed is skipped: nothing is
+deleted on the strength of a checkpoint that was never written.
+
+A save copies the state's arrays into a reused host buffer (``_manager/staging.py``, the manager's async
+save uses the same) before it returns, so the caller may change them at once; the bytes are written and
+committed by :func:`trainstate._save.write.write_checkpoint`, the synchronous save's own core. The first
+error a background job meets is raised by the next call (``save``, ``then``, ``wait`` or ``close``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from trainstate import _gc, _keys
+from trainstate._manager.committer import raise_background
+from trainstate._manager.staging import StagingBuffer
+from trainstate._save.encode import encode_state
+from trainstate._save.write import DEFAULT_THREADS, SaveResult, write_checkpoint
+from trainstate._storage import Storage, resolve
+from trainstate._transforms import Pipeline
+
+
+@dataclass
+class _Job:
+    future: Future[Any]
+    buffer: StagingBuffer | None  # the buffer a save's arrays sit in until it is written
+    what: str
+
+
+class BackgroundSaver:
+    """One background thread that writes checkpoints and runs the jobs queued behind them, in order.
+
+    Example:
+        >>> saver = BackgroundSaver()
+        >>> saver.save("ckpt/epoch=0-step=10.ckpt", state, overwrite=True)   # returns once the arrays are copied
+        >>> saver.then(lambda: delete("ckpt/epoch=0-step=5.ckpt"))          # runs after that save committed
+        >>> saver.wait()                                                      # raises if a job failed
+    """
+
+    def __init__(self, *, max_in_flight: int = 1) -> None:
+        self._buffers = [StagingBuffer() for _ in range(max_in_flight)]
+        self._jobs: list[_Job] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()  # guards _error: a job sets it on the pool's thread
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs queued or running."""
+        self._collect(block=False)
+        return len(self._jobs)
+
+    def save(
+        self,
+        path: str,
+        state: Any,
+        *,
+        metadata: Any = None,
+        overwrite: bool = False,
+        fsync: bool = True,
+        threads: int = DEFAULT_THREADS,
+        storage: Storage | None = None,
+        pipeline: Pipeline | None = None,
+        key: _keys.Key | None = None,
+        around: Callable[[Callable[[], Any]], Any] | None = None,
+    ) -> float:
+        """Copy ``state``'s arrays and write them as a checkpoint at ``path`` in the background; returns the
+        seconds the caller was blocked. ``around``, if given, is called on the background thread with the
+        write (a function) and calls it: to prepare the path before and tidy up after."""
+        start = time.perf_counter()
+        self._raise_pending()
+        busy = self._wait_for_buffer()
+        backend, root = resolve(path, storage)
+        with _gc.paused():
+            snapshot = encode_state(state, metadata)
+        buffer = next(b for b in self._buffers if id(b) not in busy)
+        staged = buffer.stage(snapshot, threads=threads)
+        blocking = time.perf_counter() - start
+
+        def write() -> SaveResult:
+            return write_checkpoint(
+                root,
+                staged,
+                storage=backend,
+                overwrite=overwrite,
+                fsync=fsync,
+                threads=threads,
+                start=time.perf_counter(),
+                pipeline=pipeline,
+                key=key,
+            )
+
+        self._submit(write if around is None else lambda: around(write), buffer, f"the save of {path}")
+        return blocking
+
+    def then(self, job: Callable[[], Any], what: str) -> None:
+        """Run ``job`` once every job asked for before it is done; skipped if one of those failed."""
+        self._raise_pending()
+        self._submit(job, None, what)
+
+    def wait(self) -> None:
+        """Block until every job has run; raise the first error one met."""
+        self._collect(block=True)
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Wait for every job, stop the thread (a later call starts a new one), raise the first error."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    # -- inside ----------------------------------------------------------------------------------
+
+    def _submit(self, job: Callable[[], Any], buffer: StagingBuffer | None, what: str) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-background")
+
+        def run() -> Any:
+            with self._lock:
+                failed = self._error is not None
+            if failed:  # an earlier job failed: do not act on its result (delete the checkpoint it replaced)
+                return None
+            try:
+                return job()
+            except BaseException as e:
+                with self._lock:
+                    self._error = self._error or e
+                raise
+
+        if buffer is not None:
+            buffer.in_use.set()
+        self._jobs.append(_Job(self._pool.submit(run), buffer, what))
+
+    def _wait_for_buffer(self) -> set[int]:
+        """Ids of the buffers still in use, once at least one is free."""
+        while True:
+            self._collect(block=False)
+            busy = {id(j.buffer) for j in self._jobs if j.buffer is not None}
+            if len(busy) < len(self._buffers):
+                return busy
+            first = next(j for j in self._jobs if j.buffer is not None)
+            _result(first.future)
+            self._raise_pending()
+
+    def _collect(self, block: bool) -> None:
+        still = []
+        for job in self._jobs:
+            if block:
+                _result(job.future)
+            if not job.future.done():
+                still.append(job)
+            elif job.buffer is not None:
+                job.buffer.in_use.clear()
+        self._jobs = still
+
+    def _raise_pending(self) -> None:
+        self._collect(block=False)
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise_background(error)
+
+
+def _result(future: Future[Any]) -> None:
+    """Wait for ``future`` (a Ctrl-C meanwhile goes through); its error was recorded by the job itself and
+    is raised by ``_raise_pending``."""
+    future.exception()

@@ -1,0 +1,197 @@
+"""Lightning's checkpoint dict <-> what a trainstate checkpoint holds.
+
+The dict Lightning builds is mostly tensors and plain values, which a checkpoint holds as they are. A few
+values are not, and are converted on the way in and back on the way out, recorded in the checkpoint's
+metadata (a list of ``[path, kind]``) so nothing is guessed when loading:
+
+- ``argparse.Namespace`` (``save_hyperparameters(args)``): stored as a dict, comes back as a Namespace;
+- ``pathlib`` paths: stored as a string, come back as ``pathlib.Path`` (a ``PurePath`` of the other
+  system's flavour comes back as this system's ``Path``);
+- NumPy scalars (``np.float32(0.5)``): stored as a Python number, come back as the same NumPy type;
+- dataclass instances: stored as a dict of their fields, come back as that dict (rebuilding the class
+  would mean importing code named by the checkpoint, which is what pickle does and trainstate does not).
+
+The module's ``state_dict()`` is an OrderedDict with a ``_metadata`` attribute (each submodule's version,
+which ``load_state_dict`` hands to ``_load_from_state_dict`` for migrations): kept in the metadata too.
+Anything else that cannot be stored without pickle raises :class:`UnsupportedValueError` naming the key,
+with the fix for the part of Lightning that put it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from trainstate._optional import optional
+from trainstate.errors import InvalidArgumentError, UnsupportedValueError
+
+with optional("torch", extra="lightning", needed_for="trainstate.integrations.lightning"):
+    import torch
+
+META_KEY = "lightning"  # the metadata key the plugin records its facts under
+_PathKey = Any  # a dict key (kept exactly: the metadata holds int and tuple keys as they are) or a list position
+_NUMPY_KINDS = "biuf"  # bool, signed, unsigned, float NumPy scalars have an exact Python number
+
+
+def to_state(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], list[list[Any]]]:
+    """The dict to save (containers rebuilt only where a value was converted) and the conversions made."""
+    if not isinstance(checkpoint, Mapping):
+        raise InvalidArgumentError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__qualname__}")
+    conversions: list[list[Any]] = []
+    converted = _convert(checkpoint, [], conversions, depth=0)
+    return dict(converted), conversions
+
+
+def _convert(value: Any, path: list[_PathKey], out: list[list[Any]], depth: int) -> Any:
+    if depth > 100 or value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value  # plain (a str Enum too); the depth limit is the save's to report
+    if isinstance(value, np.generic) and not isinstance(value, np.ndarray):
+        if value.dtype.kind in _NUMPY_KINDS:
+            out.append([list(path), f"numpy:{value.dtype.str}"])
+            return value.item()
+        return value  # the save names it
+    if isinstance(value, argparse.Namespace):
+        out.append([list(path), "namespace"])
+        return _convert(dict(vars(value)), path, out, depth + 1)
+    if isinstance(value, pathlib.PurePath):
+        out.append([list(path), "path"])
+        return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out.append([list(path), "dataclass"])
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return _convert(fields, path, out, depth + 1)
+    if isinstance(value, Mapping):
+        changed = False
+        items = []
+        for k, v in value.items():
+            new = _convert(v, [*path, k], out, depth + 1)
+            changed = changed or new is not v
+            items.append((k, new))
+        return dict(items) if changed else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):  # a namedtuple is left to the save
+        new_items = [_convert(v, [*path, i], out, depth + 1) for i, v in enumerate(value)]
+        if all(a is b for a, b in zip(new_items, value)):
+            return value
+        return tuple(new_items) if isinstance(value, tuple) else new_items
+    return value
+
+
+def from_state(state: dict[str, Any], conversions: list[Any], move: Callable[[Any], Any]) -> dict[str, Any]:
+    """Undo :func:`to_state`'s conversions in a loaded dict, in place, and move its tensors with ``move``."""
+    for path, kind in conversions:
+        _replace(state, list(path), partial(_restore, kind=str(kind)))
+    moved: dict[str, Any] = _move_tensors(state, move)
+    return moved
+
+
+def _restore(value: Any, kind: str) -> Any:
+    if kind == "namespace" and isinstance(value, dict):
+        return argparse.Namespace(**value)
+    if kind == "path" and isinstance(value, str):
+        return pathlib.Path(value)
+    if kind.startswith("numpy:") and isinstance(value, (bool, int, float)):
+        return np.dtype(kind[len("numpy:") :]).type(value)
+    return value  # a dataclass stays the dict it was stored as; an unknown kind (a newer writer) as stored
+
+
+def _replace(container: Any, path: list[_PathKey], fn: Callable[[Any], Any]) -> None:
+    """Replace the value at ``path`` (keys and list positions) with ``fn(value)``; deepest paths first
+    would not matter: a conversion's own path never runs through another's converted value."""
+    if not path:
+        return  # the whole checkpoint is never converted
+    *above, last = path
+    for key in above:
+        container = _child(container, key)
+        if container is None:
+            return
+    if isinstance(container, dict) and last in container:
+        container[last] = fn(container[last])
+    elif isinstance(container, list) and isinstance(last, int) and 0 <= last < len(container):
+        container[last] = fn(container[last])
+    elif isinstance(container, argparse.Namespace) and isinstance(last, str) and hasattr(container, last):
+        setattr(container, last, fn(getattr(container, last)))
+
+
+def _child(container: Any, key: _PathKey) -> Any:
+    if isinstance(container, dict):
+        return container.get(key)
+    if isinstance(container, (list, tuple)) and type(key) is int and 0 <= key < len(container):
+        return container[key]
+    if isinstance(container, argparse.Namespace) and isinstance(key, str):
+        return getattr(container, key, None)
+    return None
+
+
+def _move_tensors(value: Any, move: Callable[[Any], Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            value[k] = _move_tensors(v, move)
+        return value
+    if isinstance(value, list):
+        value[:] = [_move_tensors(v, move) for v in value]
+        return value
+    if isinstance(value, tuple):
+        return tuple(_move_tensors(v, move) for v in value)
+    if isinstance(value, argparse.Namespace):
+        for k, v in vars(value).items():
+            setattr(value, k, _move_tensors(v, move))
+    return value
+
+
+def module_metadata(state_dict: Any) -> dict[str, Any] | None:
+    """The ``_metadata`` a module's ``state_dict()`` carries (submodule versions), if it is plain."""
+    meta = getattr(state_dict, "_metadata", None)
+    if not isinstance(meta, Mapping):
+        return None
+    plain = {}
+    for prefix, info in meta.items():
+        if not isinstance(prefix, str) or not isinstance(info, Mapping):
+            return None
+        plain[prefix] = {str(k): v for k, v in info.items() if isinstance(v, (bool, int, float, str, type(None)))}
+    return plain
+
+
+def with_module_metadata(state_dict: Any, meta: Any) -> Any:
+    """``state_dict`` as the OrderedDict a module returns, with its ``_metadata`` back."""
+    if not isinstance(state_dict, dict):
+        return state_dict
+    ordered: Any = OrderedDict(state_dict)
+    if isinstance(meta, Mapping):
+        ordered._metadata = OrderedDict((k, dict(v)) for k, v in meta.items())
+    return ordered
+
+
+def explain(error: UnsupportedValueError) -> UnsupportedValueError:
+    """The save's error, with what to do about it in Lightning terms (which part of Lightning put it there
+    follows from the key)."""
+    message = str(error)
+    top = message.split(":", 1)[0].split(".", 1)[0]
+    if top in ("hyper_parameters", "datamodule_hyper_parameters"):
+        hint = (
+            "it is a hyperparameter from save_hyperparameters(): leave it out with "
+            "self.save_hyperparameters(ignore=[...]) (modules and losses usually are), or pass plain values "
+            "(numbers, strings, lists, dicts; argparse.Namespace, pathlib.Path, dataclasses and NumPy scalars "
+            "are converted, see docs/lightning.md)"
+        )
+    elif top in ("hparams_type", "datamodule_hparams_type"):
+        hint = (
+            "Lightning stores the class of OmegaConf hyperparameters here: pass "
+            "OmegaConf.to_container(cfg, resolve=True) to save_hyperparameters() instead"
+        )
+    elif top == "callbacks":
+        hint = "a callback's state_dict() returned it: return tensors and plain values"
+    else:
+        hint = (
+            f"{top!r} was put in the checkpoint by your LightningModule's (or a callback's) on_save_checkpoint: "
+            "store tensors and plain values there"
+        )
+    return UnsupportedValueError(f"{message}. In this Lightning checkpoint, {hint}")

@@ -1,0 +1,344 @@
+"""TrainstateCheckpointIO and ExactResume in real Lightning runs, in this process (tiny model, few steps).
+
+What a Lightning user meets: ModelCheckpoint's top-k files and last.ckpt (also as a link), resuming with
+ckpt_path="last" (the same plugin object again), the dict Lightning gets back, background saves and their
+failures, values that cannot be stored, files and folders other tools left at a checkpoint's path, and an
+interrupted run resumed exactly (here the dataset's augmentation draws from the training process's RNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import pickle
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("lightning") is None:
+    pytest.skip("lightning is not installed", allow_module_level=True)
+torch = pytest.importorskip("torch")
+
+import trainstate  # noqa: E402
+from helpers import assert_same  # noqa: E402
+from trainstate.errors import (  # noqa: E402
+    CheckpointExistsError,
+    InvalidArgumentError,
+    UnsupportedValueError,
+)
+
+
+@pytest.fixture(scope="module")
+def run() -> ModuleType:
+    """Lightning and the tiny run, imported by the first test that needs them: importing Lightning costs
+    seconds of CPU, paid only by the pytest worker that runs these tests, not at collection by every one."""
+    from integrations import lightning_run
+
+    return lightning_run
+
+
+def _names(directory: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.mark.parametrize("async_save, save_last", [(False, True), (True, True), (False, "link")])
+def test_modelcheckpoint_topk_last_and_resume(run, tmp_path, async_save, save_last):
+    plugin = run.Recording(async_save=async_save)
+    checkpoints = tmp_path / "checkpoints"
+    steps = run.Steps()
+
+    def trainer(epochs: int) -> Any:
+        cb = run.ModelCheckpoint(
+            checkpoints, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=save_last
+        )
+        return run.L.Trainer(
+            max_epochs=epochs,
+            default_root_dir=tmp_path,
+            plugins=[plugin],
+            callbacks=[cb, steps],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+
+    run.L.seed_everything(0, verbose=False)
+    trainer(1).fit(run.Tiny(), run.loader())
+    assert _names(checkpoints) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]  # top 2, and last
+    assert plugin.removed == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]  # ModelCheckpoint's removals
+    for name, step in (("epoch=0-step=6.ckpt", 6), ("epoch=0-step=8.ckpt", 8), ("last.ckpt", 8)):
+        with trainstate.open(checkpoints / name) as ck:  # a committed, checksummed trainstate checkpoint
+            assert ck.metadata["step"] == step
+    assert (checkpoints / "last.ckpt").is_symlink() == (save_last == "link")
+
+    second = trainer(2)  # the same plugin object in a second Trainer, resuming from last.ckpt
+    second.fit(run.Tiny(), run.loader(), ckpt_path="last")
+    assert steps.count == 16  # 8 in the first fit, then only the 8 of epoch 2: it resumed
+    assert second.checkpoint_callback.best_model_path.endswith("epoch=1-step=16.ckpt")
+    assert not [n for n in _names(checkpoints) if n.startswith(".")]
+
+    if async_save or save_last == "link":
+        return
+    # what load_checkpoint returns is what torch.load returns for the same Lightning dict
+    second.save_checkpoint(tmp_path / "ours.ckpt")
+    second.strategy.checkpoint_io = run.TorchCheckpointIO()
+    second.save_checkpoint(tmp_path / "torch.ckpt")
+    expected = torch.load(tmp_path / "torch.ckpt", weights_only=False)
+    got = plugin.load_checkpoint(tmp_path / "ours.ckpt")
+    assert_same(got, expected)
+    assert dict(got["state_dict"]._metadata) == dict(expected["state_dict"]._metadata)
+
+
+@dataclasses.dataclass
+class Config:
+    layers: int
+    data: pathlib.Path
+
+
+def _lightning_like_dict() -> dict[str, Any]:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    return {
+        "epoch": 1,
+        "global_step": 7,
+        "pytorch-lightning_version": "2.6.6",
+        "state_dict": model.state_dict(),
+        "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 2}}}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': 'val/loss', 'mode': 'min'}": {
+                "best_model_score": torch.tensor(0.25),
+                "best_k_models": {"/runs/epoch=0-step=7.ckpt": torch.tensor(0.25)},
+                "kth_value": torch.tensor(float("inf")),
+                "dirpath": "/runs",
+            }
+        },
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [{"base_lrs": [0.1], "last_epoch": 7, "_get_lr_called_within_step": False}],
+        "hparams_name": "kwargs",
+        "hyper_parameters": {
+            "args": argparse.Namespace(lr=0.1, out=pathlib.Path("/tmp/out"), betas=(0.9, 0.99)),
+            "config": Config(2, pathlib.Path("data")),
+            "threshold": np.float32(0.5),
+            "seed": np.int64(3),
+            "nan": float("nan"),
+            "blob": b"\x00\x01",
+        },
+    }
+
+
+def test_round_trip_converts_hparams_and_keeps_everything_else(run, tmp_path):
+    checkpoint = _lightning_like_dict()
+    plugin = run.TrainstateCheckpointIO()
+    plugin.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    got = plugin.load_checkpoint(tmp_path / "a.ckpt")
+    expected = dict(checkpoint)
+    expected["hyper_parameters"] = {
+        **checkpoint["hyper_parameters"],
+        "config": {"layers": 2, "data": pathlib.Path("data")},
+    }
+    nan = expected["hyper_parameters"].pop("nan")
+    assert np.isnan(got["hyper_parameters"].pop("nan")) and np.isnan(nan)
+    assert_same(got, expected)  # tensors, int keys, tuples, OrderedDict, Namespace, Path, NumPy scalar types
+    assert got["state_dict"]._metadata == checkpoint["state_dict"]._metadata  # submodule versions, for migrations
+    assert got["optimizer_states"][0]["state"][0]["exp_avg"].numpy().flags.writeable  # the optimizer updates it
+
+
+def test_map_location(run, tmp_path):
+    plugin = run.TrainstateCheckpointIO()
+    plugin.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "n": 1}, tmp_path / "a.ckpt")
+    meta = torch.empty(0, device="meta").untyped_storage()
+    for where in ("meta", torch.device("meta"), {"cpu": "meta"}, lambda storage, loc: meta):
+        assert plugin.load_checkpoint(tmp_path / "a.ckpt", map_location=where)["state_dict"]["w"].is_meta
+    for where in (None, lambda storage, loc: None, lambda storage, loc: storage):
+        assert plugin.load_checkpoint(tmp_path / "a.ckpt", map_location=where)["state_dict"]["w"].device.type == "cpu"
+    with pytest.raises(InvalidArgumentError, match="map_location"):
+        plugin.load_checkpoint(tmp_path / "a.ckpt", map_location=3)
+
+
+class Opaque:
+    """Something a user passes to their module (a tokenizer, a loss object): no arrays, no state_dict."""
+
+
+def test_unstorable_values_are_named_with_the_fix(run, tmp_path):
+    trainer = run.L.Trainer(
+        max_steps=2,
+        default_root_dir=tmp_path,
+        plugins=[run.TrainstateCheckpointIO()],
+        callbacks=[run.ModelCheckpoint(tmp_path, every_n_train_steps=1)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(UnsupportedValueError, match=r"hyper_parameters\.tokenizer.*save_hyperparameters\(ignore="):
+        trainer.fit(run.WithObjectHparam(tokenizer=Opaque()), run.loader())
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".ckpt") or p.name.startswith(".")]
+
+    plugin = run.TrainstateCheckpointIO()
+    with pytest.raises(UnsupportedValueError, match=r"callbacks\.Mine.*state_dict\(\)"):
+        plugin.save_checkpoint({"callbacks": {"Mine": {"seen": {1, 2}}}}, tmp_path / "b.ckpt")
+    with pytest.raises(UnsupportedValueError, match=r"extra.*on_save_checkpoint"):
+        plugin.save_checkpoint({"extra": Opaque()}, tmp_path / "b.ckpt")
+
+
+def test_what_other_tools_left_at_the_path(run, tmp_path):
+    plugin = run.TrainstateCheckpointIO()
+    checkpoint = {"state_dict": {"w": torch.arange(3.0)}, "global_step": 3}
+
+    torch.save(checkpoint, tmp_path / "old.ckpt")  # Lightning's default plugin wrote it (a run switching over)
+    with pytest.raises(InvalidArgumentError, match="read_torch_files=True"):
+        plugin.load_checkpoint(tmp_path / "old.ckpt")
+    assert_same(run.TrainstateCheckpointIO(read_torch_files=True).load_checkpoint(tmp_path / "old.ckpt"), checkpoint)
+    with pytest.raises(UnsupportedValueError):  # a save that fails leaves the file as it was
+        plugin.save_checkpoint({**checkpoint, "extra": Opaque()}, tmp_path / "old.ckpt")
+    assert_same(torch.load(tmp_path / "old.ckpt"), checkpoint)
+    plugin.save_checkpoint(checkpoint, tmp_path / "old.ckpt")  # saving over it replaces the file
+    assert (tmp_path / "old.ckpt" / "manifest.json").exists()
+    assert_same(plugin.load_checkpoint(tmp_path / "old.ckpt"), checkpoint)
+
+    plugin.save_checkpoint(checkpoint, tmp_path / "epoch=0.ckpt")
+    os.symlink("epoch=0.ckpt", tmp_path / "last.ckpt")  # ModelCheckpoint(save_last="link")
+    assert_same(plugin.load_checkpoint(tmp_path / "last.ckpt"), checkpoint)
+    plugin.save_checkpoint({**checkpoint, "global_step": 4}, tmp_path / "last.ckpt")  # replaces the link only
+    assert not (tmp_path / "last.ckpt").is_symlink()
+    assert plugin.load_checkpoint(tmp_path / "epoch=0.ckpt")["global_step"] == 3
+    plugin.remove_checkpoint(tmp_path / "epoch=0.ckpt")
+    plugin.remove_checkpoint(tmp_path / "epoch=0.ckpt")  # gone already: nothing to do, as Lightning's own
+    assert plugin.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 4
+
+    (tmp_path / "notes.ckpt").write_text("my notes")
+    (tmp_path / "data.ckpt").mkdir()
+    (tmp_path / "data.ckpt" / "keep.txt").write_text("another tool's folder")
+    for name in ("notes.ckpt", "data.ckpt"):
+        with pytest.raises(CheckpointExistsError, match="refusing to replace"):
+            plugin.save_checkpoint(checkpoint, tmp_path / name)
+    plugin.remove_checkpoint(tmp_path / "data.ckpt")  # not a checkpoint: left alone
+    assert (tmp_path / "notes.ckpt").read_text() == "my notes" and (tmp_path / "data.ckpt" / "keep.txt").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_background_save_failure_keeps_the_checkpoint_it_would_replace(run, tmp_path):
+    plugin = run.TrainstateCheckpointIO(async_save=True)
+    state = {"state_dict": {"w": torch.ones(4)}}
+    plugin.save_checkpoint(state, tmp_path / "a.ckpt")
+    (tmp_path / "b.ckpt").mkdir()
+    (tmp_path / "b.ckpt" / "x").write_text("not a checkpoint")
+    state["state_dict"]["w"].add_(1)  # the save copied the tensors: training may change them at once
+    plugin.save_checkpoint(state, tmp_path / "b.ckpt")  # fails in the background
+    with pytest.raises(CheckpointExistsError):  # raised by the next call: this one, or the end of fit
+        plugin.remove_checkpoint(tmp_path / "a.ckpt")  # ModelCheckpoint drops the old top-k: never done
+        plugin.teardown()
+    assert plugin.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"].tolist() == [1.0] * 4
+    plugin.save_checkpoint(state, tmp_path / "c.ckpt")  # the error was reported once; saving goes on
+    plugin.teardown()
+    assert plugin.load_checkpoint(tmp_path / "c.ckpt")["state_dict"]["w"].tolist() == [2.0] * 4
+
+
+def test_compressed_encrypted_background_round_trip(run, tmp_path, monkeypatch):
+    pytest.importorskip("zstandard")
+    pytest.importorskip("cryptography")
+    monkeypatch.setenv("LIGHTNING_TEST_KEY", trainstate.generate_key())
+    plugin = run.TrainstateCheckpointIO(async_save=True, compression="zstd:1", key_env="LIGHTNING_TEST_KEY")
+    checkpoint = _lightning_like_dict()
+    plugin.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    got = plugin.load_checkpoint(tmp_path / "a.ckpt")  # waits for the background save
+    assert_same(got["optimizer_states"], checkpoint["optimizer_states"])
+    with pytest.raises(trainstate.KeyRequiredError):
+        run.TrainstateCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
+    plugin.teardown()
+
+
+def test_wrong_arguments(run, tmp_path):
+    for kwargs in ({"async_save": "yes"}, {"threads": 0}, {"compression": "gzip"}, {"fsync": None}):
+        with pytest.raises(InvalidArgumentError):
+            run.TrainstateCheckpointIO(**kwargs)
+    plugin = run.TrainstateCheckpointIO()
+    with pytest.raises(InvalidArgumentError, match="storage_options"):
+        plugin.save_checkpoint({}, tmp_path / "a.ckpt", storage_options={"x": 1})
+    with pytest.raises(InvalidArgumentError, match="path"):
+        plugin.save_checkpoint({}, 3)
+    with pytest.raises(InvalidArgumentError, match="dict"):
+        plugin.save_checkpoint([1], tmp_path / "a.ckpt")
+    copy = pickle.loads(pickle.dumps(run.TrainstateCheckpointIO(async_save=True)))  # ddp_spawn pickles plugins
+    copy.save_checkpoint({"n": 1}, tmp_path / "p.ckpt")
+    copy.teardown()
+    assert copy.load_checkpoint(tmp_path / "p.ckpt") == {"n": 1}
+
+
+def test_exact_resume_refuses_loaders_it_cannot_replay(run, tmp_path):
+    def fit(loaders: Any) -> None:
+        run.L.Trainer(
+            max_steps=2,
+            default_root_dir=tmp_path,
+            plugins=[run.TrainstateCheckpointIO()],
+            callbacks=[run.ExactResume()],
+            enable_checkpointing=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(run.Tiny(), loaders)
+
+    with pytest.raises(InvalidArgumentError, match="persistent_workers"):
+        fit(run.loader(1, persistent_workers=True))
+    with pytest.raises(InvalidArgumentError, match="one training torch DataLoader"):
+        fit([run.loader(), run.loader()])
+
+
+def test_exact_resume_warns_of_a_checkpoint_amid_gradient_accumulation(run, tmp_path):
+    trainer = run.L.Trainer(
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        plugins=[run.TrainstateCheckpointIO()],
+        callbacks=[run.ExactResume(), run.ModelCheckpoint(tmp_path, monitor="val_loss")],
+        accumulate_grad_batches=3,
+        val_check_interval=0.5,  # validation, and a checkpoint, after batch 4: a step is 3 batches
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(UserWarning, match="accumulating gradients over 3 batches"):
+        trainer.fit(run.Validated(), run.loader(), run.DataLoader(run.Noisy(12), batch_size=4))
+
+
+KINDS = {"stream": {"iterable": True}, "shuffled": {}, "validated": {"validate": True}}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(run: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+    return {kind: run.fit(tmp_path_factory.mktemp("reference"), **kw).state_dict() for kind, kw in KINDS.items()}
+
+
+@pytest.mark.parametrize(
+    "kind, every, stop, lightning_io",
+    [
+        ("stream", 5, 11, False),  # checkpoint at step 10, mid-epoch (8-step epochs), with a batch fetched ahead
+        ("shuffled", 8, 16, False),  # a shuffling map-style dataset: checkpoint at step 16, at an epoch's end
+        ("shuffled", 5, 11, True),  # mid-epoch, with Lightning's own torch.save plugin (it loads weights_only=True)
+        # validation twice an epoch, ModelCheckpoint saving after it: the checkpoint at step 8 is at an epoch's
+        # end, and Lightning starts (and drops) an iterator for the finished epoch before the next one's
+        ("validated", 0, 10, False),
+    ],
+)
+def test_exact_resume_in_process(run, tmp_path, uninterrupted, kind, every, stop, lightning_io):
+    """Augmentation drawn in this process (num_workers=0) is interleaved with the training's own draws: the
+    batch Lightning had fetched ahead at the save is loaded again from the RNG it was loaded from."""
+    kwargs = {**KINDS[kind], "every": every, "lightning_io": lightning_io}
+    with pytest.raises(run.Interrupted):
+        run.fit(tmp_path, callbacks=(run.Interrupt(stop),), **kwargs)
+    resumed = run.fit(tmp_path, **kwargs)
+    assert_same(resumed.state_dict(), uninterrupted[kind])
+    plain = run.fit(_copy_checkpoints(tmp_path), exact=False, **kwargs)
+    assert any(not torch.equal(plain.state_dict()[k], v) for k, v in uninterrupted[kind].items())
+
+
+def _copy_checkpoints(root: pathlib.Path) -> pathlib.Path:
+    import shutil
+
+    other = root.parent / f"{root.name}-plain"
+    shutil.copytree(root / "checkpoints", other / "checkpoints", symlinks=True)
+    return other
