@@ -149,7 +149,14 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
     # -- CheckpointIO ------------------------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Save Lightning's checkpoint dict as a trainstate checkpoint at ``path`` (replacing one there)."""
+        """Save Lightning's checkpoint dict as a trainstate checkpoint at ``path`` (replacing one there).
+
+        Lightning calls it (``trainer.save_checkpoint``, ``ModelCheckpoint``); so may you.
+
+        Example:
+            >>> io = TrainstateCheckpointIO()
+            >>> io.save_checkpoint({"state_dict": model.state_dict(), "epoch": 3}, "ckpts/manual.ckpt")
+        """
         if storage_options is not None:
             raise InvalidArgumentError(
                 "TrainstateCheckpointIO takes no storage_options in save_checkpoint: set compression, "
@@ -194,7 +201,12 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
     ) -> dict[str, Any]:
         """Load the checkpoint at ``path`` as the dict Lightning saved: torch tensors (on ``map_location``;
         CPU by default), the same nesting and values. ``weights_only`` is accepted and needs nothing:
-        trainstate never unpickles."""
+        trainstate never unpickles.
+
+        Example:
+            >>> ckpt = TrainstateCheckpointIO().load_checkpoint("ckpts/last.ckpt")
+            >>> ckpt["epoch"], sorted(ckpt["state_dict"])[:1]
+        """
         if self._saver is not None:
             self._saver.wait()  # the checkpoint asked for may still be in flight
         target = _path(path)
@@ -230,7 +242,11 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (a link to one: the link only); with ``async_save``, once every
-        save asked for before has committed."""
+        save asked for before has committed. ``ModelCheckpoint`` calls it for checkpoints out of its top k.
+
+        Example:
+            >>> TrainstateCheckpointIO().remove_checkpoint("ckpts/epoch=0-step=10.ckpt")
+        """
         target = _path(path)
         if self._saver is not None:
             self._saver.then(lambda: _remove(target), f"the removal of {target}")
@@ -238,14 +254,26 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
             _remove(target)
 
     def teardown(self) -> None:
-        """Wait for background saves (Lightning calls this at the end of ``fit``); raise if one failed."""
+        """Wait for background saves (Lightning calls this at the end of ``fit``); raise if one failed.
+
+        Example:
+            >>> io = TrainstateCheckpointIO(async_save=True)
+            >>> io.teardown()   # as Lightning does after fit: every background save committed
+        """
         if self._saver is not None:
             self._saver.close()
 
     # -- beyond CheckpointIO -----------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Block until every background save has committed; raise if one failed."""
+        """Block until every background save has committed; raise if one failed.
+
+        Example:
+            >>> io = TrainstateCheckpointIO(async_save=True)
+            >>> trainer = L.Trainer(plugins=[io])
+            >>> trainer.save_checkpoint("ckpts/now.ckpt")
+            >>> io.wait()       # the checkpoint is committed from here on
+        """
         if self._saver is not None:
             self._saver.wait()
 
@@ -436,16 +464,31 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         self._strategy: Any = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Lightning's hook before fitting: catch the training DataLoader before its first batch.
+
+        Example:
+            >>> trainer = L.Trainer(callbacks=[ExactResume()])   # Lightning calls setup(trainer, module, "fit")
+        """
         self._trainer = trainer
         if stage == "fit":
             self._wrap_process_dataloader(trainer.strategy)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Lightning's hook after fitting: give the strategy and the DataLoader back as they were.
+
+        Example:
+            >>> trainer.fit(model)   # Lightning calls teardown(trainer, model, "fit") at the end
+        """
         if stage == "fit":
             self._unwrap_process_dataloader()
             self._detach()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Lightning's hook as training starts: check there is one training DataLoader to replay.
+
+        Example:
+            >>> trainer.fit(model, train_dataloaders=DataLoader(data, shuffle=True))   # one DataLoader: fine
+        """
         loader = trainer.train_dataloader
         if not isinstance(loader, DataLoader) or self._loader is None or self._loader() is not loader:
             raise InvalidArgumentError(
@@ -454,6 +497,13 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
             )
 
     def state_dict(self) -> dict[str, Any]:
+        """What Lightning stores for this callback in each checkpoint: the random generators and the
+        DataLoader's place in its epoch, as tensors.
+
+        Example:
+            >>> sorted(ExactResume().state_dict())
+            ['rng']
+        """
         # tensors, not NumPy arrays: Lightning's default plugin loads with torch.load(weights_only=True) too
         loader = self._loader() if self._loader is not None else None
         rng = EpochReplay.rng(loader) if loader is not None else RNGState().state_dict()
@@ -477,6 +527,12 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take a checkpoint's state back (Lightning calls it on ``fit(ckpt_path=...)``): the epoch is replayed
+        up to the saved batch when training starts, and the random generators put back there.
+
+        Example:
+            >>> trainer.fit(model, ckpt_path="last")   # Lightning calls load_state_dict(saved) on resume
+        """
         trainer = self._trainer
         if trainer is None or trainer.state.fn != "fit":
             return  # validate / test / predict from a checkpoint: nothing to resume
