@@ -60,15 +60,19 @@ class TrainerStateView:
 
     ``callbacks`` returns the Trainer's callbacks whose state the Trainer exports (``ExportableState``) and its
     ``TrainerControl``; their ``state()`` goes into ``stateful_callbacks`` as ``Trainer._save_checkpoint`` puts it.
+    ``flos`` returns the floating-point operations the Trainer counted since it last added them to ``total_flos``
+    (it does at each log and in its own save): they belong to the saved total.
     """
 
-    def __init__(self, state: Callable[[], Any], callbacks: Callable[[], list[Any]]) -> None:
+    def __init__(self, state: Callable[[], Any], callbacks: Callable[[], list[Any]], flos: Callable[[], float]) -> None:
         self._state = state
         self._callbacks = callbacks
+        self._flos = flos
         self.saved: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         snapshot: dict[str, Any] = plain(dataclasses.asdict(self._state()))
+        snapshot["total_flos"] = snapshot["total_flos"] + float(self._flos())
         exported: dict[str, Any] = dict(snapshot.get("stateful_callbacks") or {})
         fresh: dict[str, Any] = {}
         for cb in self._callbacks():

@@ -60,11 +60,15 @@ _MANAGER_OPTIONS = frozenset(inspect.signature(CheckpointManager.__init__).param
 
 
 class _OnTheTrainersEvents:
-    """The manager's save policy under the callback: no reason of its own (the Trainer's events force saves;
-    a preemption signal saves at the next step's end)."""
+    """The manager's save policy under the callback: save the step the Trainer decided to save (``due``), with
+    the Trainer's reason; nothing else (a preemption signal saves anyway, at the end of the step under way)."""
+
+    def __init__(self) -> None:
+        self.due: int | None = None
+        self.reason = ""
 
     def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
-        return None
+        return self.reason if step == self.due else None
 
     def __repr__(self) -> str:
         return "the Trainer's save events"
@@ -124,6 +128,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self.seed_per_sample = seed_per_sample
         self._directory = directory
         self._options = options
+        self._policy = _OnTheTrainersEvents()
         self._manager = self._new_manager()  # checks the options and the directory now, and locks it
         self._closed = False
         self._trainer: weakref.ReferenceType[Any] | None = None
@@ -131,7 +136,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._control: Any = None
         self._live: dict[str, Any] | None = None  # what is saved: references to the live objects
         self._rng = DeferredRNG()
-        self._trainer_state = TrainerStateView(lambda: self._state, self._exported)
+        self._trainer_state = TrainerStateView(lambda: self._state, self._exported, self._flos)
         self._position = Record(lambda: data.position(self._args, self._state, self._loader, self._seeding is not None))
         self._args: Any = None
         self._loader: Any = None
@@ -142,6 +147,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._metrics_step = -1
         self._metrics: dict[str, float] = {}
         self._resume: tuple[int, str] | None = None  # (step, stand-in folder) that resume_point prepared
+        self.resumed_from: int | None = None  # the step of the checkpoint resume_point picked
         self._rng_at: str | None = None  # where the restored generators go back: "epoch" or "step" begin
         self._stand_in_cleanup: weakref.finalize[Any, Any] | None = None
 
@@ -191,6 +197,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             )
         self._trainer = weakref.ref(trainer)
         self._discard_stand_in()
+        self._resume = self.resumed_from = None
         manager = self._open()
         failures: list[str] = []
         for info in sorted(manager.list(), key=saved_order, reverse=True):
@@ -200,20 +207,21 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
                     path, manager.storage, key=self._options.get("key"), key_env=self._options.get("key_env")
                 ) as ck:
                     ck.verify()
-                    saved = ck.load(include=["trainer_state.*"])["trainer_state"]
+                    try:
+                        saved = ck.load(include=["trainer_state.*"])["trainer_state"]
+                    except InvalidArgumentError:  # the pattern matched nothing
+                        raise InvalidArgumentError(
+                            f"{path} holds no trainer_state: it was not written by TrainstateCallback; give the "
+                            "callback a run directory of its own"
+                        ) from None
             except CorruptCheckpointError as e:
                 why = str(e).splitlines()[0]
                 log.warning("checkpoint %s cannot be resumed from (%s); trying the one before it", info.name, why)
                 failures.append(f"  {info.name}: {why}")
                 continue
-            except KeyError:
-                raise InvalidArgumentError(
-                    f"{path} holds no trainer_state: it was not written by TrainstateCallback (its run directory "
-                    "must hold only the Trainer's checkpoints)"
-                ) from None
             weights = list(trainer.model.state_dict().keys())
             folder = stand_in.write(plain(saved), weights, path)
-            self._resume = (info.step, folder)
+            self._resume, self.resumed_from = (info.step, folder), info.step
             self._stand_in_cleanup = weakref.finalize(self, stand_in.remove, folder)
             return folder
         if failures:
@@ -230,6 +238,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             return
         self._check(args)
         self._open()
+        self._pending = self._saved = None
         self._args, self._loader = args, kw.get("train_dataloader")
         optimizer = kw.get("optimizer")
         self._live = {
@@ -343,8 +352,22 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             return
         metrics = self._metrics if self._metrics_step == step else {}
         epoch = int(self._position.state_dict()["epoch"])
-        self._manager.save(step, self._live, force=True, metrics=metrics, epoch=epoch)
+        args = self._args
+        strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+        self._policy.due = step
+        self._policy.reason = f"Trainer save_strategy={strategy!r}" + (
+            f", save_steps={args.save_steps}" if strategy == "steps" else ""
+        )
+        try:
+            self._manager.save(step, self._live, metrics=metrics, epoch=epoch)
+        finally:
+            self._policy.due = None
         self._saved = step
+
+    def _flos(self) -> float:
+        """The Trainer's floating-point operations not yet in ``total_flos`` (``Trainer.store_flos`` adds them)."""
+        trainer = self._trainer() if self._trainer is not None else None
+        return float(getattr(trainer, "current_flos", 0.0) or 0.0)
 
     def _exported(self) -> list[Any]:
         """The Trainer's ExportableState callbacks and its TrainerControl, as Trainer._save_checkpoint saves them."""
@@ -399,9 +422,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
     # -- helpers ------------------------------------------------------------------------------------
 
     def _new_manager(self) -> CheckpointManager:
-        return CheckpointManager(
-            self._directory, save_policies=[_OnTheTrainersEvents()], capture_rng=False, **self._options
-        )
+        return CheckpointManager(self._directory, save_policies=[self._policy], capture_rng=False, **self._options)
 
     def _open(self) -> CheckpointManager:
         """The manager, opened again after a previous train() closed it."""
