@@ -34,22 +34,16 @@ def accuracy(pred: Any) -> dict[str, Any]:
     return {"accuracy": np.float32((pred.predictions.argmax(-1) == pred.label_ids).mean())}
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def test_saves_on_the_trainers_events_and_keeps_what_retention_says(tmp_path: Path) -> None:
     """A whole run (15 updates, a save and an evaluation every 3) keeping the last two checkpoints and the best one
     by eval_loss, which load_best_model_at_end loads at the end. "Best" is the highest loss here, to be sure it is
-    not the last checkpoint."""
-    out = tmp_path_factory.mktemp("finished")
-    cb = TrainstateCallback(out / "ckpt", keep_last=2, keep_best=("eval_loss", "max", 1))
-    trainer = run.trainer(str(out), [cb], load_best_model_at_end=True, greater_is_better=True)
+    not one of the last two."""
+    cb = TrainstateCallback(tmp_path / "ckpt", keep_last=2, keep_best=("eval_loss", "max", 1))
+    trainer = run.trainer(str(tmp_path), [cb], load_best_model_at_end=True, greater_is_better=True)
     trainer.compute_metrics = accuracy
     assert cb.resume_point(trainer) is None  # nothing to resume: a fresh run
     trainer.train()
-    return {"out": out, "cb": cb, "trainer": trainer}
 
-
-def test_saves_on_the_trainers_events_and_keeps_what_retention_says(finished: dict[str, Any]) -> None:
-    out, cb, trainer = finished["out"], finished["cb"], finished["trainer"]
     evals = {e["step"]: e for e in trainer.state.log_history if "eval_loss" in e}
     assert sorted(evals) == [3, 6, 9, 12, 15]
     best = max(evals, key=lambda s: evals[s]["eval_loss"])
@@ -62,7 +56,7 @@ def test_saves_on_the_trainers_events_and_keeps_what_retention_says(finished: di
         assert info.metrics["eval_loss"] == evals[step]["eval_loss"]
         assert info.metrics["eval_accuracy"] == pytest.approx(float(evals[step]["eval_accuracy"]))
     # the Trainer wrote no checkpoint folders of its own
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     # a plain trainstate checkpoint: everything a resume needs, readable without the Trainer
     saved = trainstate.load(cb.manager.path_for(15))
     assert set(saved) == {"model", "optimizer", "lr_scheduler", "trainer_state", "rng", "data"}
@@ -76,22 +70,36 @@ def test_saves_on_the_trainers_events_and_keeps_what_retention_says(finished: di
         assert np.array_equal(value.numpy(), best_model[name]), name
 
 
-def test_resume_point_writes_a_stand_in_the_trainer_reads(finished: dict[str, Any], tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    shutil.copytree(finished["out"] / "ckpt", out / "ckpt")
+@pytest.fixture(scope="module")
+def short(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One epoch (5 updates), saved at 3 and at the end, NumPy metrics in its log history."""
+    out = tmp_path_factory.mktemp("short")
     cb = TrainstateCallback(out / "ckpt")
-    trainer = run.trainer(str(out), [cb])
+    trainer = run.trainer(str(out), [cb], num_train_epochs=1)
+    trainer.compute_metrics = accuracy
+    trainer.train()
+    return {"ckpt": out / "ckpt", "trainer": trainer}
+
+
+def test_resume_point_writes_a_stand_in_the_trainer_reads(short: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(short["ckpt"], out / "ckpt")
+    cb = TrainstateCallback(out / "ckpt")
+    trainer = run.trainer(str(out), [cb], num_train_epochs=1)
     folder = cb.resume_point(trainer)
-    assert folder is not None and cb.resumed_from == 15
+    assert folder is not None and cb.resumed_from == 5
     with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as f:
         state = json.load(f)  # plain JSON: the NumPy metrics became floats
-    assert state["global_step"] == 15 and state["log_history"] == finished["trainer"].state.log_history
+    history = short["trainer"].state.log_history
+    assert state["global_step"] == 5 and state["log_history"] == history[:-1]  # all but the end-of-training summary
+    assert "train_runtime" in history[-1]
+    assert any(isinstance(e.get("eval_accuracy"), float) for e in state["log_history"])
     with open(os.path.join(folder, "model.safetensors.index.json"), encoding="utf-8") as f:
         assert set(json.load(f)["weight_map"]) == set(trainer.model.state_dict())
     trainer.train(resume_from_checkpoint=folder)  # the run was over: nothing to train, the state restored
     assert not os.path.exists(folder)  # removed once the Trainer read it
-    assert trainer.state.global_step == 15
-    saved = trainstate.load(out / "ckpt" / "step_00000015", include="model.*")["model"]
+    assert trainer.state.global_step == 5
+    saved = trainstate.load(out / "ckpt" / "step_00000005", include="model.*")["model"]
     for name, value in trainer.model.state_dict().items():
         assert np.array_equal(value.numpy(), saved[name]), name
 
@@ -129,12 +137,13 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path: Path) -> None:
 
 def test_the_callback_added_twice(tmp_path: Path) -> None:
     cb = TrainstateCallback(tmp_path / "ckpt")
-    with pytest.raises(trainstate.CheckpointError, match="another CheckpointManager"):
-        TrainstateCallback(tmp_path / "ckpt")  # a second one on the same directory, while the first is open
-    trainer = run.trainer(str(tmp_path), [cb], num_train_epochs=1)  # 5 updates: saves at 3 and at the end
+    trainer = run.trainer(str(tmp_path), [cb], num_train_epochs=1, eval_strategy="no")  # saves at 3 and 5
     trainer.add_callback(cb)  # the same one again: the Trainer warns, and calls it twice per event
     assert trainer.callback_handler.callbacks.count(cb) == 2
-    assert cb.resume_point(trainer) is None
+    assert cb.resume_point(trainer) is None  # opens the manager, which locks the directory
+    second = TrainstateCallback(tmp_path / "ckpt")  # building one takes no lock (a notebook cell run again)...
+    with pytest.raises(trainstate.CheckpointError, match="another CheckpointManager"):
+        second.resume_point(run.trainer(str(tmp_path), [second]))  # ...but it cannot save beside the first
     trainer.train()
     assert [r.step for r in cb.manager.history()] == [3, 5]  # once each
 
@@ -155,31 +164,31 @@ def test_a_directory_from_another_tool_is_named(tmp_path: Path) -> None:
 
 
 def test_a_damaged_newest_checkpoint_is_skipped(
-    finished: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+    short: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     out = tmp_path / "run"
-    shutil.copytree(finished["out"] / "ckpt", out / "ckpt")
-    newest = out / "ckpt" / "step_00000015"
+    shutil.copytree(short["ckpt"], out / "ckpt")
+    newest = out / "ckpt" / "step_00000005"
     data = max(newest.glob("*.safetensors"), key=lambda p: p.stat().st_size)
     raw = bytearray(data.read_bytes())
     raw[-5] ^= 0xFF  # a flipped bit in a tensor's bytes
     data.write_bytes(bytes(raw))
     cb = TrainstateCallback(out / "ckpt")
-    trainer = run.trainer(str(out), [cb])
+    trainer = run.trainer(str(out), [cb], num_train_epochs=1, eval_strategy="no")
     with caplog.at_level(logging.WARNING, logger="trainstate"):
         folder = cb.resume_point(trainer)
-    assert folder is not None and cb.resumed_from == 12
-    assert "step_00000015 cannot be resumed from" in caplog.text
+    assert folder is not None and cb.resumed_from == 3
+    assert "step_00000005 cannot be resumed from" in caplog.text
     trainer.train(resume_from_checkpoint=folder)
-    assert trainer.state.global_step == 15
+    assert trainer.state.global_step == 5
 
 
-def test_resuming_with_another_batch_size_is_refused(finished: dict[str, Any], tmp_path: Path) -> None:
+def test_resuming_with_another_batch_size_is_refused(short: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "run"
-    shutil.copytree(finished["out"] / "ckpt", out / "ckpt")
-    shutil.rmtree(out / "ckpt" / "step_00000015")  # resume mid-run, from step 12
+    shutil.copytree(short["ckpt"], out / "ckpt")
+    shutil.rmtree(out / "ckpt" / "step_00000005")  # resume mid-run, from step 3
     cb = TrainstateCallback(out / "ckpt")
-    trainer = run.trainer(str(out), [cb], per_device_train_batch_size=2)
+    trainer = run.trainer(str(out), [cb], num_train_epochs=1, per_device_train_batch_size=2)
     folder = cb.resume_point(trainer)
     with pytest.raises(
         trainstate.StateMismatchError, match=r"data.batches_per_epoch: target has 20, checkpoint has 10"
@@ -196,7 +205,7 @@ class _Preempt(TrainerCallback):  # type: ignore[misc]
 def test_a_preemption_signal_saves_and_stops(tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGUSR1)
     cb = TrainstateCallback(tmp_path / "ckpt", async_save=True)
-    trainer = run.trainer(str(tmp_path), [cb, _Preempt()])
+    trainer = run.trainer(str(tmp_path), [cb, _Preempt()], eval_strategy="no")
     trainer.train(resume_from_checkpoint=cb.resume_point(trainer))
     assert cb.preempted and trainer.state.global_step == 5  # the step under way when the signal came
     assert [(r.step, r.reason) for r in cb.manager.history()] == [

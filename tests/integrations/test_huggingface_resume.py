@@ -103,6 +103,7 @@ def test_control_without_putting_the_rng_back_the_comparison_fails(
     assert not all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), reference.model.parameters()))
 
 
+@pytest.mark.slow  # what seeding adds, shown again by the slow test below; CI's control is the one above
 def test_control_without_seeding_samples_the_resume_is_not_exact(tmp_path: Path) -> None:
     """What seed_per_sample adds: with the Trainer's own data randomness, a run cut after step 6 (the newer
     checkpoints deleted, as a kill would have left it) and resumed differs from the run that went on."""

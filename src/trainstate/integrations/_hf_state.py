@@ -69,9 +69,12 @@ class TrainerStateView:
         self._callbacks = callbacks
         self._flos = flos
         self.saved: dict[str, Any] | None = None
+        self.leave_out_last_log = False  # the Trainer's end-of-training summary, logged before the last save
 
     def state_dict(self) -> dict[str, Any]:
         snapshot: dict[str, Any] = plain(dataclasses.asdict(self._state()))
+        if self.leave_out_last_log and snapshot["log_history"]:
+            snapshot["log_history"] = snapshot["log_history"][:-1]
         snapshot["total_flos"] = snapshot["total_flos"] + float(self._flos())
         exported: dict[str, Any] = dict(snapshot.get("stateful_callbacks") or {})
         fresh: dict[str, Any] = {}

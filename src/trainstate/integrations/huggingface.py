@@ -129,8 +129,10 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._directory = directory
         self._options = options
         self._policy = _OnTheTrainersEvents()
-        self._manager = self._new_manager()  # checks the options and the directory now, and locks it
-        self._closed = False
+        # checks the options and the directory now; the manager that saves (and locks the directory) opens when
+        # training begins (or at resume_point), so building the callback again in a notebook finds no lock held
+        self._manager = self._new_manager(read_only=True)
+        self._closed = True
         self._trainer: weakref.ReferenceType[Any] | None = None
         self._state: Any = None  # the Trainer's live TrainerState and TrainerControl, as the events pass them
         self._control: Any = None
@@ -156,7 +158,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
     @property
     def manager(self) -> CheckpointManager:
         """The :class:`~trainstate.CheckpointManager` that writes and keeps the checkpoints (``list()``,
-        ``best()``, ``history()``, ``pin()``)."""
+        ``best()``, ``history()``, ``pin()``); a read-only one until training (or :meth:`resume_point`) opens it."""
         return self._manager
 
     @property
@@ -296,6 +298,15 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: Any = None, **kw: Any
     ) -> None:
         self._seen(state, control)
+        if isinstance(logs, dict) and "train_runtime" in logs:
+            # the summary Trainer.train logs once training is over: the last checkpoint is of the state before it,
+            # as the Trainer's own last checkpoint is (its metrics are of the whole call, not of the step)
+            self._trainer_state.leave_out_last_log = True
+            try:
+                self._flush()
+            finally:
+                self._trainer_state.leave_out_last_log = False
+            return
         self._note(state, logs)
 
     def on_evaluate(
@@ -421,11 +432,13 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _new_manager(self) -> CheckpointManager:
-        return CheckpointManager(self._directory, save_policies=[self._policy], capture_rng=False, **self._options)
+    def _new_manager(self, read_only: bool = False) -> CheckpointManager:
+        return CheckpointManager(
+            self._directory, save_policies=[self._policy], capture_rng=False, read_only=read_only, **self._options
+        )
 
     def _open(self) -> CheckpointManager:
-        """The manager, opened again after a previous train() closed it."""
+        """The manager that saves: opened at the first resume_point or train(), and again after train() closed it."""
         if self._closed:
             self._manager, self._closed = self._new_manager(), False
         return self._manager
