@@ -23,7 +23,7 @@ pytest.importorskip("accelerate")
 torch = pytest.importorskip("torch")
 
 import hf_trainer_run as run  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from transformers import TrainerCallback, default_data_collator  # noqa: E402
 
 import trainstate  # noqa: E402
 from trainstate.integrations.huggingface import TrainstateCallback  # noqa: E402
@@ -64,6 +64,8 @@ def test_saves_on_the_trainers_events_and_keeps_what_retention_says(tmp_path: Pa
     assert saved["data"]["epoch"] == 3 and saved["data"]["batches_into_epoch"] == 0
     assert saved["data"]["batches_per_epoch"] == 10 and saved["data"]["seeded_per_sample"] is True
     assert isinstance(saved["trainer_state"]["log_history"][1]["eval_accuracy"], float)
+    # the training loader's dataset is the user's again: the per-sample seeding hook is gone
+    assert "__getitems__" not in vars(trainer.train_dataset)
     # load_best_model_at_end: the model now is the best checkpoint's
     best_model = trainstate.load(cb.manager.path_for(best), include="model.*")["model"]
     for name, value in trainer.model.state_dict().items():
@@ -194,6 +196,38 @@ def test_resuming_with_another_batch_size_is_refused(short: dict[str, Any], tmp_
         trainstate.StateMismatchError, match=r"data.batches_per_epoch: target has 20, checkpoint has 10"
     ):
         trainer.train(resume_from_checkpoint=folder)
+
+
+class _Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The run's sequences as a stream (no index: nothing to seed per sample), deterministic."""
+
+    def __iter__(self) -> Any:
+        data = run.NoisyTokens()
+        for i in range(len(data)):
+            yield {"input_ids": data.x[i], "labels": data.y[i]}
+
+
+def test_an_iterable_dataset_resumes_exactly_when_its_stream_is_fixed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def train(out: Path) -> tuple[Any, TrainstateCallback]:
+        cb = TrainstateCallback(out / "ckpt", keep_last=5)
+        trainer = run.trainer(str(out), [cb], max_steps=6, save_steps=2, eval_strategy="no")
+        trainer.train_dataset = _Stream()
+        trainer.data_collator = default_data_collator  # fetching draws no random number
+        trainer.train(resume_from_checkpoint=cb.resume_point(trainer))
+        return trainer, cb
+
+    with caplog.at_level(logging.WARNING, logger="trainstate"):
+        whole, cb = train(tmp_path / "whole")
+    assert "not seeded per sample (an iterable dataset has no sample index" in caplog.text
+    assert [r.step for r in cb.manager.history()] == [2, 4, 6]
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "ckpt" / "step_00000006")
+    resumed, cb = train(tmp_path / "cut")
+    assert cb.resumed_from == 4
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
 
 
 class _Preempt(TrainerCallback):  # type: ignore[misc]

@@ -148,15 +148,19 @@ class SeedingGetitems:
     def __call__(self, indices: list[Any]) -> list[Any]:
         if not indices or not isinstance(indices[0], seeding.SeededIndex):  # not the training loader's
             return self.own(indices) if self.own is not None else [self.dataset[i] for i in indices]
-        _keep_caller_rng()
-        if self.own is not None:
-            seeding.seed_globals(indices[0].seed)
-            return self.own([int(i) for i in indices])
-        out = []
-        for i in indices:
-            seeding.seed_globals(i.seed)
-            out.append(self.dataset[int(i)])
-        return out
+        _keep_caller_rng()  # put back by RestoringCollate once the batch is collated
+        try:
+            if self.own is not None:
+                seeding.seed_globals(indices[0].seed)
+                return self.own([int(i) for i in indices])
+            out = []
+            for i in indices:
+                seeding.seed_globals(i.seed)
+                out.append(self.dataset[int(i)])
+            return out
+        except BaseException:
+            _restore_caller_rng()  # no collate follows a failed fetch
+            raise
 
 
 class RestoringCollate:
