@@ -15,10 +15,12 @@ uses the Trainer's own checkpoints and resume instead of trainstate's (a compari
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -104,6 +106,18 @@ def trainer(output_dir: str, callbacks: list[Any], **overrides: Any) -> Trainer:
         data_collator=masking_collator,
         callbacks=callbacks,
     )
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread, as the script runs: a tiny model's steps on two threads of a busy two-core machine
+    spend most of their time spinning (7 s of CPU for this run against 0.9 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class KillAfterSave(TrainerCallback):  # type: ignore[misc]

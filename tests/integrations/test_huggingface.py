@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,12 @@ from transformers import TrainerCallback, default_data_collator  # noqa: E402
 
 import trainstate  # noqa: E402
 from trainstate.integrations.huggingface import TrainstateCallback  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    with run.one_thread():
+        yield
 
 
 def accuracy(pred: Any) -> dict[str, Any]:
@@ -79,7 +86,8 @@ def short(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cb = TrainstateCallback(out / "ckpt")
     trainer = run.trainer(str(out), [cb], num_train_epochs=1)
     trainer.compute_metrics = accuracy
-    trainer.train()
+    with run.one_thread():
+        trainer.train()
     return {"ckpt": out / "ckpt", "trainer": trainer}
 
 

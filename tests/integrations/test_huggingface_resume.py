@@ -38,15 +38,11 @@ def _script(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _in_process(run_dir: Path, **callback: Any) -> tuple[Any, TrainstateCallback]:
     """Train (or resume) in this process as the script does; returns the trainer and its callback."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with run.one_thread():
         cb = TrainstateCallback(run_dir / "ckpt", keep_last=2, **callback)
         trainer = run.trainer(str(run_dir), [cb])
         trainer.train(resume_from_checkpoint=cb.resume_point(trainer))
         return trainer, cb
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _history(run_dir: Path, resumed_at: int = 0) -> list[dict[str, Any]]:
