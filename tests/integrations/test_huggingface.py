@@ -140,6 +140,12 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path: Path) -> None:
     with pytest.raises(trainstate.InvalidArgumentError, match=r"keep_best=\('eval_loss', 'min', 1\)"):
         trainer.train()
 
+    done = TrainstateCallback(tmp_path / "done")  # a directory with a run's checkpoints, and no resume_point call
+    with trainstate.CheckpointManager(tmp_path / "done") as mgr:
+        mgr.save(15, {"w": np.ones(2)})
+    with pytest.raises(trainstate.InvalidArgumentError, match=r"already holds checkpoints .*resume_point\(trainer\)"):
+        run.trainer(str(tmp_path), [done]).train()
+
     stray = TrainstateCallback(tmp_path / "stray")
     with pytest.raises(trainstate.InvalidArgumentError, match="add_callback"):
         stray.resume_point(run.trainer(str(tmp_path), []))  # the callback is not the Trainer's

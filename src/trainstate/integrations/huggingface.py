@@ -96,8 +96,9 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
 
     Raises:
         InvalidArgumentError: a save schedule or an unknown option (at once); ``save_strategy="no"``,
-            DeepSpeed, FSDP, several processes, or ``load_best_model_at_end`` without a ``keep_best`` on its
-            metric (when training begins).
+            DeepSpeed, FSDP, several processes, ``load_best_model_at_end`` without a ``keep_best`` on its
+            metric, or a fresh start in a directory that holds checkpoints without :meth:`resume_point` having
+            looked at them (when training begins).
 
     Example:
         >>> cb = TrainstateCallback("runs/exp1", keep_last=3, keep_best=("eval_loss", "min", 1), async_save=True)
@@ -259,6 +260,15 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             self._seeding = data.install(self._loader, self._epoch)
         if self._resume is not None:
             self._restore(args, state)
+        elif state.global_step == 0 and self._trainer is None:
+            newest = self._manager.latest()
+            if newest is not None:  # resume_point never looked: most likely forgotten
+                raise InvalidArgumentError(
+                    f"{self._manager.directory} already holds checkpoints (the newest: step {newest.step}) and this "
+                    "run starts from step 0, so its checkpoints would become the newest and retention would delete "
+                    "those: resume with trainer.train(resume_from_checkpoint=cb.resume_point(trainer)), or give "
+                    "the new run a directory of its own"
+                )
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self._seen(state, control)
