@@ -210,6 +210,13 @@ def test_resuming_with_another_batch_size_is_refused(short: dict[str, Any], tmp_
         trainstate.StateMismatchError, match=r"data.batches_per_epoch: target has 20, checkpoint has 10"
     ):
         trainer.train(resume_from_checkpoint=folder)
+    # the failed start let go of everything: the dataset is the user's, the directory unlocked
+    assert "__getitems__" not in vars(trainer.train_dataset)
+    trainstate.CheckpointManager(out / "ckpt").close()
+    # and the same callback starts again, at the batch size the run had
+    trainer = run.trainer(str(out), [cb], num_train_epochs=1, eval_strategy="no")
+    trainer.train(resume_from_checkpoint=cb.resume_point(trainer))
+    assert cb.resumed_from == 3 and trainer.state.global_step == 5
 
 
 class _Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]

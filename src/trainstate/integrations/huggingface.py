@@ -47,7 +47,14 @@ with optional("transformers", extra="huggingface", needed_for="trainstate.integr
 from trainstate._manager import CheckpointManager
 from trainstate._manager.policies import KeepBest, saved_order
 from trainstate._restore.checkpoint import open_checkpoint
-from trainstate.errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
+from trainstate.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    EncryptionKeyError,
+    FormatVersionError,
+    InvalidArgumentError,
+    StateMismatchError,
+)
 from trainstate.integrations import _hf_data as data
 from trainstate.integrations import _hf_resume as stand_in
 from trainstate.integrations._hf_state import DeferredRNG, Record, TrainerStateView, numbers, plain
@@ -138,6 +145,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._state: Any = None  # the Trainer's live TrainerState and TrainerControl, as the events pass them
         self._control: Any = None
         self._live: dict[str, Any] | None = None  # what is saved: references to the live objects
+        self._began: Any = None  # the TrainerState of the train() call set up
         self._rng = DeferredRNG()
         self._trainer_state = TrainerStateView(lambda: self._state, self._exported, self._flos)
         self._position = Record(lambda: data.position(self._args, self._state, self._loader, self._seeding is not None))
@@ -217,7 +225,9 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
                             f"{path} holds no trainer_state: it was not written by TrainstateCallback; give the "
                             "callback a run directory of its own"
                         ) from None
-            except CorruptCheckpointError as e:
+            except (InvalidArgumentError, FormatVersionError, EncryptionKeyError):
+                raise  # not damage: an older checkpoint would not do better (as restore_latest decides)
+            except CheckpointError as e:  # damaged, or deleted meanwhile
                 why = str(e).splitlines()[0]
                 log.warning("checkpoint %s cannot be resumed from (%s); trying the one before it", info.name, why)
                 failures.append(f"  {info.name}: {why}")
@@ -237,8 +247,18 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self._seen(state, control)
-        if self._live is not None:  # the callback was added twice: one set of hooks
-            return
+        if self._live is not None:
+            if self._began is state:  # the callback was added twice: this train() is set up already
+                return
+            self._end()  # an earlier train() stopped by an exception never reached on_train_end
+        self._began = state  # each train() makes a new TrainerState
+        try:
+            self._begin(args, state, kw)
+        except BaseException:
+            self._end()
+            raise
+
+    def _begin(self, args: Any, state: Any, kw: dict[str, Any]) -> None:
         self._check(args)
         self._open()
         self._pending = self._saved = None
@@ -341,12 +361,17 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             self._flush()
             if args.load_best_model_at_end:
                 self._load_best(args)
-            self._manager.close()
         finally:
+            self._end()
+
+    def _end(self) -> None:
+        """Let go of what training held: the seeding hooks, the stand-in, the manager (after its saves commit)."""
+        data.uninstall(self._seeding)
+        self._seeding, self._live, self._rng_at, self._began = None, None, None, None
+        self._discard_stand_in()
+        if not self._closed:
             self._closed = True
-            data.uninstall(self._seeding)
-            self._seeding, self._live, self._rng_at = None, None, None
-            self._discard_stand_in()
+            self._manager.close()
 
     # -- saving -------------------------------------------------------------------------------------
 
