@@ -59,58 +59,54 @@ def _history(run_dir: Path, resumed_at: int = 0) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One SIGKILLed run (async saves, killed right after handing over step 6's), resumed in a fresh process."""
-    root = tmp_path_factory.mktemp("hf")
-    killed = _script(str(root / "k"), str(root / "never"), "--kill-at", "6", "--async")
+def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path: Path) -> None:
+    """One run with async saves, SIGKILLed right after handing over step 6's save, resumed in a fresh process."""
+    killed = _script(str(tmp_path / "k"), str(tmp_path / "never"), "--kill-at", "6", "--async")
     assert killed.returncode == -9, killed.stderr[-3000:]
-    assert not (root / "never").exists()
-    shutil.copytree(root / "k", root / "k-as-killed")  # for the controls, which resume it again in here
-    resumed = _script(str(root / "k"), str(root / "k-final"))
+    assert not (tmp_path / "never").exists()
+    resumed = _script(str(tmp_path / "k"), str(tmp_path / "k-final"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    reference, _ = _in_process(root / "u")
-    return {"root": root, "resumed": resumed.stdout, "reference": reference}
-
-
-def test_sigkill_mid_epoch_then_resume_is_bit_identical(killed_and_resumed: dict[str, Any]) -> None:
-    root, reference = killed_and_resumed["root"], killed_and_resumed["reference"]
     # the async save of step 6 may not have committed before the kill: then step 3's is the newest; both are
     # mid-epoch (5 updates an epoch)
-    (step,) = [int(line.split()[-1]) for line in killed_and_resumed["resumed"].splitlines() if "resumed from" in line]
+    (step,) = [int(line.split()[-1]) for line in resumed.stdout.splitlines() if "resumed from" in line]
     assert step in (3, 6)
-    resumed = trainstate.load(root / "k-final")
-    assert_same(resumed, trainstate.load(_save_model(root / "u-final", reference)))
+    reference, _ = _in_process(tmp_path / "u")
+    assert_same(trainstate.load(tmp_path / "k-final"), trainstate.load(_save_model(tmp_path / "u-final", reference)))
     # the Trainer's own view agrees too: every logged gradient norm, learning rate, loss and evaluation
-    assert _history(root / "k", step) == _history(root / "u", step)
-    assert not [p for p in (root / "k").iterdir() if p.name.startswith("checkpoint-")]  # no Trainer pickles
+    assert _history(tmp_path / "k", step) == _history(tmp_path / "u", step)
+    assert not [p for p in (tmp_path / "k").iterdir() if p.name.startswith("checkpoint-")]  # no Trainer pickles
 
 
-def test_control_without_putting_the_rng_back_the_comparison_fails(
-    killed_and_resumed: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Resume the same killed run, but leave the generators as the fresh process has them: the weights differ."""
-    root = killed_and_resumed["root"]
-    shutil.copytree(root / "k-as-killed", root / "no-rng")
-    monkeypatch.setattr(_hf_state.DeferredRNG, "apply", lambda self: None)
-    trainer, cb = _in_process(root / "no-rng")
-    assert cb.resumed_from in (3, 6)
-    reference = killed_and_resumed["reference"]
-    assert not all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), reference.model.parameters()))
-
-
-@pytest.mark.slow  # what seeding adds, shown again by the slow test below; CI's control is the one above
-def test_control_without_seeding_samples_the_resume_is_not_exact(tmp_path: Path) -> None:
-    """What seed_per_sample adds: with the Trainer's own data randomness, a run cut after step 6 (the newer
-    checkpoints deleted, as a kill would have left it) and resumed differs from the run that went on."""
-    reference, _ = _in_process(tmp_path / "u", seed_per_sample=False, keep_every_steps=3)
+def _cut_and_resume(tmp_path: Path, **callback: Any) -> tuple[Any, Any]:
+    """A whole run, and the same run cut after step 6 (the newer checkpoints deleted, as a kill after step 6's save
+    leaves it) and resumed, in this process; returns both trainers."""
+    reference, _ = _in_process(tmp_path / "u", keep_every_steps=3, **callback)
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "u", cut)
     for newer in (9, 12, 15):
         shutil.rmtree(cut / "ckpt" / f"step_{newer:08d}")
-    resumed, cb = _in_process(cut, seed_per_sample=False, keep_every_steps=3)
+    resumed, cb = _in_process(cut, keep_every_steps=3, **callback)
     assert cb.resumed_from == 6
-    assert not all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), reference.model.parameters()))
+    return reference, resumed
+
+
+def _same_weights(a: Any, b: Any) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+
+
+def test_control_without_putting_the_rng_back_the_comparison_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The comparison above catches a resume that is not exact: leave the generators as the fresh process has
+    them, and the weights differ."""
+    monkeypatch.setattr(_hf_state.DeferredRNG, "apply", lambda self: None)
+    assert not _same_weights(*_cut_and_resume(tmp_path))
+
+
+@pytest.mark.slow  # what seeding adds, measured again by the slow test below; CI's control is the one above
+def test_control_without_seeding_samples_the_resume_is_not_exact(tmp_path: Path) -> None:
+    """With the Trainer's own randomness in fetching batches, a resume differs from the run that went on."""
+    assert not _same_weights(*_cut_and_resume(tmp_path, seed_per_sample=False))
 
 
 def _save_model(path: Path, trainer: Any) -> Path:
