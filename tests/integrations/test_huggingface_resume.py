@@ -36,11 +36,13 @@ def _script(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
 
 
-def _in_process(run_dir: Path, **callback: Any) -> tuple[Any, TrainstateCallback]:
+def _in_process(
+    run_dir: Path, overrides: dict[str, Any] | None = None, **callback: Any
+) -> tuple[Any, TrainstateCallback]:
     """Train (or resume) in this process as the script does; returns the trainer and its callback."""
     with run.one_thread():
-        cb = TrainstateCallback(run_dir / "ckpt", keep_last=2, **callback)
-        trainer = run.trainer(str(run_dir), [cb])
+        cb = TrainstateCallback(run_dir / "ckpt", **{"keep_last": 2, **callback})
+        trainer = run.trainer(str(run_dir), [cb], **(overrides or {}))
         trainer.train(resume_from_checkpoint=cb.resume_point(trainer))
         return trainer, cb
 
@@ -77,21 +79,30 @@ def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path: Path) -> None:
     assert not [p for p in (tmp_path / "k").iterdir() if p.name.startswith("checkpoint-")]  # no Trainer pickles
 
 
-def _cut_and_resume(tmp_path: Path, **callback: Any) -> tuple[Any, Any]:
-    """A whole run, and the same run cut after step 6 (the newer checkpoints deleted, as a kill after step 6's save
-    leaves it) and resumed, in this process; returns both trainers."""
-    reference, _ = _in_process(tmp_path / "u", keep_every_steps=3, **callback)
+def _cut_and_resume(
+    tmp_path: Path, at: int = 6, overrides: dict[str, Any] | None = None, **callback: Any
+) -> tuple[Any, Any]:
+    """A whole run, and the same run cut after step ``at`` (the newer checkpoints deleted, as a kill after that
+    step's save leaves it) and resumed, in this process; returns both trainers."""
+    reference, _ = _in_process(tmp_path / "u", overrides, keep_last=20, **callback)
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "u", cut)
-    for newer in (9, 12, 15):
-        shutil.rmtree(cut / "ckpt" / f"step_{newer:08d}")
-    resumed, cb = _in_process(cut, keep_every_steps=3, **callback)
-    assert cb.resumed_from == 6
+    for newer in (p for p in (cut / "ckpt").iterdir() if p.name.startswith("step_") and int(p.name[5:]) > at):
+        shutil.rmtree(newer)
+    resumed, cb = _in_process(cut, overrides, keep_last=20, **callback)
+    assert cb.resumed_from == at
     return reference, resumed
 
 
 def _same_weights(a: Any, b: Any) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+
+
+def test_resumed_at_an_epoch_boundary_is_bit_identical(tmp_path: Path) -> None:
+    """Saved at each epoch's end (after its evaluation): the generators go back before the next epoch's iterator
+    starts, not after its first batches as mid-epoch."""
+    reference, resumed = _cut_and_resume(tmp_path, 10, {"save_strategy": "epoch", "eval_strategy": "epoch"})
+    assert _same_weights(reference, resumed)
 
 
 def test_control_without_putting_the_rng_back_the_comparison_fails(
