@@ -167,12 +167,24 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
     @property
     def manager(self) -> CheckpointManager:
         """The :class:`~trainstate.CheckpointManager` that writes and keeps the checkpoints (``list()``,
-        ``best()``, ``history()``, ``pin()``); a read-only one until training (or :meth:`resume_point`) opens it."""
+        ``best()``, ``history()``, ``pin()``); a read-only one until training (or :meth:`resume_point`) opens it.
+
+        Example:
+            >>> trainer.train(resume_from_checkpoint=cb.resume_point(trainer))
+            >>> [info.step for info in cb.manager.list()]
+            [40, 50]
+        """
         return self._manager
 
     @property
     def preempted(self) -> bool:
-        """True once a preemption signal arrived, its checkpoint was saved and training was stopped: exit."""
+        """True once a preemption signal arrived, its checkpoint was saved and training was stopped: exit.
+
+        Example:
+            >>> trainer.train(resume_from_checkpoint=cb.resume_point(trainer))
+            >>> if cb.preempted:
+            ...     sys.exit(0)     # the scheduler restarts the job, which resumes from that checkpoint
+        """
         return self._manager.preempted
 
     def resume_point(self, trainer: Any) -> str | None:
@@ -246,6 +258,12 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
     # -- the Trainer's events -----------------------------------------------------------------------
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        """The Trainer's event hook (training starts: what resume_point chose is restored, the manager opened, the
+        loader seeded). The Trainer calls it; nothing to call yourself.
+
+        Example:
+            >>> trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])   # called from train()
+        """
         self._seen(state, control)
         if self._live is not None:
             if self._began is state:  # the callback was added twice: this train() is set up already
@@ -291,6 +309,12 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
                 )
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        """The Trainer's event hook (an epoch starts: a save taken over at the last step is written now). The
+        Trainer calls it; nothing to call yourself.
+
+        Example:
+            >>> trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])   # called from train()
+        """
         self._seen(state, control)
         self._flush()
         if self._live is None:
@@ -302,6 +326,12 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             self._rng.apply()
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        """The Trainer's event hook (a step starts: a save taken over at the last step is written now; after a
+        resume, the loop's random generators are put back here). The Trainer calls it; nothing to call yourself.
+
+        Example:
+            >>> trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])   # called from train()
+        """
         self._seen(state, control)
         self._flush()
         if self._rng_at == "step":  # the resumed epoch's first batches are fetched: the loop's draws come next
@@ -309,6 +339,12 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             self._rng.apply()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
+        """The Trainer's event hook (a step ends: a save the Trainer is about to make is taken over (written once
+        logging is done)). The Trainer calls it; nothing to call yourself.
+
+        Example:
+            >>> trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])   # called from train()
+        """
         self._seen(state, control)
         if self._live is None:
             return control
@@ -321,12 +357,24 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         return self._take_over(state, control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
+        """The Trainer's event hook (an epoch ends: a save the Trainer is about to make is taken over). The Trainer
+        calls it; nothing to call yourself.
+
+        Example:
+            >>> trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])   # called from train()
+        """
         self._seen(state, control)
         return self._take_over(state, control)
 
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: Any = None, **kw: Any
     ) -> None:
+        """The Trainer's event hook (the Trainer logs: a taken-over save is written after the step's logs, with its
+        metrics). The Trainer calls it; nothing to call yourself.
+
+        Example:
+            >>> trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])   # called from train()
+        """
         self._seen(state, control)
         if isinstance(logs, dict) and "train_runtime" in logs:
             # the summary Trainer.train logs once training is over: the last checkpoint is of the state before it,
@@ -342,10 +390,22 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, metrics: Any = None, **kw: Any
     ) -> None:
+        """The Trainer's event hook (the Trainer evaluated: the metrics go with the step's checkpoint
+        (``keep_best``)). The Trainer calls it; nothing to call yourself.
+
+        Example:
+            >>> trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])   # called from train()
+        """
         self._seen(state, control)
         self._note(state, metrics)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        """The Trainer's event hook (the Trainer saved a checkpoint of its own (``save_strategy="best"``):
+        trainstate saves beside it). The Trainer calls it; nothing to call yourself.
+
+        Example:
+            >>> trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])   # called from train()
+        """
         # The Trainer saved a checkpoint of its own: a save decided after the callback's last chance to take it
         # over (save_strategy="best", or another callback raising should_save). Save beside it.
         self._seen(state, control)
@@ -354,6 +414,13 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             self._flush()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        """The Trainer's event hook (training ends: a save taken over at the last step is written, the best model
+        loaded (load_best_model_at_end), the loader's seeding and the directory lock let go). The Trainer calls
+        it; nothing to call yourself.
+
+        Example:
+            >>> trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])   # called from train()
+        """
         self._seen(state, control)
         if self._live is None:
             return
