@@ -65,7 +65,7 @@ class TensorTable:
                 raise UnsupportedValueError(
                     f"this process holds only part of it (shape {list(shape)} at {list(offset)} of "
                     f"{list(global_shape)}): save it collectively, on every process (the default under "
-                    "torch.distributed and jax.distributed), not with collective=False"
+                    "a job of several processes), not with collective=False"
                 )
         ident = adapter.identity(value)
         if ident is not None and ident in self._by_identity:
