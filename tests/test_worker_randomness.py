@@ -72,10 +72,16 @@ def _kill_and_resume(tmp_path: Path, flags: list[str], kill_at: int) -> tuple[An
 
 
 @pytest.mark.parametrize(
-    "workers",
-    [pytest.param(0, marks=pytest.mark.slow), 2],  # in-process with a sampler: the DDP resume test too
+    ("loader_kind", "workers"),
+    [
+        pytest.param("sampler", 0, marks=pytest.mark.slow),  # in-process with a sampler: the DDP resume test too
+        pytest.param(*LOADERS[1].values, 0, marks=[*LOADERS[1].marks, pytest.mark.slow]),
+        # CI: the same workers and per-sample seeding run in the StatefulDataLoader case below; a SIGKILLed
+        # ResumableSampler run resumes in test_demo and the 2-rank DDP test
+        pytest.param("sampler", 2, marks=pytest.mark.slow),
+        pytest.param(*LOADERS[1].values, 2, marks=LOADERS[1].marks),
+    ],
 )
-@pytest.mark.parametrize("loader_kind", LOADERS)
 def test_augmentation_in_workers_resumes_bit_identically_after_sigkill(tmp_path, loader_kind, workers):
     """Dropout plus a dataset drawing from random, np.random and torch in ``__getitem__``, killed at step 8
     of 20 (the run goes on into the next epoch) and resumed in a new process."""
