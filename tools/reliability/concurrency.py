@@ -40,8 +40,12 @@ def _writer(root: Path, saves: int, mode: str) -> subprocess.Popen[str]:
 
 def second_manager_refused(work: Path) -> Row:
     row = Row("a second manager on a directory in use (another process)", 1, 0, "refused")
-    proc = _writer(work / "locked", 400, "sync")
+    proc, first = spawn(WRITER, str(work / "locked"), "400", "sync")
     try:
+        if first != "ready\n":  # the writer never held the directory: say why, not "a second manager was allowed"
+            proc.kill()
+            row.notes.append(f"the writer did not start: {first!r} {proc.communicate()[1][-2000:]}")
+            return row
         trainstate.CheckpointManager(work / "locked").close()
         row.notes.append("a second manager was allowed while another process held the directory")
     except trainstate.CheckpointError as e:
