@@ -329,7 +329,7 @@ def test_prepare_reserves_the_staging_buffer_before_the_first_save(tmp_path, all
     with trainstate.CheckpointManager(tmp_path, every_steps=1, async_save=True) as mgr:
         assert mgr.restore_latest(state) is None  # nothing to resume, but the buffer gets ready
         deadline = time.monotonic() + 10
-        while not mgr._writer.buffers[0].capacity and time.monotonic() < deadline:
+        while not mgr._writer.queue.buffers[0].capacity and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(allocations) == 1  # reserved on a helper thread
         mgr.save(0, state)

@@ -55,7 +55,7 @@ def test_dataloader_workers_do_not_share_the_staging_buffer(tmp_path):
         join_reservation()
         mgr.save(1, state)  # the staging buffer now holds the state's bytes
         mgr.wait()
-        buf = mgr._writer.buffers[0]._buf
+        buf = mgr._writer.queue.buffers[0]._buf
         start, end = buf.ctypes.data, buf.ctypes.data + state["w"].nbytes - 64
         expected = {a: peek(a, 64) for a in (start, end)}
         assert expected[start] == state["w"][:16].numpy().tobytes()

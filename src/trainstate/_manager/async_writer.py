@@ -1,10 +1,11 @@
 """The manager's writer: runs its saves one after another, on the caller's thread or in the background.
 
-An async save is the synchronous core (:meth:`Committer.write`) run on one background thread after the
-state's arrays were copied into a reused staging buffer (staging.py), so training goes on while it writes.
-The writer owns what that takes: the buffers, the saves in flight, the error a background save met (raised
-at the next call), the record of finished saves and the step last saved. At most ``max_in_flight`` saves
-run at once, and a synchronous save first waits for all of them: retention never races itself.
+An async save is the synchronous core (:meth:`Committer.write`) run on a background queue
+(``_save/queue.py``: one thread, reused staging buffers, the jobs in flight finished at exit) after the
+state's arrays were copied into a free buffer, so training goes on while it writes. The writer adds what a
+run needs: the error a background save met (raised at the next call), the record of finished saves and the
+step last saved. At most ``max_in_flight`` saves run at once, and a synchronous save first waits for all of
+them: retention never races itself.
 
 Nothing here refers to a manager: a finalizer and an exit hook must work after the manager is gone, and a
 manager dropped with a save in flight must be collectable at once (its finalizer waits for the save).
@@ -12,58 +13,28 @@ manager dropped with a save in flight must be collectable at once (its finalizer
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from trainstate._manager import naming
 from trainstate._manager.committer import Committer, SaveRecord, raise_background
-from trainstate._manager.staging import StagingBuffer
 from trainstate._save import Snapshot
+from trainstate._save.queue import BackgroundQueue
 
 log = logging.getLogger("trainstate")
 
 
 @dataclass
 class InFlight:
-    future: Future[SaveRecord]
-    buffer: StagingBuffer
     step: int
     reason: str
     blocking: float
     previous: tuple[int | None, float]  # (last step, last save time) to go back to if this save fails
-
-
-class InFlightJobs(list[InFlight]):
-    """A writer's saves in flight, oldest first (a list an exit hook can track weakly, by identity)."""
-
-    __hash__ = object.__hash__  # type: ignore[assignment]
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-
-_LIVE: weakref.WeakSet[InFlightJobs] = weakref.WeakSet()
-
-
-def _finish_saves_at_exit() -> None:
-    """At interpreter exit, let async saves in flight commit (a script that ends right after ``save()``
-    must not lose that save). Runs before concurrent.futures stops accepting work, which the writers need."""
-    for jobs in list(_LIVE):
-        for job in list(jobs):
-            try:
-                job.future.result()
-            except Exception as e:  # noqa: BLE001 - nobody is left to raise it to
-                log.error("the background save of step %d failed at exit: %r", job.step, e)
-
-
-if hasattr(threading, "_register_atexit"):  # runs before concurrent.futures' own exit hook (LIFO)
-    threading._register_atexit(_finish_saves_at_exit)
 
 
 class AsyncWriter:
@@ -75,10 +46,7 @@ class AsyncWriter:
         self.history: list[SaveRecord] = []  # finished saves, background ones once collected
         self.last_step: int | None = None  # saved or being saved; taken back if a background save fails
         self.last_save_time = time.monotonic()  # a clock that never steps back
-        self.jobs = InFlightJobs()
-        _LIVE.add(self.jobs)
-        self.buffers = [StagingBuffer() for _ in range(config.max_in_flight)] if config.async_save else []
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-async") if config.async_save else None
+        self.queue = BackgroundQueue(config.max_in_flight if config.async_save else 0, "trainstate-async")
         self._error: BaseException | None = None
         # Under a process group a background save's error is raised only where every rank agreed to raise it
         # (the next save()'s decision): a rank raising it on its own, at the moment its thread happened to
@@ -88,17 +56,17 @@ class AsyncWriter:
     def reserve(self, snapshot: Callable[[], Snapshot]) -> None:
         """Allocate and touch the first staging buffer on a helper thread, unless there is none to reserve
         or it exists already (``snapshot`` is only called when there is work to do)."""
-        if not self.buffers or self.buffers[0].capacity:
+        if not self.queue.buffers or self.queue.buffers[0].capacity:
             return
         threading.Thread(
-            target=self.buffers[0].reserve, args=(snapshot(),), name="trainstate-reserve", daemon=True
+            target=self.queue.buffers[0].reserve, args=(snapshot(),), name="trainstate-reserve", daemon=True
         ).start()
 
     def ready(self, background: bool) -> None:
         """Make room before a save: a free buffer for a background one (raising the error of a save that
         finished meanwhile), every save in flight committed for a synchronous one."""
         if background:
-            while len(self.jobs) >= len(self.buffers):
+            while self.queue.free_buffer() is None:
                 self.collect(block=True, first_only=True)
             if not self.agreed_errors_only:
                 self.raise_pending()  # the save we just waited for may have failed
@@ -134,16 +102,16 @@ class AsyncWriter:
             self.history.append(record)  # only now is the step saved: a failed save leaves it unsaved
             self.last_step, self.last_save_time = step, time.monotonic()
             return
-        busy = {id(job.buffer) for job in self.jobs}
-        buffer = next(b for b in self.buffers if id(b) not in busy)
+        buffer = self.queue.free_buffer()
+        assert buffer is not None  # ready() made room
         staged = buffer.stage(snapshot, threads=self.committer.config.threads)
         blocking = time.perf_counter() - start
-        assert self._pool is not None
-        buffer.in_use.set()
         # the background job holds the committer, never the manager: a manager dropped with a save in
         # flight is collected at once, and its finalizer waits for the save before letting go of the lock
-        future = self._pool.submit(self.committer.write, step, reason, staged, True, None, blocking, facts)
-        self.jobs.append(InFlight(future, buffer, step, reason, blocking, previous))
+        job = functools.partial(self.committer.write, step, reason, staged, True, None, blocking, facts)
+        self.queue.submit(
+            job, buffer, f"the background save of step {step}", InFlight(step, reason, blocking, previous)
+        )
         self.last_step, self.last_save_time = step, time.monotonic()  # taken back if the write fails
         log.debug("step %d: async save started, blocked %.3fs", step, blocking)
 
@@ -152,27 +120,17 @@ class AsyncWriter:
 
         Waiting is interruptible: a second Ctrl-C (KeyboardInterrupt) goes through to the caller.
         """
-        still = []
-        for i, job in enumerate(self.jobs):
-            if block and (not first_only or i == 0):
-                try:
-                    job.future.result()
-                except Exception:  # noqa: BLE001 - recorded just below
-                    pass
-            if not job.future.done():
-                still.append(job)
-                continue
-            job.buffer.in_use.clear()
+        for job in self.queue.finished(block, first_only):
             error = job.future.exception()
             if error is None:
                 self.history.append(job.future.result())
                 continue
             self._error = self._error or error
-            if self.last_step == job.step:  # the step is not saved: a later save(step) must write it
-                self.last_step, self.last_save_time = job.previous
-            path = self.committer.catalog.path(naming.name_for(job.step))
-            self.history.append(SaveRecord(job.step, job.reason, path, True, job.blocking, error=repr(error)))
-        self.jobs[:] = still  # in place: the exit hook tracks this list
+            saved: InFlight = job.info
+            if self.last_step == saved.step:  # the step is not saved: a later save(step) must write it
+                self.last_step, self.last_save_time = saved.previous
+            path = self.committer.catalog.path(naming.name_for(saved.step))
+            self.history.append(SaveRecord(saved.step, saved.reason, path, True, saved.blocking, error=repr(error)))
 
     def failed(self) -> bool:
         """Whether a finished background save failed and the error was not raised yet."""
@@ -198,10 +156,8 @@ class AsyncWriter:
     def close(self) -> None:
         """Let the saves in flight finish and stop the thread; part of a manager's finalizer, so an error
         nobody waited for is logged, since nobody is left to raise it to."""
-        if self._pool is not None:
-            on_pool = threading.current_thread().name.startswith("trainstate-async")
-            self._pool.shutdown(wait=not on_pool)  # a collection on the pool's own thread cannot wait for itself
-        for job in self.jobs:
+        self.queue.shutdown()
+        for job in self.queue.jobs:
             error = job.future.exception() if job.future.done() else None
             if error is not None:
-                log.error("the background save of step %d failed and nobody waited for it: %r", job.step, error)
+                log.error("%s failed and nobody waited for it: %r", job.what, error)

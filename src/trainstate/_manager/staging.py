@@ -47,7 +47,6 @@ class StagingBuffer:
         self._buf: np.ndarray | None = None
         self._pinned: Any = None  # torch tensor keeping pinned memory alive
         self._pid = os.getpid()  # the process whose memory _buf is (a forked child does not have it)
-        self.in_use = threading.Event()
         self._lock = threading.Lock()  # held while the buffer is (re)allocated or written
 
     @property

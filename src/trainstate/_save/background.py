@@ -6,8 +6,9 @@ before the new checkpoint commits, and a crash in between would leave neither. H
 thread in the order it was asked for, and a job queued behind a save that failed is skipped: nothing is
 deleted on the strength of a checkpoint that was never written.
 
-A save copies the state's arrays into a reused host buffer (``_manager/staging.py``, the manager's async
-save uses the same) before it returns, so the caller may change them at once; the bytes are written and
+The thread and the reused host buffers are the background queue's (``queue.py``, the manager's async save
+runs on one too). A save copies the state's arrays into a free buffer before it returns, so the caller may
+change them at once; the bytes are written and
 committed by :func:`trainstate._save.write.write_checkpoint`, the synchronous save's own core. The first
 error a background job meets is raised by the next call (``save``, ``then``, ``wait`` or ``close``).
 """
@@ -17,24 +18,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from trainstate import _gc, _keys
 from trainstate._manager.committer import raise_background
 from trainstate._manager.staging import StagingBuffer
 from trainstate._save.encode import encode_state
+from trainstate._save.queue import BackgroundQueue
 from trainstate._save.write import DEFAULT_THREADS, SaveResult, write_checkpoint
 from trainstate._storage import Storage, resolve
 from trainstate._transforms import Pipeline
-
-
-@dataclass
-class _Job:
-    future: Future[Any]
-    buffer: StagingBuffer | None  # the buffer a save's arrays sit in until it is written
-    what: str
 
 
 class BackgroundSaver:
@@ -48,17 +41,15 @@ class BackgroundSaver:
     """
 
     def __init__(self, *, max_in_flight: int = 1) -> None:
-        self._buffers = [StagingBuffer() for _ in range(max_in_flight)]
-        self._jobs: list[_Job] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._queue = BackgroundQueue(max_in_flight, "trainstate-background")
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # guards _error: a job sets it on the pool's thread
 
     @property
     def in_flight(self) -> int:
         """Jobs queued or running."""
-        self._collect(block=False)
-        return len(self._jobs)
+        self._queue.finished(block=False)
+        return len(self._queue.jobs)
 
     def save(
         self,
@@ -79,11 +70,10 @@ class BackgroundSaver:
         write (a function) and calls it: to prepare the path before and tidy up after."""
         start = time.perf_counter()
         self._raise_pending()
-        busy = self._wait_for_buffer()
+        buffer = self._free_buffer()
         backend, root = resolve(path, storage)
         with _gc.paused():
             snapshot = encode_state(state, metadata)
-        buffer = next(b for b in self._buffers if id(b) not in busy)
         staged = buffer.stage(snapshot, threads=threads)
         blocking = time.perf_counter() - start
 
@@ -100,7 +90,7 @@ class BackgroundSaver:
                 key=key,
             )
 
-        self._submit(write if around is None else lambda: around(write), buffer, f"the save of {path}")
+        self._submit(write if around is None else lambda: around(write), buffer, f"the background save of {path}")
         return blocking
 
     def then(self, job: Callable[[], Any], what: str) -> None:
@@ -110,7 +100,7 @@ class BackgroundSaver:
 
     def wait(self) -> None:
         """Block until every job has run; raise the first error one met."""
-        self._collect(block=True)
+        self._queue.finished(block=True)
         self._raise_pending()
 
     def close(self) -> None:
@@ -118,16 +108,11 @@ class BackgroundSaver:
         try:
             self.wait()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            self._queue.shutdown()
 
     # -- inside ----------------------------------------------------------------------------------
 
     def _submit(self, job: Callable[[], Any], buffer: StagingBuffer | None, what: str) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-background")
-
         def run() -> Any:
             with self._lock:
                 failed = self._error is not None
@@ -140,41 +125,21 @@ class BackgroundSaver:
                     self._error = self._error or e
                 raise
 
-        if buffer is not None:
-            buffer.in_use.set()
-        self._jobs.append(_Job(self._pool.submit(run), buffer, what))
+        self._queue.submit(run, buffer, what)
 
-    def _wait_for_buffer(self) -> set[int]:
-        """Ids of the buffers still in use, once at least one is free."""
+    def _free_buffer(self) -> StagingBuffer:
+        """A buffer no job holds, once one is free (raising the error of a job that failed meanwhile)."""
         while True:
-            self._collect(block=False)
-            busy = {id(j.buffer) for j in self._jobs if j.buffer is not None}
-            if len(busy) < len(self._buffers):
-                return busy
-            first = next(j for j in self._jobs if j.buffer is not None)
-            _result(first.future)
+            self._queue.finished(block=False)
+            buffer = self._queue.free_buffer()
+            if buffer is not None:
+                return buffer
+            self._queue.finished(block=True, first_only=True)
             self._raise_pending()
 
-    def _collect(self, block: bool) -> None:
-        still = []
-        for job in self._jobs:
-            if block:
-                _result(job.future)
-            if not job.future.done():
-                still.append(job)
-            elif job.buffer is not None:
-                job.buffer.in_use.clear()
-        self._jobs = still
-
     def _raise_pending(self) -> None:
-        self._collect(block=False)
+        self._queue.finished(block=False)
         with self._lock:
             error, self._error = self._error, None
         if error is not None:
             raise_background(error)
-
-
-def _result(future: Future[Any]) -> None:
-    """Wait for ``future`` (a Ctrl-C meanwhile goes through); its error was recorded by the job itself and
-    is raised by ``_raise_pending``."""
-    future.exception()
