@@ -114,6 +114,19 @@ def test_wrong_paths_and_metrics_are_usage_errors(trained: Path, tmp_path: Path)
     assert not (tmp_path / "x.png").exists()
 
 
+def test_a_directory_of_checkpoints_no_manager_saved_says_why_it_has_no_history(tmp_path: Path) -> None:
+    """Lightning's plugin names its checkpoints itself (``last.ckpt``) and records no history."""
+    trainstate.save(tmp_path / "last.ckpt", {"w": np.ones(2)})
+    trainstate.save(tmp_path / "epoch=0-step=3.ckpt", {"w": np.ones(2)})
+    (tmp_path / "notes").mkdir()
+    proc = cli("history", str(tmp_path))
+    assert proc.stdout.strip() == f"no saves in {tmp_path}"
+    assert "holds 2 trainstate checkpoint(s) (epoch=0-step=3.ckpt, last.ckpt) that no CheckpointManager" in proc.stderr
+    assert (
+        "no CheckpointManager saved" in cli("history", str(tmp_path), "--plot", str(tmp_path / "x.png"), code=3).stderr
+    )
+
+
 NO_MATPLOTLIB = """
 import sys
 

@@ -46,7 +46,7 @@ def _names(directory: pathlib.Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-@pytest.mark.parametrize("async_save, save_last", [(False, True), (True, True), (False, "link")])
+@pytest.mark.parametrize("async_save, save_last", [(False, True), (True, True), (False, "link"), (True, "link")])
 def test_modelcheckpoint_topk_last_and_resume(run, tmp_path, async_save, save_last):
     plugin = run.Recording(async_save=async_save)
     checkpoints = tmp_path / "checkpoints"
@@ -126,6 +126,11 @@ def _lightning_like_dict() -> dict[str, Any]:
             "config": Config(2, pathlib.Path("data")),
             "threshold": np.float32(0.5),
             "seed": np.int64(3),
+            # NumPy values anywhere: a float64 (a subclass of float) in a list, a scalar beside a Path in a
+            # tuple (a conversion inside a tuple), an array
+            "scales": [np.float64(1.5), np.int32(2), np.float16(0.5), np.bool_(True)],
+            "pair": (np.float32(0.25), pathlib.Path("a")),
+            "table": np.arange(3),
             "nan": float("nan"),
             "blob": b"\x00\x01",
         },
@@ -342,3 +347,50 @@ def _copy_checkpoints(root: pathlib.Path) -> pathlib.Path:
     other = root.parent / f"{root.name}-plain"
     shutil.copytree(root / "checkpoints", other / "checkpoints", symlinks=True)
     return other
+
+
+def test_a_resume_amid_gradient_accumulation_does_not_save_its_step_again(run, tmp_path):
+    """ModelCheckpoint does not keep the step it saved last: resumed at step 3 with two batches a step, it
+    saved step 3 again after the first batch (amid accumulation) over the good checkpoint, and a second
+    interruption then resumed inexactly. Two interruptions, and the run ends as one never interrupted."""
+    import warnings
+
+    class Saves(run.L.Callback):
+        def __init__(self) -> None:
+            self.saved: list[tuple[int, int]] = []
+
+        def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: Any) -> None:
+            self.saved.append((trainer.global_step, trainer.fit_loop.epoch_loop.batch_progress.current.processed))
+
+    def fit(root: pathlib.Path, *callbacks: Any) -> Any:
+        run.L.seed_everything(0, verbose=False)
+        model = run.Tiny()
+        trainer = run.L.Trainer(
+            max_epochs=2,
+            default_root_dir=root,
+            plugins=[run.TrainstateCheckpointIO()],
+            callbacks=[
+                run.ExactResume(),
+                run.ModelCheckpoint(root / "checkpoints", every_n_train_steps=3, save_last=True),
+                *callbacks,
+            ],
+            accumulate_grad_batches=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, run.loader(), ckpt_path="last")
+        return model
+
+    reference = fit(tmp_path / "reference").state_dict()
+    run_dir = tmp_path / "run"
+    with pytest.raises(run.Interrupted):
+        fit(run_dir, run.Interrupt(5))  # last.ckpt: step 3, 6 of the epoch's 8 batches in
+    saves = Saves()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="ExactResume")  # no checkpoint amid accumulation
+        with pytest.raises(run.Interrupted):
+            fit(run_dir, saves, run.Interrupt(5))  # resumed at step 3, stopped again at step 5
+    assert saves.saved == []  # step 3 was not saved again after the first batch, amid accumulation
+    resumed = fit(run_dir).state_dict()
+    assert_same(resumed, reference)

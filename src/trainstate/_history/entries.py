@@ -100,7 +100,8 @@ def history(
     Args:
         directory: the run directory a CheckpointManager saved into (a path or URL).
         storage: the storage backend (default: chosen from ``directory``).
-        key, key_env: an encrypted run's key (its manifests are authenticated with it), as for the manager.
+        key: an encrypted run's key (its manifests are authenticated with it), as for the manager.
+        key_env: the name of an environment variable holding that key.
 
     Raises:
         CheckpointNotFoundError: nothing is at ``directory``.
@@ -133,7 +134,29 @@ def history(
             backend.join(root, HISTORY_DIR),
             ", ".join(unreadable[:5]) + (", ..." if len(unreadable) > 5 else ""),
         )
-    return join(records, infos, dict(catalog.damaged))
+    entries = join(records, infos, dict(catalog.damaged))
+    if not entries:
+        others = [n for n in names if naming.step_of(n) is None and _is_checkpoint(backend, backend.join(root, n))]
+        if others:
+            log.warning("%s", unmanaged_message(os.fspath(directory), others))
+    return entries
+
+
+def _is_checkpoint(backend: Storage, path: str) -> bool:
+    try:
+        return backend.stat_followed(backend.join(path, MANIFEST_NAME)) is not None
+    except Exception:  # noqa: BLE001 - a name that cannot be looked at is not a checkpoint to mention
+        return False
+
+
+def unmanaged_message(directory: str, names: list[str]) -> str:
+    """Why a directory holding trainstate checkpoints has no history: no CheckpointManager saved there."""
+    shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"no save history in {directory}: it holds {len(names)} trainstate checkpoint(s) ({shown}) that no "
+        "CheckpointManager saved (Lightning's TrainstateCheckpointIO and trainstate.save record no history); "
+        f"see each with `trainstate inspect {directory}/NAME`"
+    )
 
 
 def join(records: list[Record], infos: list[CheckpointInfo], damaged: Mapping[str, str]) -> list[HistoryEntry]:

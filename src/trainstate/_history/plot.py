@@ -27,7 +27,7 @@ def plot_history(
     """Draw a run's saves: what each save cost over the steps (how long it blocked the training loop, and
     how long it took to write and commit), and each chosen metric over the steps.
 
-    Points of checkpoints still in the directory are filled, those retention deleted hollow; a failed save
+    In a metric's panel, checkpoints still in the directory are filled dots, deleted ones hollow; a failed save
     is a red cross, and a dotted line marks the first save of each new process (a restart). A rollback (a step
     saved again after resuming from an older checkpoint) starts a new line, so the abandoned timeline stays
     visible beside the new one.
@@ -178,6 +178,8 @@ def _metric(ax: Any, entries: Sequence[HistoryEntry], metric: str, legend: bool)
                 markerfacecolor=face,
                 label=f"checkpoint {label}",
             )
+    if have and not any(math.isfinite(e.metrics[metric]) for e in have):
+        ax.text(0.5, 0.5, f"no finite value of {metric}", transform=ax.transAxes, ha="center", va="center")
     ax.set_ylabel(metric)
     if legend and have:
         ax.legend(loc="best", fontsize="small")

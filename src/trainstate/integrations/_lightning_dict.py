@@ -7,7 +7,6 @@ metadata (a list of ``[path, kind]``) so nothing is guessed when loading:
 - ``argparse.Namespace`` (``save_hyperparameters(args)``): stored as a dict, comes back as a Namespace;
 - ``pathlib`` paths: stored as a string, come back as ``pathlib.Path`` (a ``PurePath`` of the other
   system's flavour comes back as this system's ``Path``);
-- NumPy scalars (``np.float32(0.5)``): stored as a Python number, come back as the same NumPy type;
 - dataclass instances: stored as a dict of their fields, come back as that dict (rebuilding the class
   would mean importing code named by the checkpoint, which is what pickle does and trainstate does not).
 
@@ -37,7 +36,6 @@ with optional("torch", extra="lightning", needed_for="trainstate.integrations.li
 
 META_KEY = "lightning"  # the metadata key the plugin records its facts under
 _PathKey = Any  # a dict key (kept exactly: the metadata holds int and tuple keys as they are) or a list position
-_NUMPY_KINDS = "biuf"  # bool, signed, unsigned, float NumPy scalars have an exact Python number
 
 
 def to_state(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], list[list[Any]]]:
@@ -50,13 +48,8 @@ def to_state(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], list[list[A
 
 
 def _convert(value: Any, path: list[_PathKey], out: list[list[Any]], depth: int) -> Any:
-    if depth > 100 or value is None or isinstance(value, (bool, int, float, str, bytes)):
-        return value  # plain (a str Enum too); the depth limit is the save's to report
-    if isinstance(value, np.generic) and not isinstance(value, np.ndarray):
-        if value.dtype.kind in _NUMPY_KINDS:
-            out.append([list(path), f"numpy:{value.dtype.str}"])
-            return value.item()
-        return value  # the save names it
+    if depth > 100 or value is None or isinstance(value, (bool, int, float, str, bytes, np.generic)):
+        return value  # plain (a str Enum too) or a NumPy scalar, stored as it is; the depth limit is the save's
     if isinstance(value, argparse.Namespace):
         out.append([list(path), "namespace"])
         return _convert(dict(vars(value)), path, out, depth + 1)
@@ -84,9 +77,10 @@ def _convert(value: Any, path: list[_PathKey], out: list[list[Any]], depth: int)
 
 
 def from_state(state: dict[str, Any], conversions: list[Any], move: Callable[[Any], Any]) -> dict[str, Any]:
-    """Undo :func:`to_state`'s conversions in a loaded dict, in place, and move its tensors with ``move``."""
+    """Undo :func:`to_state`'s conversions in a loaded dict and move its tensors with ``move``."""
     for path, kind in conversions:
-        _replace(state, list(path), partial(_restore, kind=str(kind)))
+        if path:  # the whole checkpoint is never converted
+            state = _replaced(state, list(path), partial(_restore, kind=str(kind)))
     moved: dict[str, Any] = _move_tensors(state, move)
     return moved
 
@@ -96,27 +90,36 @@ def _restore(value: Any, kind: str) -> Any:
         return argparse.Namespace(**value)
     if kind == "path" and isinstance(value, str):
         return pathlib.Path(value)
-    if kind.startswith("numpy:") and isinstance(value, (bool, int, float)):
+    if kind.startswith("numpy:") and isinstance(value, (bool, int, float)):  # written by trainstate <= 0.13
         return np.dtype(kind[len("numpy:") :]).type(value)
     return value  # a dataclass stays the dict it was stored as; an unknown kind (a newer writer) as stored
 
 
-def _replace(container: Any, path: list[_PathKey], fn: Callable[[Any], Any]) -> None:
-    """Replace the value at ``path`` (keys and list positions) with ``fn(value)``; deepest paths first
-    would not matter: a conversion's own path never runs through another's converted value."""
-    if not path:
-        return  # the whole checkpoint is never converted
-    *above, last = path
-    for key in above:
-        container = _child(container, key)
-        if container is None:
-            return
-    if isinstance(container, dict) and last in container:
-        container[last] = fn(container[last])
-    elif isinstance(container, list) and isinstance(last, int) and 0 <= last < len(container):
-        container[last] = fn(container[last])
-    elif isinstance(container, argparse.Namespace) and isinstance(last, str) and hasattr(container, last):
-        setattr(container, last, fn(getattr(container, last)))
+def _replaced(container: Any, path: list[_PathKey], fn: Callable[[Any], Any]) -> Any:
+    """``container`` with the value at ``path`` (keys and positions) replaced by ``fn(value)``: lists, dicts
+    and Namespaces changed in place, a tuple on the way rebuilt. A path that is not there changes nothing."""
+    key, rest = path[0], path[1:]
+    child = _child(container, key)
+    if child is None and not _has(container, key):
+        return container
+    new = fn(child) if not rest else _replaced(child, rest, fn)
+    if new is child:
+        return container
+    if isinstance(container, tuple):
+        return tuple(new if i == key else v for i, v in enumerate(container))
+    if isinstance(container, argparse.Namespace):
+        setattr(container, key, new)
+    else:
+        container[key] = new
+    return container
+
+
+def _has(container: Any, key: _PathKey) -> bool:
+    if isinstance(container, dict):
+        return key in container
+    if isinstance(container, (list, tuple)):
+        return type(key) is int and 0 <= key < len(container)
+    return isinstance(container, argparse.Namespace) and isinstance(key, str) and hasattr(container, key)
 
 
 def _child(container: Any, key: _PathKey) -> Any:

@@ -167,6 +167,9 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
             state, conversions = lightning_dict.to_state(checkpoint)
             metadata = _metadata(checkpoint, conversions)
             if self._saver is not None:
+                local = _local(target)
+                if local is not None:  # at once, as a save in the foreground would: Lightning links into it next
+                    local.parent.mkdir(parents=True, exist_ok=True)
                 self._saver.save(
                     target,
                     state,
@@ -225,7 +228,7 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
             )
         with open_checkpoint(target, key=self._key) as ck:
             metadata = ck.metadata if isinstance(ck.metadata, Mapping) else {}
-            state = restore(ck, ABSENT, framework="torch")
+            state = restore(ck, ABSENT, framework=None)  # each array as it was saved: torch or NumPy
         facts = metadata.get(lightning_dict.META_KEY)
         facts = facts if isinstance(facts, Mapping) else {}
         if not isinstance(state, dict):
@@ -462,6 +465,7 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         self._loader: weakref.ref[Any] | None = None
         self._pending: Mapping[str, Any] | None = None  # a loaded state not yet applied to a loader
         self._strategy: Any = None
+        self._resumed = False  # this fit loaded a checkpoint
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Lightning's hook before fitting: catch the training DataLoader before its first batch.
@@ -470,6 +474,7 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
             >>> trainer = L.Trainer(callbacks=[ExactResume()])   # Lightning calls setup(trainer, module, "fit")
         """
         self._trainer = trainer
+        self._resumed = False  # Lightning loads a checkpoint after setup, if it is given one
         if stage == "fit":
             self._wrap_process_dataloader(trainer.strategy)
 
@@ -495,6 +500,13 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
                 "ExactResume replays one training torch DataLoader; train_dataloader() gave "
                 f"{type(loader).__qualname__}: return a single torch.utils.data.DataLoader, or drop ExactResume"
             )
+        if self._resumed:
+            # The step resumed from is saved: it was just loaded. ModelCheckpoint does not keep which step it
+            # saved last, so with accumulate_grad_batches > 1 it would save that step again after the first
+            # batch (the step has not advanced yet), over the good checkpoint, amid accumulation.
+            for callback in trainer.checkpoint_callbacks:
+                if hasattr(callback, "_last_global_step_saved"):
+                    callback._last_global_step_saved = trainer.global_step
 
     def state_dict(self) -> dict[str, Any]:
         """What Lightning stores for this callback in each checkpoint: the random generators and the
@@ -536,6 +548,7 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         trainer = self._trainer
         if trainer is None or trainer.state.fn != "fit":
             return  # validate / test / predict from a checkpoint: nothing to resume
+        self._resumed = True
         state = _on_cpu(state_dict)
         RNGState().load_state_dict(state["rng"])  # an epoch that ended at the save starts from it
         self._pending = state
