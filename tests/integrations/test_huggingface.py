@@ -139,6 +139,10 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path: Path) -> None:
     trainer = run.trainer(str(tmp_path), [cb], load_best_model_at_end=True)
     with pytest.raises(trainstate.InvalidArgumentError, match=r"keep_best=\('eval_loss', 'min', 1\)"):
         trainer.train()
+    cb = TrainstateCallback(tmp_path / "best-max", keep_best=("eval_loss", "max", 1))  # the wrong way round:
+    trainer = run.trainer(str(tmp_path), [cb], load_best_model_at_end=True)  # retention would delete the best
+    with pytest.raises(trainstate.InvalidArgumentError, match=r"lowest \(greater_is_better=False\).*'max'"):
+        trainer.train()
 
     done = TrainstateCallback(tmp_path / "done")  # a directory with a run's checkpoints, and no resume_point call
     with trainstate.CheckpointManager(tmp_path / "done") as mgr:
@@ -167,6 +171,14 @@ def test_the_callback_added_twice(tmp_path: Path) -> None:
     trainer.add_callback(other)
     with pytest.raises(trainstate.InvalidArgumentError, match="has 2 TrainstateCallbacks"):
         cb.resume_point(trainer)
+    # without resume_point the second one would never save, silently: training stops at its start
+    first, second = TrainstateCallback(tmp_path / "first"), TrainstateCallback(tmp_path / "second")
+    trainer = run.trainer(str(tmp_path), [first, second], num_train_epochs=1, eval_strategy="no")
+    with pytest.raises(trainstate.InvalidArgumentError, match="two TrainstateCallbacks"):
+        trainer.train()
+    again = TrainstateCallback(tmp_path / "first")  # the first let go of its directory
+    run.trainer(str(tmp_path), [again], num_train_epochs=1, eval_strategy="no").train()
+    assert [r.step for r in again.manager.history()] == [3, 5]
 
 
 def test_a_directory_from_another_tool_is_named(tmp_path: Path) -> None:
@@ -197,6 +209,26 @@ def test_a_damaged_newest_checkpoint_is_skipped(
     assert "step_00000005 cannot be resumed from" in caplog.text
     trainer.train(resume_from_checkpoint=folder)
     assert trainer.state.global_step == 5
+
+
+def test_checkpoints_none_of_which_reads_are_an_error_not_a_fresh_start(short: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(short["ckpt"], out / "ckpt")
+    for manifest in (out / "ckpt").glob("step_*/manifest.json"):
+        manifest.write_bytes(manifest.read_bytes()[:40])  # every manifest cut short
+    cb = TrainstateCallback(out / "ckpt")
+    with pytest.raises(trainstate.CorruptCheckpointError, match="none of the 2 checkpoint"):
+        cb.resume_point(run.trainer(str(out), [cb], num_train_epochs=1, eval_strategy="no"))
+
+
+def test_the_trainers_own_checkpoints_are_not_passed_over_in_silence(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "checkpoint-500").mkdir()  # a run moved over from the Trainer's own checkpoints
+    cb = TrainstateCallback(tmp_path / "ckpt")
+    with caplog.at_level(logging.WARNING, logger="trainstate"):
+        assert cb.resume_point(run.trainer(str(tmp_path), [cb])) is None
+    assert "the Trainer's own checkpoints (checkpoint-500), which TrainstateCallback does not read" in caplog.text
 
 
 def test_resuming_with_another_batch_size_is_refused(short: dict[str, Any], tmp_path: Path) -> None:

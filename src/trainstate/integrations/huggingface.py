@@ -59,6 +59,8 @@ from trainstate.integrations import _hf_data as data
 from trainstate.integrations import _hf_resume as stand_in
 from trainstate.integrations._hf_state import DeferredRNG, Record, TrainerStateView, numbers, plain
 
+__all__ = ["TrainstateCallback"]
+
 log = logging.getLogger("trainstate")
 
 _WHEN = ("every_steps", "every_seconds", "at_steps", "save_policies")
@@ -101,10 +103,14 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
     the manager's). A preemption signal (SIGTERM, SIGINT, SIGUSR1) saves at the end of the current step and stops
     training; :attr:`preempted` says so after ``train()`` returns.
 
+    Attributes:
+        resumed_from: the step of the checkpoint :meth:`resume_point` picked, or None (a fresh run).
+
     Raises:
         InvalidArgumentError: a save schedule or an unknown option (at once); ``save_strategy="no"``,
-            DeepSpeed, FSDP, several processes, ``load_best_model_at_end`` without a ``keep_best`` on its
-            metric, or a fresh start in a directory that holds checkpoints without :meth:`resume_point` having
+            DeepSpeed, FSDP, several processes, a second TrainstateCallback on the Trainer,
+            ``load_best_model_at_end`` without a ``keep_best`` on its metric in the Trainer's direction
+            (``greater_is_better``), or a fresh start in a directory that holds checkpoints without :meth:`resume_point` having
             looked at them (when training begins).
 
     Example:
@@ -222,7 +228,8 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._discard_stand_in()
         self._resume = self.resumed_from = None
         manager = self._open()
-        failures: list[str] = []
+        # a checkpoint whose manifest does not read is not listed, but it is one that failed (restore_latest too)
+        failures = [f"  {name}: unreadable manifest: {why}" for name, why in manager.catalog.damaged.items()]
         for info in sorted(manager.list(), key=saved_order, reverse=True):
             path = manager.path_for(info.step)
             try:
@@ -252,6 +259,14 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         if failures:
             raise CorruptCheckpointError(
                 f"none of the {len(failures)} checkpoint(s) in {manager.directory} verifies:\n" + "\n".join(failures)
+            )
+        theirs = _trainer_checkpoints(getattr(getattr(trainer, "args", None), "output_dir", None))
+        if theirs:
+            log.warning(
+                "TrainstateCallback: %s holds the Trainer's own checkpoints (%s), which TrainstateCallback does not "
+                "read: this run starts from step 0",
+                trainer.args.output_dir,
+                ", ".join(theirs[-3:]),
             )
         return None
 
@@ -443,6 +458,17 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
     # -- saving -------------------------------------------------------------------------------------
 
     def _seen(self, state: Any, control: Any) -> None:
+        owner = getattr(control, "_trainstate_callback", None)
+        if owner is None or owner() is None:
+            control._trainstate_callback = weakref.ref(self)  # the Trainer's one TrainerControl, shared by all
+        elif owner() is not self:
+            other = owner()
+            if other is not None and other._live is not None:
+                other._end()  # it began this train(), which stops here: let go of its directory
+            raise InvalidArgumentError(
+                "the Trainer has two TrainstateCallbacks: keep one (the first takes every save over, so the other "
+                "would never save)"
+            )
         self._state, self._control = state, control
 
     def _take_over(self, state: Any, control: Any) -> Any:
@@ -563,11 +589,18 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             )
         if args.load_best_model_at_end:
             metric = _eval_name(args.metric_for_best_model or "loss")
-            if not any(isinstance(p, KeepBest) and p.metric == metric for p in self._manager.retention):
-                mode = "max" if args.greater_is_better else "min"
+            mode = "max" if args.greater_is_better else "min"
+            kept = [p for p in self._manager.retention if isinstance(p, KeepBest) and p.metric == metric]
+            if not any(p.mode == mode for p in kept):
+                found = (
+                    f" (keep_best has {metric!r} {kept[0].mode!r}, so retention would delete the best one)"
+                    if kept
+                    else ""
+                )
                 raise InvalidArgumentError(
-                    f"load_best_model_at_end=True loads the best checkpoint by {metric!r}, which retention must keep: "
-                    f"pass keep_best=({metric!r}, {mode!r}, 1) to TrainstateCallback"
+                    f"load_best_model_at_end=True loads the best checkpoint by {metric!r}, the "
+                    f"{'highest' if mode == 'max' else 'lowest'} (greater_is_better={bool(args.greater_is_better)}), "
+                    f"which retention must keep{found}: pass keep_best=({metric!r}, {mode!r}, 1) to TrainstateCallback"
                 )
 
     def _load_best(self, args: Any) -> None:
@@ -579,6 +612,14 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             return
         self._manager.restore(best.step, {"model": self._live["model"]}, include="model.*")
         log.info("TrainstateCallback: loaded the best model, step %d (%s=%s)", best.step, metric, best.metrics[metric])
+
+
+def _trainer_checkpoints(output_dir: Any) -> list[str]:
+    """The Trainer's own ``checkpoint-N`` folders in ``output_dir``, oldest first."""
+    if not isinstance(output_dir, (str, os.PathLike)) or not os.path.isdir(output_dir):
+        return []
+    found = [n for n in os.listdir(output_dir) if n.startswith("checkpoint-") and n[len("checkpoint-") :].isdigit()]
+    return sorted(found, key=lambda n: int(n[len("checkpoint-") :]))
 
 
 def _eval_name(metric: str) -> str:
