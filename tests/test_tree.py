@@ -199,6 +199,17 @@ def test_metadata_may_hold_no_tensor(ckpt, bad):
         trainstate.open(ckpt)
 
 
+def test_numpy_scalars_in_metadata_are_stored_as_the_numbers_they_stand_for(tmp_path):
+    meta = {"lr": np.float32(0.5), "steps": [np.int64(3), np.uint8(2)], "done": (np.bool_(True),)}
+    trainstate.save(tmp_path / "c", {"w": np.ones(2)}, metadata=meta)
+    with trainstate.open(tmp_path / "c") as ck:
+        got = ck.metadata
+    assert got == {"lr": 0.5, "steps": [3, 2], "done": (True,)}
+    assert [type(v) for v in got["steps"]] == [int, int] and type(got["lr"]) is float
+    with pytest.raises(trainstate.UnsupportedValueError, match="metadata.a: arrays cannot"):
+        trainstate.save(tmp_path / "d", {"w": np.ones(2)}, metadata={"a": np.ones(2)})  # an array is still refused
+
+
 # -- what saves, opens -----------------------------------------------------------------------------------
 
 

@@ -446,8 +446,23 @@ def _no_tensor(path: tuple[str, ...], value: Any) -> str:
 
 
 def encode_plain(value: Any) -> Node:
-    """Encode metadata: like state, but arrays are refused."""
-    return encode(value, _no_tensor, ("metadata",))
+    """Encode metadata: like state, but arrays are refused; a NumPy scalar (``np.float32(0.1)``, where a
+    number was meant) is stored as the Python number it stands for."""
+    return encode(_numpy_scalars_as_numbers(value), _no_tensor, ("metadata",))
+
+
+def _numpy_scalars_as_numbers(value: Any, depth: int = 0) -> Any:
+    if depth > MAX_DEPTH:
+        return value  # encode reports the depth
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ != "ndarray" and getattr(value, "shape", None) == ():
+        if getattr(getattr(value, "dtype", None), "kind", "") in ("b", "i", "u", "f"):  # np.float32(0.1), np.int64(3)
+            return value.item()
+    if isinstance(value, dict):
+        return {k: _numpy_scalars_as_numbers(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_numpy_scalars_as_numbers(v, depth + 1) for v in value)
+    return value
 
 
 # -- JSON -> nodes ----------------------------------------------------------------------------------
