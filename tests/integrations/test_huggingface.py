@@ -216,9 +216,10 @@ def test_checkpoints_none_of_which_reads_are_an_error_not_a_fresh_start(short: d
     shutil.copytree(short["ckpt"], out / "ckpt")
     for manifest in (out / "ckpt").glob("step_*/manifest.json"):
         manifest.write_bytes(manifest.read_bytes()[:40])  # every manifest cut short
-    cb = TrainstateCallback(out / "ckpt")
-    with pytest.raises(trainstate.CorruptCheckpointError, match="none of the 2 checkpoint"):
-        cb.resume_point(run.trainer(str(out), [cb], num_train_epochs=1, eval_strategy="no"))
+    for _ in range(2):  # the first callback let go of the directory: a second one is told the same, not "locked"
+        cb = TrainstateCallback(out / "ckpt")
+        with pytest.raises(trainstate.CorruptCheckpointError, match="none of the 2 checkpoint"):
+            cb.resume_point(run.trainer(str(out), [cb], num_train_epochs=1, eval_strategy="no"))
 
 
 def test_the_trainers_own_checkpoints_are_not_passed_over_in_silence(
@@ -229,6 +230,7 @@ def test_the_trainers_own_checkpoints_are_not_passed_over_in_silence(
     with caplog.at_level(logging.WARNING, logger="trainstate"):
         assert cb.resume_point(run.trainer(str(tmp_path), [cb])) is None
     assert "the Trainer's own checkpoints (checkpoint-500), which TrainstateCallback does not read" in caplog.text
+    cb.manager.close()  # no train() here to close it (its signal handlers would outlive the test)
 
 
 def test_resuming_with_another_batch_size_is_refused(short: dict[str, Any], tmp_path: Path) -> None:
@@ -292,7 +294,7 @@ class _Preempt(TrainerCallback):  # type: ignore[misc]
 def test_a_preemption_signal_saves_and_stops(tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGUSR1)
     cb = TrainstateCallback(tmp_path / "ckpt", async_save=True)
-    trainer = run.trainer(str(tmp_path), [cb, _Preempt()], eval_strategy="no")
+    trainer = run.trainer(str(tmp_path), [cb, _Preempt()], eval_strategy="no", logging_steps=1)
     trainer.train(resume_from_checkpoint=cb.resume_point(trainer))
     assert cb.preempted and trainer.state.global_step == 5  # the step under way when the signal came
     assert [(r.step, r.reason) for r in cb.manager.history()] == [
@@ -300,6 +302,11 @@ def test_a_preemption_signal_saves_and_stops(tmp_path: Path) -> None:
         (5, "preemption (SIGUSR1)"),
     ]
     assert signal.getsignal(signal.SIGUSR1) == before  # the manager gave the handler back at the end
+    # the checkpoint holds the preempted step's log entry: the resumed run starts after that step
+    with trainstate.open(tmp_path / "ckpt" / "step_00000005") as ck:
+        saved = ck.load(include=["trainer_state.*"])["trainer_state"]
+    assert saved["log_history"] == trainer.state.log_history[:-1]  # all but the summary train() logs at its end
+    assert saved["log_history"][-1]["step"] == 5
 
 
 def test_without_transformers_the_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -689,7 +689,7 @@ class CheckpointManager:
         force = arguments.flag(force, "force")
         epoch = None if epoch is None else arguments.step(epoch, "epoch")
         values = arguments.metrics(metrics)
-        preempting = self._preemption is not None and self._preemption.requested and not self._preemption_saved
+        preempting = self._preemption_pending()
         by_policy = reason_to_save(self.save_policies, step, time.monotonic(), self._writer.last_save_time)
         if self._ranks is not None:  # the same answers on every rank
             agreed = self._ranks.decide(step, by_policy is not None, preempting, force, self._writer.failed())
@@ -730,6 +730,11 @@ class CheckpointManager:
             return self.catalog.is_pinned(naming.name_for(step))
         mine = self.catalog.is_pinned(naming.name_for(step)) if self._ranks.leader else None
         return bool(self._ranks.from_leader(mine, "CheckpointManager.save() (pins)"))
+
+    def _preemption_pending(self) -> bool:
+        """Whether a preemption signal came and the save it asks for is still to be made (the next save()
+        makes it): for a caller that wants to finish its step's bookkeeping first."""
+        return self._preemption is not None and self._preemption.requested and not self._preemption_saved
 
     def _preemption_signal(self) -> str:
         name = self._preemption.signal_name if self._preemption is not None else None

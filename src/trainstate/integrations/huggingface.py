@@ -228,6 +228,15 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._discard_stand_in()
         self._resume = self.resumed_from = None
         manager = self._open()
+        try:
+            return self._pick(manager, trainer)
+        except BaseException:  # nothing to train from: let go of the directory (a notebook cell is run again)
+            self._closed = True
+            manager.close()
+            raise
+
+    def _pick(self, manager: CheckpointManager, trainer: Any) -> str | None:
+        """The stand-in folder of the newest checkpoint that verifies (resume_point)."""
         # a checkpoint whose manifest does not read is not listed, but it is one that failed (restore_latest too)
         failures = [f"  {name}: unreadable manifest: {why}" for name, why in manager.catalog.damaged.items()]
         for info in sorted(manager.list(), key=saved_order, reverse=True):
@@ -363,11 +372,13 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._seen(state, control)
         if self._live is None:
             return control
-        if self._manager.save(state.global_step, self._live):  # only when a preemption signal arrived
-            self._saved, self._pending = state.global_step, None
+        if self._manager._preemption_pending():
+            # saved once this step's logs and evaluation are in the Trainer's state, as a save it decided is:
+            # the resumed run starts after this step and would never log it again
+            self._pending = state.global_step
             control.should_training_stop = True
             control.should_save = False
-            log.warning("TrainstateCallback: preempted; saved step %d and stopping training", state.global_step)
+            log.warning("TrainstateCallback: preempted; saving step %d and stopping training", state.global_step)
             return control
         return self._take_over(state, control)
 
