@@ -61,7 +61,6 @@ def _history(run_dir: Path, resumed_at: int = 0) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.slow  # CI time: two fresh processes importing the Trainer; the resumes below run in-process
 def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path: Path) -> None:
     """One run with async saves, SIGKILLed right after handing over step 6's save, resumed in a fresh process."""
     killed = _script(str(tmp_path / "k"), str(tmp_path / "never"), "--kill-at", "6", "--async")

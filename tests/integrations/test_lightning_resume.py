@@ -52,7 +52,6 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return trainstate.load(path, framework="torch")["model"]
 
 
-@pytest.mark.slow  # CI time: Lightning costs ~14 s to import per process; test_lightning.py resumes exactly in-process
 def test_sigkill_mid_epoch_then_resume_last_is_bit_identical(tmp_path):
     killed = _start(tmp_path / "run", "--workers", 2, "--async-save", "--hang-after", 10)
     assert killed.stdout is not None
