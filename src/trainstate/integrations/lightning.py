@@ -27,6 +27,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -166,36 +167,23 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
         try:
             state, conversions = lightning_dict.to_state(checkpoint)
             metadata = _metadata(checkpoint, conversions)
-            if self._saver is not None:
-                local = _local(target)
-                if local is not None:  # at once, as a save in the foreground would: Lightning links into it next
-                    local.parent.mkdir(parents=True, exist_ok=True)
-                self._saver.save(
-                    target,
-                    state,
-                    metadata=metadata,
-                    overwrite=True,
-                    fsync=self.fsync,
-                    threads=self.threads,
-                    pipeline=self._pipeline,
-                    key=self._key,
-                    around=lambda write: _replacing(target, write),
-                )
+            common: dict[str, Any] = {
+                "metadata": metadata,
+                "overwrite": True,
+                "fsync": self.fsync,
+                "threads": self.threads,
+                "key": self._key,
+            }
+            if self._saver is None:
+                # under DDP only rank 0 saves Lightning's checkpoint: never a collective
+                write = partial(_save, target, state, collective=False, compression=self.compression, **common)
+                _replacing(target, write)
                 return
-            _replacing(
-                target,
-                lambda: _save(
-                    target,
-                    state,
-                    metadata=metadata,
-                    overwrite=True,
-                    fsync=self.fsync,
-                    threads=self.threads,
-                    collective=False,  # under DDP only rank 0 saves Lightning's checkpoint: never a collective
-                    compression=self.compression,
-                    key=self._key,
-                ),
-            )
+            local = _local(target)
+            if local is not None:  # at once, as a save in the foreground would: Lightning links into it next
+                local.parent.mkdir(parents=True, exist_ok=True)
+            around = partial(_replacing, target)
+            self._saver.save(target, state, pipeline=self._pipeline, around=around, **common)
         except UnsupportedValueError as e:
             raise lightning_dict.explain(e) from None
 
