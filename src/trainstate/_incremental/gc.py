@@ -98,6 +98,7 @@ class PoolCollector:
         if size > manifest.MAX_BYTES:
             log.warning("not collecting the pool: %s is too large to be a manifest", path)
             return None
+        raw, got = bytearray(), 0
         try:
             head = bytearray(min(size, _HEAD))
             got = self.storage.read_into(path, 0, memoryview(head))
@@ -118,12 +119,21 @@ class PoolCollector:
                 return None  # moved or deleted since the listing
             raise
         except (ValueError, KeyError, TypeError, RecursionError) as e:
-            log.warning("not collecting the pool: %s cannot be read (%s), so what it uses is unknown", path, e)
-            return None
+            # Damaged: it cannot be loaded, but it may be mended by hand, so every pool file whose name is
+            # still in its bytes stays while it does (retention deletes it in its turn, see the manager).
+            names = frozenset(m.decode() for m in _POOL_NAME.findall(bytes(raw[:got])))
+            log.warning(
+                "%s cannot be read (%s): keeping the %d pool file(s) its bytes name while it is there",
+                path,
+                e,
+                len(names),
+            )
+            return names
         if key is not None:
             self._named[path] = (key, names)
         return names
 
 
 _HEAD = 128  # enough for '{"checksum":"hmac-sha256:<64 hex digits>"' (docs/format.md §3: the first member)
+_POOL_NAME = re.compile(rb"pool-[A-Za-z0-9_.-]{1,200}?\.safetensors")  # is_pool_file's names, as JSON holds them
 _CHECKSUM = re.compile(rb'\{"checksum":"([a-z0-9_-]{1,16}:[0-9a-f]{1,64})"')
