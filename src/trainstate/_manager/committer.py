@@ -247,7 +247,17 @@ class Committer:
         raise error  # pragma: no cover - write_collective raised it already
 
     def apply_retention(self) -> tuple[str, ...]:
-        plan = plan_retention(self.list(), self.config.retention)
+        """Delete what the retention policies let go -- damaged checkpoints too, as they fall out (see
+        :func:`plan_retention`): kept forever, one would keep its pool files, and while its manifest cannot
+        be read, the pool's collection cannot tell what it names."""
+        plan = plan_retention(self.list(), self.config.retention, self.catalog.damaged_list())
+        for name in plan.delete:
+            if name in self.catalog.damaged:
+                log.warning(
+                    "deleting the damaged checkpoint %s (%s): the retention policies let it go",
+                    self.catalog.path(name),
+                    self.catalog.damaged[name],
+                )
         deleted = tuple(name for name in plan.delete if self.catalog.delete(name))  # a pin found late wins
         self.last_retention = RetentionPlan(plan.keep, list(deleted)) if deleted != tuple(plan.delete) else plan
         self._collect_pool()
