@@ -20,7 +20,7 @@ import argparse
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -45,14 +45,14 @@ def main() -> None:
     spent: list[float] = []
     real = check.PoolCheck.damaged
 
-    def timed(self: check.PoolCheck, shared: Iterable[Chunk], threads: int) -> set[str]:
+    def timed(self: check.PoolCheck, shared: Iterable[Chunk], sizes: Mapping[str, int], threads: int) -> set[str]:
         start = time.perf_counter()
         try:
-            return real(self, shared, threads)
+            return real(self, shared, sizes, threads)
         finally:
             spent.append(time.perf_counter() - start)
 
-    def off(self: check.PoolCheck, shared: Iterable[Chunk], threads: int) -> set[str]:
+    def off(self: check.PoolCheck, shared: Iterable[Chunk], sizes: Mapping[str, int], threads: int) -> set[str]:
         return set()
 
     def state(step: int) -> dict[str, object]:

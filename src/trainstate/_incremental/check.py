@@ -5,7 +5,8 @@ file under a chunk was deleted or altered since (by hand, a tool, a disk), the n
 bytes that fail its checksums, and so would every save after it: one damaged file would take the whole
 run's later checkpoints with it. So before a save shares a chunk, it checks the chunk's file:
 
-- **stat**, every save: a file that is gone, not a plain file, or of another size is not shared.
+- **stat**, every save: a file that is gone, not a plain file, or not of the size the manifest lists
+  (a reader refuses it) is not shared.
 - **its bytes**, read back and hashed against the chunk's stored checksum, where the stat cannot vouch
   for them: the first time this process shares the chunk (after a restart nothing is known), and again
   whenever the file's size or modification time is not what it was when its bytes were last checked.
@@ -62,8 +63,9 @@ class PoolCheck:
         self.pool = pool
         self._checked: dict[str, _Checked] = {}
 
-    def damaged(self, shared: Iterable[Chunk], threads: int) -> set[str]:
-        """The names of the pool files under ``shared`` that are gone or no longer hold the chunks' bytes."""
+    def damaged(self, shared: Iterable[Chunk], sizes: Mapping[str, int], threads: int) -> set[str]:
+        """The names of the pool files under ``shared`` that are gone, not of the size ``sizes`` lists (a
+        reader refuses those), or no longer hold the chunks' bytes."""
         by_file: dict[str, dict[tuple[int, int], Chunk]] = {}
         for c in shared:
             by_file.setdefault(c.file, {})[c.byte_range] = c
@@ -72,7 +74,7 @@ class PoolCheck:
         for name, chunks in by_file.items():
             at = time.time()
             info = self.storage.stat(self.storage.join(self.pool, name))
-            if info is None or info.is_dir or not info.regular or any(end > info.size for _, end in chunks):
+            if info is None or info.is_dir or not info.regular or info.size != sizes.get(name):
                 bad.add(name)
                 continue
             known = self._checked.get(name)
