@@ -84,6 +84,8 @@ def test_a_pinned_damaged_manifest_keeps_only_what_it_may_name(tmp_path: Path) -
         damage(tmp_path / "step_00000002" / "manifest.json", "truncated")
         for step in range(4, 10):
             mgr.save(step, state(step))
+        assert mgr.last_retention is not None
+        assert mgr.last_retention.keep["step_00000002"] == ["pinned", "damaged manifest"]  # what is kept, and why
     assert (tmp_path / "step_00000002" / "pinned.json").exists()
     truncated = (tmp_path / "step_00000002" / "manifest.json").read_bytes()
     assert set(pool(tmp_path)) == named(tmp_path, 8) | named(tmp_path, 9) | {n for n in kept if n.encode() in truncated}
