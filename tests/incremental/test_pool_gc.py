@@ -93,3 +93,14 @@ def test_a_manifest_replaced_within_the_same_second_is_read_again(tmp_path):
     assert manifest.stat().st_size == size and manifest.stat().st_mtime_ns == stamp.st_mtime_ns
     assert collector.collect(locked=True, min_age=3600.0) == [old]
     trainstate.load(tmp_path / "step_00000001")  # its bytes, now in the new file, are still there
+
+
+def test_json_of_another_shape_stops_the_collection(tmp_path):
+    """Valid JSON without the files this version reads may be a newer format's manifest, naming its pool
+    files otherwise: nothing is deleted while it is there."""
+    files = _run(tmp_path)
+    shutil.rmtree(tmp_path / "step_00000001")
+    (tmp_path / "step_00000002" / "manifest.json").write_text(json.dumps({"format_version": "9.0", "data": []}))
+    assert _collect(tmp_path) == []
+    shutil.rmtree(tmp_path / "step_00000002")
+    assert set(files) < set(_collect(tmp_path))
