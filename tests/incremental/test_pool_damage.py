@@ -143,3 +143,24 @@ def test_damage_is_not_shared_with_async_saves_or_transforms(
     mgr.close()
     back = trainstate.load(tmp_path / "step_00000003", key=kw.get("key"))  # type: ignore[arg-type]
     assert np.array_equal(back["base"], BASE) and back["w"][0] == 3
+
+
+def test_damage_the_stat_cannot_see_is_found_when_the_check_is_due_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A byte flipped under an unchanged size and modification time (bit rot, a tool that restores the time)
+    passes the stat; bytes checked longer ago than RECHECK_SECONDS are read again, which finds it."""
+    from trainstate._incremental import check
+
+    with manager(tmp_path) as mgr:
+        mgr.save(1, state(1))
+        path, _ = base_chunk(tmp_path, 1)
+        old = time.time() - 600
+        os.utime(path, (old, old))
+        mgr.save(2, state(2))  # read back once, then vouched for by time and size
+        damage(tmp_path, 2, "flip")
+        os.utime(path, (old, old))  # the stat sees nothing
+        monkeypatch.setattr(check, "RECHECK_SECONDS", 0.0)  # the hour is up
+        mgr.save(3, state(3))
+    assert base_chunk(tmp_path, 3)[0] != path
+    assert_restores(tmp_path, 3)

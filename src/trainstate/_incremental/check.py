@@ -13,12 +13,13 @@ run's later checkpoints with it. So before a save shares a chunk, it checks the 
 - A file whose modification time was less than :data:`RACY_SECONDS` before that check is read again the
   next time too: a write in the same tick of the file system's clock (some keep it to a few milliseconds,
   object stores to the second) would leave the time unchanged (git's "racily clean" files).
+- Bytes checked more than :data:`RECHECK_SECONDS` ago are read again: what the stat cannot see -- bytes
+  that change while the size and modification time stay (a bit flipped on the disk, a tool that restores
+  the time) -- is shared for at most that long (or until a restart; ``trainstate verify`` finds it too).
 
-Cost: a save that shares files checked before pays one stat per shared file; a restart pays one read of
-what its first save shares (bench/bench_incremental.py measures both). What the stat cannot see -- bytes
-that change while the size and modification time stay (a bit flip on the disk, a tool that restores the
-time) -- is found when the run restarts, or by ``trainstate verify``; and a file damaged between this
-check and the commit is named all the same. Either way a load finds it by its checksums.
+Cost (bench/bench_pool_check.py): a save that shares files checked before pays a stat per shared file;
+a restart, and each hour, one read of what is shared. A file damaged between this check and the commit
+is named all the same; a load finds it by its checksums.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from trainstate.errors import CorruptCheckpointError, StorageError
 log = logging.getLogger("trainstate")
 
 RACY_SECONDS = 2.0  # a modification time this close to when the bytes were checked may hide a later write
+RECHECK_SECONDS = 3600.0  # bytes checked longer ago are read again: bounds how long unseen damage is shared
 _BLOCK = 4 << 20  # read back in blocks this large (one buffer per thread)
 _PARALLEL_BYTES = 64 << 20  # below this, checking on one thread costs less than starting more
 
@@ -51,8 +53,11 @@ class _Checked:
     at: float  # wall-clock time of that stat
     ranges: frozenset[tuple[int, int]]  # the byte ranges found intact
 
-    def vouches(self, size: int, mtime: float) -> bool:
-        return size == self.size and mtime == self.mtime and mtime != 0.0 and self.at - mtime >= RACY_SECONDS
+    def vouches(self, size: int, mtime: float, now: float) -> bool:
+        """Whether a file found of ``size`` and ``mtime`` at ``now`` still holds the bytes found intact."""
+        if size != self.size or mtime != self.mtime or mtime == 0.0:
+            return False
+        return self.at - mtime >= RACY_SECONDS and 0.0 <= now - self.at < RECHECK_SECONDS
 
 
 class PoolCheck:
@@ -78,7 +83,7 @@ class PoolCheck:
                 bad.add(name)
                 continue
             known = self._checked.get(name)
-            vouched = known.ranges if known is not None and known.vouches(info.size, info.mtime) else frozenset()
+            vouched = known.ranges if known is not None and known.vouches(info.size, info.mtime, at) else frozenset()
             unread = [c for r, c in chunks.items() if r not in vouched]
             if unread:
                 todo[name] = (at, info.size, info.mtime, unread)
@@ -102,7 +107,7 @@ class PoolCheck:
             if name in bad:
                 continue
             known = self._checked.get(name)
-            kept = known.ranges if known is not None and known.vouches(size, mtime) else frozenset()
+            kept = known.ranges if known is not None and known.vouches(size, mtime, at) else frozenset()
             self._checked[name] = _Checked(size, mtime, at, kept | {c.byte_range for c in chunks})
         return bad
 
