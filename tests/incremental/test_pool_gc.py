@@ -47,14 +47,16 @@ def test_a_copy_inside_the_run_directory_keeps_its_files(tmp_path):
     assert _collect(tmp_path) == files
 
 
-def test_an_unreadable_manifest_stops_the_collection(tmp_path):
+def test_an_unreadable_manifest_keeps_the_pool_files_its_bytes_name(tmp_path):
     files = _run(tmp_path)
+    manifest = tmp_path / "step_00000002" / "manifest.json"
+    mine = [f["path"] for f in json.loads(manifest.read_bytes())["files"]]
     shutil.rmtree(tmp_path / "step_00000001")
-    (tmp_path / "step_00000002" / "manifest.json").write_bytes(b"\0" * 64)  # could name anything
-    assert _collect(tmp_path) == []
+    manifest.write_bytes(b"\0" * 64 + json.dumps(mine[:1]).encode())  # damaged, but the name is still there
+    assert sorted(_collect(tmp_path)) == sorted(files)  # step 1's go: one damaged manifest stops nothing
+    assert [p.name for p in (tmp_path / "_shared").iterdir()] == mine[:1]
     shutil.rmtree(tmp_path / "step_00000002")
-    assert set(files) < set(_collect(tmp_path))
-    assert list((tmp_path / "_shared").iterdir()) == []
+    assert _collect(tmp_path) == mine[:1]
 
 
 def test_other_names_in_the_pool_are_left_alone(tmp_path):
@@ -91,3 +93,14 @@ def test_a_manifest_replaced_within_the_same_second_is_read_again(tmp_path):
     assert manifest.stat().st_size == size and manifest.stat().st_mtime_ns == stamp.st_mtime_ns
     assert collector.collect(locked=True, min_age=3600.0) == [old]
     trainstate.load(tmp_path / "step_00000001")  # its bytes, now in the new file, are still there
+
+
+def test_json_of_another_shape_stops_the_collection(tmp_path):
+    """Valid JSON without the files this version reads may be a newer format's manifest, naming its pool
+    files otherwise: nothing is deleted while it is there."""
+    files = _run(tmp_path)
+    shutil.rmtree(tmp_path / "step_00000001")
+    (tmp_path / "step_00000002" / "manifest.json").write_text(json.dumps({"format_version": "9.0", "data": []}))
+    assert _collect(tmp_path) == []
+    shutil.rmtree(tmp_path / "step_00000002")
+    assert set(files) < set(_collect(tmp_path))

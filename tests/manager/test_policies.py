@@ -117,3 +117,32 @@ def test_public_policy_objects_drive_a_manager_and_refuse_bad_settings(tmp_path)
     ):
         with pytest.raises(trainstate.InvalidArgumentError):
             bad()
+
+
+def sq(step: int, pinned: bool = False, **metrics: float) -> CheckpointInfo:
+    return CheckpointInfo(f"step_{step:08d}", step, created=0.0, metrics=metrics, pinned=pinned, seq=step)
+
+
+@pytest.mark.parametrize(
+    "intact, damaged, policies, deleted",
+    [
+        # a damaged checkpoint falls out as the oldest: its commit order cannot be read
+        ([sq(1), sq(3), sq(4)], [ck(2)], [KeepLast(2)], ["1", "2"]),
+        ([sq(3), sq(4)], [ck(9)], [KeepLast(2)], ["9"]),
+        # ... and never takes a readable checkpoint's place
+        ([sq(3)], [ck(9)], [KeepLast(2)], []),
+        ([sq(1), sq(3)], [ck(2, pinned=True)], [KeepLast(1)], ["1"]),
+        ([sq(4)], [ck(2)], [KeepEverySteps(2)], []),
+        # as a checkpoint saved without the metric: KeepBest alone does not let it go, KeepLast does
+        ([sq(1, loss=0.1), sq(2, loss=0.5)], [ck(3)], [KeepBest("loss", "min", 1)], []),
+        ([sq(1, loss=0.1), sq(2, loss=0.5)], [ck(3)], [KeepBest("loss", "min", 1), KeepLast(1)], ["3"]),
+        ([], [ck(2), ck(3)], [KeepLast(1)], ["2"]),  # none readable: the highest step is taken as the newest
+        ([sq(1)], [ck(2)], [], []),  # no retention policy: keep everything
+    ],
+)
+def test_retention_of_damaged_checkpoints(intact, damaged, policies, deleted):
+    plan = plan_retention(intact, policies, damaged)
+    assert names(plan.delete) == deleted
+    assert plan_retention(intact, policies).delete == [n for n in plan.delete if n in {c.name for c in intact}]
+    for c in damaged:
+        assert c.name in plan.delete or plan.keep[c.name][-1] == "damaged manifest"

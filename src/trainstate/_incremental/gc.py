@@ -3,9 +3,12 @@
 **Mark**: every manifest directly under the run directory counts -- committed checkpoints, pinned ones,
 copies a user made there, and the ``.old-`` / ``.del-`` / ``.tmp-`` leftovers a sweep may still put
 back -- each read as plain JSON for its ``"pool": true`` files (no checksum needed to *keep* bytes). A
-manifest that cannot be read as JSON could name anything, and an entry that changed between the listing
-and the end of the mark (a leftover put back meanwhile) may have been missed: either way the round
-deletes nothing. **Sweep**: the pool was listed *before* the mark, so a save that commits meanwhile
+manifest that is not JSON at all is damaged past loading: every pool file whose name is still in its bytes
+is kept while it is there (it may be mended by hand; retention deletes it in its turn), and the rest of
+the pool is collected -- one damaged manifest used to stop every collection, and the pool grew with every
+save. JSON of a shape this version does not know (perhaps a newer format's, naming its files otherwise),
+and an entry that changed between the listing and the end of the mark (a leftover put back meanwhile),
+may name what the mark missed: then the round deletes nothing. **Sweep**: the pool was listed *before* the mark, so a save that commits meanwhile
 cannot lose a file it just wrote; a listed file goes unless marked or protected (the manager's save in
 flight and the files its next save may refer to). Where no lock keeps other writers out (object stores)
 a file also needs to be untouched for an hour, unless this process wrote it itself, as for any leftover.
@@ -108,16 +111,30 @@ class PoolCollector:
                 return cached[1]
             raw = bytearray(size)
             got = self.storage.read_into(path, 0, memoryview(raw))
-            body = json.loads(bytes(raw[:got]))
-            files = body["files"]
-            names = frozenset(
-                f["path"] for f in files if type(f) is dict and f.get("pool") is True and isinstance(f.get("path"), str)
-            )
         except StorageError as e:
             if e.errno == errno.ENOENT:
                 return None  # moved or deleted since the listing
             raise
-        except (ValueError, KeyError, TypeError, RecursionError) as e:
+        try:
+            body = json.loads(bytes(raw[:got]))
+        except (ValueError, RecursionError) as e:
+            # Not JSON: damaged, so it cannot be loaded, but it may be mended by hand; every pool file whose
+            # name is still in its bytes stays while it does (retention deletes it in its turn, see the
+            # manager), and the rest of the pool is collected.
+            names = frozenset(m.decode() for m in _POOL_NAME.findall(bytes(raw[:got])))
+            log.warning(
+                "%s is not JSON (%s): keeping the %d pool file(s) whose names are in its bytes while it is there",
+                path,
+                e,
+                len(names),
+            )
+            return names
+        try:
+            files = body["files"]
+            names = frozenset(
+                f["path"] for f in files if type(f) is dict and f.get("pool") is True and isinstance(f.get("path"), str)
+            )
+        except (KeyError, TypeError) as e:  # JSON of another shape: perhaps a newer format's, naming files otherwise
             log.warning("not collecting the pool: %s cannot be read (%s), so what it uses is unknown", path, e)
             return None
         if key is not None:
@@ -126,4 +143,5 @@ class PoolCollector:
 
 
 _HEAD = 128  # enough for '{"checksum":"hmac-sha256:<64 hex digits>"' (docs/format.md §3: the first member)
+_POOL_NAME = re.compile(rb"pool-[A-Za-z0-9_.-]{1,200}?\.safetensors")  # is_pool_file's names, as JSON holds them
 _CHECKSUM = re.compile(rb'\{"checksum":"([a-z0-9_-]{1,16}:[0-9a-f]{1,64})"')

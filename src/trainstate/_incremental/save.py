@@ -8,6 +8,9 @@ which the next collection removes (gc.py); it never changes a byte a committed c
 pool files are new names, written once. A save that fails leaves its pool files to the same collection,
 which the manager runs right after the failure: it deletes them unless a manifest names them after all.
 
+Before a save shares a chunk it checks that the pool file still holds the chunk's bytes (check.py): a
+file deleted or altered since is never named again, and the tensors stored there are written anew.
+
 While a save is in flight the pool files it wrote or refers to are :meth:`IncrementalSaver.protected`
 (with those of the index the next save will dedupe against), so a collection never takes them.
 """
@@ -23,6 +26,7 @@ from dataclasses import replace
 
 from trainstate import _transforms as transforms
 from trainstate._format.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from trainstate._incremental.check import PoolCheck
 from trainstate._incremental.index import Index
 from trainstate._incremental.pool import POOL_DIR, save_prefix
 from trainstate._keys import Key
@@ -50,6 +54,7 @@ class IncrementalSaver:
         self._index: Index | None = None  # None until the first save looks for one
         self._busy: frozenset[str] = frozenset()  # pool files of the save in flight (written or used)
         self._lock = threading.Lock()
+        self._check = PoolCheck(storage, self.pool)
         self.written: set[str] = set()  # pool files this process's saves wrote: unnamed, they need no waiting
 
     def rebase(self) -> None:
@@ -91,6 +96,17 @@ class IncrementalSaver:
             return result
         index = self._index if self._index is not None else self._load_base()
         reused = _unchanged(index, snapshot.entries, threads)
+        damaged = self._check.damaged(
+            (c for chunks in reused.values() for c in chunks), {n: f.size for n, f in index.files.items()}, threads
+        )
+        if damaged:  # never name bytes that are gone or wrong: those tensors are written again
+            log.warning(
+                "pool files %s of %s are missing or damaged: the tensors stored there are written again",
+                sorted(damaged),
+                self.pool,
+            )
+            reused = {n: chunks for n, chunks in reused.items() if not any(c.file in damaged for c in chunks)}
+            index = index.without_files(damaged)
         new = [e for e in snapshot.entries if e.name not in reused]
         shared = {c.file for chunks in reused.values() for c in chunks}
         groups, names = plan_data(self.storage, new, threads, save_prefix(self.storage)) if new else ([], [])
@@ -169,19 +185,10 @@ class IncrementalSaver:
         return tensors, files, size - sum(f.size for f in files if not f.new), at
 
     def _load_base(self) -> Index:
-        """The index of the run's newest checkpoint, less what its pool files no longer hold."""
+        """The index of the run's newest checkpoint (what of it is still in the pool is checked as it is
+        shared, see check.py)."""
         manifest = self._base()
-        if manifest is None:
-            return Index.empty()
-        index = Index.of(manifest.tensors, manifest.files)
-        gone = set()
-        for name, f in index.files.items():
-            info = self.storage.stat(self.storage.join(self.pool, name))
-            if info is None or not info.regular or info.is_dir or info.size != f.size:
-                gone.add(name)
-        if gone:
-            log.warning("pool files %s of the newest checkpoint are missing or altered: not reused", sorted(gone))
-        return index.without_files(gone)
+        return Index.empty() if manifest is None else Index.of(manifest.tensors, manifest.files)
 
 
 _PARALLEL_BYTES = 64 << 20  # below this, hashing on one thread costs less than starting more

@@ -50,6 +50,7 @@ class Catalog:
         self._cache: dict[str, tuple[float, int, CheckpointInfo]] = {}
         self.newer: dict[str, str] = {}  # checkpoints written by a newer trainstate: name -> why
         self.damaged: dict[str, str] = {}  # committed, but the manifest is unreadable: name -> why
+        self._damaged_info: dict[str, CheckpointInfo] = {}  # ... as retention sees them (damaged_list)
         self._damage_seen: dict[str, tuple[float, int]] = {}
         self.pool = PoolCollector(storage, root)  # incremental runs: the shared pool's garbage collector
         self.has_pool = True  # whether the last listing saw a pool (a run without one is never collected)
@@ -62,6 +63,7 @@ class Catalog:
         out = []
         self.newer.clear()
         self.damaged.clear()
+        self._damaged_info.clear()
         names = self.storage.list(self.root)
         self.has_pool = POOL_DIR in names
         for name in names:
@@ -94,6 +96,7 @@ class Catalog:
                 log.warning("skipping %s: %s", self.path(name), why)
                 self._damage_seen[name] = (stamp.mtime, stamp.size)
             self.damaged[name] = why
+            self._damaged_info[name] = _damaged(name, step, stamp.mtime, pin)
             return None
         meta = tree.decode(m.metadata)
         facts = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
@@ -108,6 +111,7 @@ class Catalog:
                 log.warning("skipping %s: %s", self.path(name), why)
                 self._damage_seen[name] = (stamp.mtime, stamp.size)
             self.damaged[name] = why
+            self._damaged_info[name] = _damaged(name, step, stamp.mtime, pin)
             return None
         seq = facts.get("seq")
         metrics = facts.get("metrics")
@@ -127,6 +131,11 @@ class Catalog:
         )
         self._cache[name] = (stamp.mtime, stamp.size, info)
         return info
+
+    def damaged_list(self) -> builtins.list[CheckpointInfo]:
+        """The checkpoints the last listing found damaged, as retention sees them: all that can be told
+        without their manifest (name, step, pin, and the manifest's modification time for ``created``)."""
+        return sorted(dict(self._damaged_info).values(), key=lambda c: c.step)  # a copy: list() may run meanwhile
 
     def next_seq(self) -> int:
         """The sequence number of the next commit: the highest in the directory + 1."""
@@ -268,6 +277,10 @@ class Catalog:
         if not self.has_pool:
             return []
         return self.pool.collect(locked=locked, min_age=REMOTE_SWEEP_AGE, keep=keep, mine=mine)
+
+
+def _damaged(name: str, step: int, mtime: float, pin: str | None) -> CheckpointInfo:
+    return CheckpointInfo(name, step, mtime, pinned=pin is not None, pin_reason=pin or "")
 
 
 def _with_pin(info: CheckpointInfo, reason: str | None) -> CheckpointInfo:

@@ -247,7 +247,19 @@ class Committer:
         raise error  # pragma: no cover - write_collective raised it already
 
     def apply_retention(self) -> tuple[str, ...]:
-        plan = plan_retention(self.list(), self.config.retention)
+        """Delete what the retention policies let go -- damaged checkpoints too, as they fall out (see
+        :func:`plan_retention`): kept forever, one would keep its pool files, and while its manifest cannot
+        be read, the pool's collection cannot tell what it names."""
+        items = self.list()
+        damaged = {c.name: c for c in self.catalog.damaged_list()}
+        plan = plan_retention(items, self.config.retention, list(damaged.values()))
+        for name in plan.delete:
+            if name in damaged:
+                log.warning(
+                    "deleting the damaged checkpoint %s (%s): the retention policies let it go",
+                    self.catalog.path(name),
+                    self.catalog.damaged.get(name, "its manifest cannot be read"),
+                )
         deleted = tuple(name for name in plan.delete if self.catalog.delete(name))  # a pin found late wins
         self.last_retention = RetentionPlan(plan.keep, list(deleted)) if deleted != tuple(plan.delete) else plan
         self._collect_pool()

@@ -778,7 +778,7 @@ class CheckpointManager:
             >>> mgr.prune()                         # delete it
         """
         if dry_run:
-            return plan_retention(self.list(), self.retention)
+            return plan_retention(self.list(), self.retention, self.catalog.damaged_list())
         self._check_open()
         self._writer.collect(block=True)
         if self._ranks is None:

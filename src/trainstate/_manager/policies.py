@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from trainstate import _arguments as arguments
@@ -367,8 +367,31 @@ class RetentionPlan:
     delete: list[str]
 
 
-def plan_retention(checkpoints: Sequence[CheckpointInfo], policies: Sequence[RetentionPolicy]) -> RetentionPlan:
-    """Decide what to keep and delete. Pure: no I/O."""
+def plan_retention(
+    checkpoints: Sequence[CheckpointInfo],
+    policies: Sequence[RetentionPolicy],
+    damaged: Sequence[CheckpointInfo] = (),
+) -> RetentionPlan:
+    """Decide what to keep and delete. Pure: no I/O.
+
+    ``damaged``: committed checkpoints whose manifest cannot be read, known by name, step, pin and the
+    time of their manifest only. The policies decide about each as about any other, with its commit
+    order taken as the oldest (it cannot be read); it never takes the place of a readable checkpoint,
+    whose fate is decided among the readable ones alone. One that is kept says ``"damaged manifest"``.
+    """
+    plan = _plan(checkpoints, policies)
+    if not damaged:
+        return plan
+    joint = _plan([*checkpoints, *(replace(d, seq=None) for d in damaged)], policies)
+    keep = dict(plan.keep)
+    for d in damaged:
+        if d.name in joint.keep:
+            keep[d.name] = [*joint.keep[d.name], "damaged manifest"]
+    delete = sorted([*plan.delete, *(d.name for d in damaged if d.name not in joint.keep)])
+    return RetentionPlan(keep, delete)
+
+
+def _plan(checkpoints: Sequence[CheckpointInfo], policies: Sequence[RetentionPolicy]) -> RetentionPlan:
     keep: dict[str, list[str]] = {c.name: [] for c in checkpoints}
     released: set[str] = set()
     if checkpoints:

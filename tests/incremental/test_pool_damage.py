@@ -1,0 +1,166 @@
+"""A pool file damaged or deleted while a run goes on is never shared by a later save.
+
+An incremental save copies the chunk entries of unchanged tensors from the previous manifest: if the pool
+file under them lost bytes or was altered meanwhile, the new checkpoint would name bytes that no longer
+match its checksums, and every later save would too. A save checks what it shares (its size and
+modification time, and its bytes where those changed or are not known yet) and writes the tensor again
+where the shared bytes are gone or wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trainstate
+from trainstate._storage import LocalStorage
+
+BASE = np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32)  # never changes
+
+
+def state(step: int) -> dict[str, np.ndarray]:
+    return {"base": BASE.copy(), "w": np.full(100, step, np.float32)}
+
+
+def manager(root: Path) -> trainstate.CheckpointManager:
+    return trainstate.CheckpointManager(root, every_steps=1, incremental=True, capture_rng=False, keep_last=3)
+
+
+def base_chunk(root: Path, step: int) -> tuple[Path, int]:
+    """The pool file holding ``base`` in the checkpoint of ``step``, and where its bytes begin."""
+    chunk = json.loads((root / f"step_{step:08d}" / "manifest.json").read_bytes())["tensors"]["base"]["chunks"][0]
+    return root / "_shared" / chunk["file"], chunk["byte_range"][0]
+
+
+def damage(root: Path, step: int, how: str) -> None:
+    path, begin = base_chunk(root, step)
+    if how == "delete":
+        path.unlink()
+        return
+    if how == "append":  # the chunks are intact, but a reader refuses a file of another size than listed
+        with path.open("ab") as f:
+            f.write(b"\0")
+        return
+    raw = bytearray(path.read_bytes())
+    raw[begin + 1000] ^= 0x04
+    path.write_bytes(bytes(raw))
+
+
+def assert_restores(root: Path, step: int) -> None:
+    back = trainstate.load(root / f"step_{step:08d}")
+    assert np.array_equal(back["base"], BASE) and back["w"][0] == step
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["same-manager", "restarted"])
+@pytest.mark.parametrize("how", ["flip", "delete", "append"])
+def test_a_save_after_pool_damage_writes_the_damaged_bytes_again(tmp_path: Path, how: str, restart: bool) -> None:
+    mgr = manager(tmp_path)
+    mgr.save(1, state(1))
+    mgr.save(2, state(2))  # shares base with step 1
+    assert base_chunk(tmp_path, 2)[0] == base_chunk(tmp_path, 1)[0]
+    damage(tmp_path, 2, how)
+    if restart:
+        mgr.close()
+        mgr = manager(tmp_path)
+    mgr.save(3, state(3))
+    mgr.save(4, state(4))
+    mgr.close()
+    assert base_chunk(tmp_path, 3)[0] != base_chunk(tmp_path, 2)[0]  # a fresh copy
+    for step in (3, 4):
+        assert_restores(tmp_path, step)
+    with trainstate.CheckpointManager(tmp_path, incremental=True) as mgr:
+        target = state(-1)
+        target["base"][:] = 0
+        assert mgr.restore_latest(target) == 5
+        assert np.array_equal(target["base"], BASE) and target["w"][0] == 4
+
+
+def test_a_pool_file_changed_after_it_was_checked_is_checked_again(tmp_path: Path) -> None:
+    """The cheap path (same size and modification time as when last checked) is only taken while the file
+    is unchanged: a write to it moves its modification time, and its bytes are read again."""
+    with manager(tmp_path) as mgr:
+        mgr.save(1, state(1))
+        path, _ = base_chunk(tmp_path, 1)
+        old = time.time() - 600
+        os.utime(path, (old, old))  # checked again at the next save, then trusted by its time and size
+        mgr.save(2, state(2))
+        damage(tmp_path, 2, "flip")
+        mgr.save(3, state(3))
+    assert base_chunk(tmp_path, 3)[0] != path
+    assert_restores(tmp_path, 3)
+
+
+def test_an_unchanged_pool_file_is_not_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checking what a save shares costs a stat per pool file, not a read of its bytes, once a file has been
+    checked (or written) and left alone for a while."""
+    with manager(tmp_path) as mgr:
+        mgr.save(1, state(1))
+        path, _ = base_chunk(tmp_path, 1)
+        old = time.time() - 600
+        os.utime(path, (old, old))
+        mgr.save(2, state(2))  # reads base back once: its time changed since it was written
+        reads: list[str] = []
+        real = LocalStorage.read_into
+
+        def counting(self: LocalStorage, p: str, offset: int, out: memoryview) -> int:
+            reads.append(p)
+            return real(self, p, offset, out)
+
+        monkeypatch.setattr(LocalStorage, "read_into", counting)
+        mgr.save(3, state(3))
+        assert str(path) not in reads
+    assert_restores(tmp_path, 3)
+
+
+KEY = trainstate.generate_key()
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["same-manager", "restarted"])
+@pytest.mark.parametrize(
+    "kw", [{"async_save": True}, {"compression": "zstd"}, {"key": KEY}], ids=["async", "zstd", "encrypted"]
+)
+def test_damage_is_not_shared_with_async_saves_or_transforms(
+    tmp_path: Path, kw: dict[str, object], restart: bool
+) -> None:
+    if "compression" in kw:
+        pytest.importorskip("zstandard")
+    if "key" in kw:
+        pytest.importorskip("cryptography")
+    mgr = trainstate.CheckpointManager(tmp_path, every_steps=1, incremental=True, capture_rng=False, **kw)
+    mgr.save(1, state(1))
+    mgr.save(2, state(2))
+    mgr.wait()
+    damage(tmp_path, 2, "flip")
+    if restart:
+        mgr.close()
+        mgr = trainstate.CheckpointManager(tmp_path, every_steps=1, incremental=True, capture_rng=False, **kw)
+    mgr.save(3, state(3))
+    mgr.close()
+    back = trainstate.load(tmp_path / "step_00000003", key=kw.get("key"))  # type: ignore[arg-type]
+    assert np.array_equal(back["base"], BASE) and back["w"][0] == 3
+
+
+def test_damage_the_stat_cannot_see_is_found_when_the_check_is_due_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A byte flipped under an unchanged size and modification time (bit rot, a tool that restores the time)
+    passes the stat; bytes checked longer ago than RECHECK_SECONDS are read again, which finds it."""
+    from trainstate._incremental import check
+
+    with manager(tmp_path) as mgr:
+        mgr.save(1, state(1))
+        path, _ = base_chunk(tmp_path, 1)
+        old = time.time() - 600
+        os.utime(path, (old, old))
+        mgr.save(2, state(2))  # read back once, then vouched for by time and size
+        damage(tmp_path, 2, "flip")
+        os.utime(path, (old, old))  # the stat sees nothing
+        monkeypatch.setattr(check, "RECHECK_SECONDS", 0.0)  # the hour is up
+        mgr.save(3, state(3))
+    assert base_chunk(tmp_path, 3)[0] != path
+    assert_restores(tmp_path, 3)
