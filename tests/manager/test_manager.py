@@ -77,6 +77,18 @@ def test_force_metrics_epoch_and_best(tmp_path):
         assert ck.metadata["trainstate"]["reason"] == "forced"
 
 
+def test_a_listed_checkpoint_says_where_it_is(tmp_path):
+    """latest() and best() can be opened, exported or evaluated as they are: each carries its path."""
+    with trainstate.CheckpointManager(tmp_path / "run", every_steps=1) as mgr:
+        mgr.save(0, small_state(), metrics={"val": 0.5})
+        mgr.save(1, small_state(), metrics={"val": 0.2})
+    latest = mgr.latest()
+    assert latest is not None and latest.path == mgr.path_for(1) == os.path.join(tmp_path, "run", "step_00000001")
+    assert [c.path for c in mgr.list()] == [mgr.path_for(0), mgr.path_for(1)]
+    with trainstate.open(mgr.best("val", "min").path) as ck:
+        assert ck.metadata["trainstate"]["step"] == 1
+
+
 def test_only_names_of_the_scheme_are_touched_and_pins_survive(tmp_path):
     (tmp_path / "notes").mkdir()
     trainstate.save(tmp_path / "my_export", {"x": 1})

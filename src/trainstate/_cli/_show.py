@@ -119,7 +119,7 @@ def _probe(backend: Storage, name: str, path: str, key_env: str | None) -> dict[
     """A row for a step directory the catalog did not list: incomplete, damaged, or committed just now."""
     try:
         with open_checkpoint(path, backend, key_env=key_env) as ck:
-            info = CheckpointInfo(name, step_of(name) or 0, ck.created, nbytes=ck.nbytes)
+            info = CheckpointInfo(name, step_of(name) or 0, ck.created, nbytes=ck.nbytes, path=path)
             return _row(info, path)
     except IncompleteCheckpointError:
         return _other_row(backend, name, path, "incomplete", "no manifest")
@@ -163,7 +163,7 @@ def _single_row(path: str, ck: Checkpoint, key_env: str | None) -> dict[str, Any
         for info in CheckpointManager(parent, read_only=True, storage=ck.storage, key_env=key_env).list():
             if info.name == name:
                 return _row(info, path)
-    row = _row(CheckpointInfo(name, 0, ck.created, nbytes=ck.nbytes), path)
+    row = _row(CheckpointInfo(name, 0, ck.created, nbytes=ck.nbytes, path=ck.path), path)
     row["step"] = None  # not a manager's checkpoint: no step, metrics or pin
     return row
 

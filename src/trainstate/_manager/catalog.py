@@ -124,6 +124,7 @@ class Catalog:
             shared=sum(f.size for f in m.files if f.pool and not f.new),
             pooled=sum(f.size for f in m.files if f.pool),
             seq=seq if type(seq) is int and seq >= 0 else None,
+            path=self.path(name),
         )
         self._cache[name] = (stamp.mtime, stamp.size, info)
         return info
