@@ -59,6 +59,29 @@ def test_help_documents_exit_codes() -> None:
         assert command in out
 
 
+def _key_env_help(command: str) -> str:
+    import argparse
+
+    from trainstate._cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return next(a.help or "" for a in sub.choices[command]._actions if "--key-env" in a.option_strings)
+
+
+@pytest.mark.parametrize(
+    "command", ["ls", "history", "inspect", "verify", "diff", "export", "export-onnx", "prune", "pin", "unpin"]
+)
+def test_key_env_help_of_a_command_that_writes_no_checkpoint_says_nothing_of_writing(command: str) -> None:
+    text = _key_env_help(command)
+    assert "trainstate keygen" in text
+    assert "writ" not in text and "encrypted with it" not in text, text
+
+
+@pytest.mark.parametrize("command", ["consolidate", "import", "average", "pack"])
+def test_key_env_help_of_a_command_that_writes_a_checkpoint_says_what_it_writes(command: str) -> None:
+    assert "OUT" in _key_env_help(command) or "CKPT" in _key_env_help(command)
+
+
 @pytest.mark.parametrize("args", [["--help"], ["verify", "--help"], ["demo", "--help"]])
 def test_help_works_without_docstrings(args: list[str]) -> None:
     """``python -OO`` strips docstrings; help text (and every exit code in it) must not come from them."""
