@@ -366,6 +366,20 @@ def test_ls_shows_pin_reasons_and_a_second_pin_says_it_changed_nothing(tmp_path)
     assert "paper figure" in cli("ls", str(tmp_path)).stdout
 
 
+def test_ls_lists_the_checkpoints_no_manager_wrote(tmp_path):
+    """A Lightning run's folder: TrainstateCheckpointIO writes one checkpoint per path Lightning names."""
+    for name in ("epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt", "last.ckpt"):
+        trainstate.save(tmp_path / name, state())
+    (tmp_path / "notes").mkdir()  # a folder that holds no checkpoint is not one
+    (tmp_path / "notes" / "readme.txt").write_text("not a checkpoint")
+    doc = cli_json("ls", str(tmp_path))
+    rows = [(r["name"], r["step"], r["status"]) for r in doc["checkpoints"]]
+    assert rows == [(n, None, "complete") for n in ("epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt", "last.ckpt")]
+    assert all(r["nbytes"] > 0 and r["path"] == str(tmp_path / r["name"]) for r in doc["checkpoints"])
+    out = cli("ls", str(tmp_path)).stdout
+    assert "no checkpoints" not in out and "last.ckpt" in out and "3 complete" in out
+
+
 def test_ls_marks_a_checkpoint_from_a_newer_trainstate(tmp_path):
     from helpers import reseal_manifest
 

@@ -12,7 +12,7 @@ from typing import Any
 from trainstate import open as open_checkpoint
 from trainstate._cli import UsageError, _values
 from trainstate._cli._output import Printer, Table, clip, local_time, metrics_text, short, size
-from trainstate._format.manifest import TensorEntry
+from trainstate._format.manifest import MANIFEST_NAME, TensorEntry
 from trainstate._incremental.pool import POOL_DIR
 from trainstate._manager import CheckpointInfo, CheckpointManager
 from trainstate._manager.naming import step_of
@@ -116,11 +116,14 @@ def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -
 
 
 def _probe(backend: Storage, name: str, path: str, key_env: str | None) -> dict[str, Any] | None:
-    """A row for a step directory the catalog did not list: incomplete, damaged, or committed just now."""
+    """A row for a step directory the catalog did not list (incomplete, damaged, or committed just now), or
+    for a checkpoint no manager wrote (Lightning's ``epoch=0-step=10.ckpt``, ``trainstate.save``'s): no step."""
+    step = step_of(name)
     try:
         with open_checkpoint(path, backend, key_env=key_env) as ck:
-            info = CheckpointInfo(name, step_of(name) or 0, ck.created, nbytes=ck.nbytes, path=path)
-            return _row(info, path)
+            row = _row(CheckpointInfo(name, step or 0, ck.created, nbytes=ck.nbytes, path=path), path)
+            row["step"] = step
+            return row
     except IncompleteCheckpointError:
         return _other_row(backend, name, path, "incomplete", "no manifest")
     except CorruptCheckpointError as e:
@@ -144,9 +147,13 @@ def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str
     listed = {i.name for i in infos}
     for name in backend.list(root):
         path = backend.join(root, name)
-        if name in listed or not (step_of(name) is not None or is_staging_name(name)) or not _is_dir(backend, path):
+        if name in listed or not _is_dir(backend, path):
             continue
-        if step_of(name) is not None:
+        if step_of(name) is None and not is_staging_name(name):  # a checkpoint no manager wrote, or no checkpoint
+            row = _probe(backend, name, path, key_env) if _has_manifest(backend, path) else None
+            if row is not None:
+                rows.append(row)
+        elif step_of(name) is not None:
             row = _probe(backend, name, path, key_env)
             if row is not None:
                 rows.append(row)
@@ -155,6 +162,13 @@ def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str
             rows.append(_other_row(backend, name, path, "incomplete", _STAGING_NOTE[m.group(2)] if m else "leftover"))
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
     return rows
+
+
+def _has_manifest(backend: Storage, path: str) -> bool:
+    try:
+        return backend.stat(backend.join(path, MANIFEST_NAME)) is not None
+    except StorageError:
+        return False
 
 
 def _single_row(path: str, ck: Checkpoint, key_env: str | None) -> dict[str, Any]:
