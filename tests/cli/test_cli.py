@@ -380,6 +380,33 @@ def test_ls_lists_the_checkpoints_no_manager_wrote(tmp_path):
     assert "no checkpoints" not in out and "last.ckpt" in out and "3 complete" in out
 
 
+def test_ls_inspect_and_history_agree_on_an_incremental_checkpoints_sizes(tmp_path):
+    """Three numbers, each named: a checkpoint's size (its manifest and every data file it reads, shared ones
+    included), what its save wrote (new data files and the manifest), and nothing else under those names."""
+    from trainstate._cli._output import size
+
+    base = np.random.default_rng(0).random(100_000, dtype=np.float32)  # frozen: written once, then shared
+    with trainstate.CheckpointManager(tmp_path, every_steps=1, incremental=True) as mgr:
+        for step in range(3):
+            mgr.save(step, {"base": base, "head": np.full(1000, step, np.float32)})
+    saves = {s["step"]: s["nbytes"] for s in cli_json("history", str(tmp_path))["saves"]}
+    rows = {r["step"]: r for r in cli_json("ls", str(tmp_path))["checkpoints"]}
+    manifest = (tmp_path / "step_00000002" / "manifest.json").stat().st_size
+    for step in range(3):
+        assert rows[step]["written_nbytes"] == saves[step]
+        assert rows[step]["size_nbytes"] == rows[step]["nbytes"] + rows[step]["manifest_nbytes"]
+    assert rows[2]["manifest_nbytes"] == manifest and saves[2] < rows[2]["size_nbytes"] / 10
+    one = cli_json("inspect", str(tmp_path / "step_00000002"))
+    assert (one["size_nbytes"], one["written_nbytes"]) == (rows[2]["size_nbytes"], saves[2])
+    wrote, whole = size(saves[2]), size(rows[2]["size_nbytes"])
+    ls_text = cli("ls", str(tmp_path)).stdout
+    assert "wrote" in ls_text and wrote in ls_text and whole in ls_text and "size:" in ls_text
+    inspect_text = cli("inspect", str(tmp_path / "step_00000002")).stdout
+    assert f"this save wrote {wrote}" in inspect_text and whole in inspect_text
+    history_text = cli("history", str(tmp_path)).stdout
+    assert "wrote" in history_text and wrote in history_text
+
+
 def test_ls_marks_a_checkpoint_from_a_newer_trainstate(tmp_path):
     from helpers import reseal_manifest
 
