@@ -407,6 +407,16 @@ def test_ls_inspect_and_history_agree_on_an_incremental_checkpoints_sizes(tmp_pa
     assert "wrote" in history_text and wrote in history_text
 
 
+def test_ls_shows_a_checkpoint_a_delete_moved_aside_as_deleting(run_dir: Path) -> None:
+    """A local delete renames the checkpoint to ``.<name>.del-<random>`` first; killed then, it is being
+    deleted, not an unfinished save."""
+    os.rename(run_dir / "step_00000000", run_dir / ".step_00000000.del-0123abcd")
+    rows = {r["name"]: r for r in cli_json("ls", str(run_dir))["checkpoints"]}
+    assert rows[".step_00000000.del-0123abcd"]["status"] == "deleting"
+    assert rows[".step_00000040.tmp-0123abcd"]["status"] == "incomplete"
+    assert "2 complete, 2 incomplete, 1 deleting" in cli("ls", str(run_dir)).stdout
+
+
 def test_ls_marks_a_checkpoint_from_a_newer_trainstate(tmp_path):
     from helpers import reseal_manifest
 

@@ -18,6 +18,7 @@ from trainstate._manager import CheckpointInfo, CheckpointManager
 from trainstate._manager.naming import step_of
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import Storage, is_staging_name, resolve
+from trainstate._storage.base import DELETE_MARKER
 from trainstate.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -28,6 +29,8 @@ from trainstate.errors import (
 
 _STAGING = re.compile(r"^\.(.+)\.(tmp|old|del)-[^/]*$")
 _STAGING_NOTE = {"tmp": "unfinished save", "old": "replaced checkpoint not yet removed", "del": "unfinished delete"}
+_STAGING_STATUS = {"tmp": "incomplete", "old": "incomplete", "del": "deleting"}
+_DELETING_NOTE = "a delete began and did not finish; a manager's sweep removes it"
 
 
 def require_dir(path: str) -> None:
@@ -137,6 +140,8 @@ def _probe(backend: Storage, name: str, path: str, key_env: str | None) -> dict[
             row["step"] = step
             return row
     except IncompleteCheckpointError:
+        if _deleting(backend, path):
+            return _other_row(backend, name, path, "deleting", _DELETING_NOTE)
         return _other_row(backend, name, path, "incomplete", "no manifest")
     except CorruptCheckpointError as e:
         return _other_row(backend, name, path, "corrupt", " ".join(str(e).split()))
@@ -171,7 +176,8 @@ def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str
                 rows.append(row)
         else:
             m = _STAGING.match(name)
-            rows.append(_other_row(backend, name, path, "incomplete", _STAGING_NOTE[m.group(2)] if m else "leftover"))
+            status = _STAGING_STATUS[m.group(2)] if m else "incomplete"
+            rows.append(_other_row(backend, name, path, status, _STAGING_NOTE[m.group(2)] if m else "leftover"))
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
     return rows
 
@@ -179,6 +185,14 @@ def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str
 def _has_manifest(backend: Storage, path: str) -> bool:
     try:
         return backend.stat(backend.join(path, MANIFEST_NAME)) is not None
+    except StorageError:
+        return False
+
+
+def _deleting(backend: Storage, path: str) -> bool:
+    """Whether a checkpoint without a manifest is one whose delete began (object stores mark it first)."""
+    try:
+        return backend.stat(backend.join(path, DELETE_MARKER)) is not None
     except StorageError:
         return False
 
@@ -220,7 +234,12 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
     except (IncompleteCheckpointError, CheckpointNotFoundError):  # not one checkpoint: list the directory
         backend, root = resolve(path)
         name = _parent_and_name(backend, root)[1]
-        if step_of(name) is not None or is_staging_name(name):
+        m = _STAGING.match(name)
+        if m:
+            rows = [_other_row(backend, name, root, _STAGING_STATUS[m.group(2)], _STAGING_NOTE[m.group(2)])]
+        elif step_of(name) is not None and _deleting(backend, root):
+            rows = [_other_row(backend, name, root, "deleting", _DELETING_NOTE)]
+        elif step_of(name) is not None or is_staging_name(name):
             rows = [_other_row(backend, name, root, "incomplete", "no manifest")]
         else:
             kind, rows = "directory", _directory_rows(path, key_env)
@@ -239,7 +258,9 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
     )
     for r in rows:
         status = r["status"] if not r["note"] else f"{r['status']}: {clip(r['note'], 70)}"
-        style = {"incomplete": "yellow", "corrupt": "red", "newer format": "magenta"}.get(r["status"])
+        style = {"incomplete": "yellow", "deleting": "dim", "corrupt": "red", "newer format": "magenta"}.get(
+            r["status"]
+        )
         t.add(
             r["name"],
             "" if r["step"] is None else r["step"],
@@ -253,7 +274,7 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
         )
     out.table(t)
     complete = [r for r in rows if r["status"] == "complete"]
-    others = {s: sum(r["status"] == s for r in rows) for s in ("incomplete", "corrupt")}
+    others = {s: sum(r["status"] == s for r in rows) for s in ("incomplete", "deleting", "corrupt")}
     extra = "".join(f", {n} {s}" for s, n in others.items() if n)
     if pool:  # checkpoints share the pool's files: their sizes overlap
         out.line(f"{len(complete)} complete{extra}; {size(pool)} in the shared pool, which they share")
