@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 
+import numpy as np
 import pytest
 
 import trainstate
@@ -87,6 +88,13 @@ def test_a_listed_checkpoint_says_where_it_is(tmp_path):
     assert [c.path for c in mgr.list()] == [mgr.path_for(0), mgr.path_for(1)]
     with trainstate.open(mgr.best("val", "min").path) as ck:
         assert ck.metadata["trainstate"]["step"] == 1
+    pytest.importorskip("fsspec")
+    with trainstate.CheckpointManager(f"memory://{tmp_path.name}/run", every_steps=1) as remote:
+        remote.save(3, {"x": np.arange(3)})
+    latest = remote.latest()
+    assert latest is not None and latest.path == remote.path_for(3)  # the storage's form: no memory:// scheme
+    with trainstate.open(latest.path, storage=remote.storage) as ck:
+        assert ck.metadata["trainstate"]["step"] == 3
 
 
 def test_only_names_of_the_scheme_are_touched_and_pins_survive(tmp_path):

@@ -46,14 +46,16 @@ class CheckpointInfo:
         pin_reason: the reason given to ``pin``.
         shared: of ``nbytes``, bytes in shared pool files an earlier save wrote (incremental checkpoints).
         pooled: of ``nbytes``, bytes in the run's shared pool: what deleting this checkpoint does not free.
-        path: where the checkpoint is: its directory joined to ``name``, in the form the manager's storage
-            uses (what ``mgr.path_for(step)`` gives; ``""`` for one built by hand). ``trainstate.open``,
-            ``load`` and ``export`` take it as it is (pass the manager's ``storage=`` for one it was given).
+        path: where the checkpoint is: the manager's directory joined to ``name``, in the form its storage
+            uses, as ``mgr.path_for(step)`` gives it (``""`` for one built by hand). On a local disk that is
+            a path that ``trainstate.open``, ``load`` and ``export`` take as it is; on an object store it has
+            no ``s3://`` scheme, so open it with ``storage=mgr.storage``.
 
     Example:
         >>> for info in mgr.list():
         ...     print(info.step, info.metrics.get("val_loss"), info.nbytes, "pinned" if info.pinned else "")
         >>> trainstate.export(mgr.latest().path, "release/")
+        >>> trainstate.open(mgr.latest().path, storage=mgr.storage)   # on any storage
         >>> trainstate.CheckpointInfo("step_00000100", 100, created=0.0, seq=0)  # by hand, to try a policy
     """
 
