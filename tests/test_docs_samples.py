@@ -101,3 +101,23 @@ def test_the_runner_runs_what_it_reads(tmp_path: Path, monkeypatch: pytest.Monke
     page.write_text('```console\n$ trainstate keygen --json\n"key": 42\n```\n')
     with pytest.raises(AssertionError, match="did not print"):
         run_page(page, tmp_path, monkeypatch)
+
+
+def test_the_readme_training_loop_keeps_its_last_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's loop, run as written (its ``...`` as the optimizer step): the newest checkpoint is the
+    last step done, so ``mgr.latest()`` is the model the loop ended with, not the last periodic save's."""
+    import numpy as np
+
+    import trainstate
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## In the training loop") :]
+    recipe = BLOCK.search(section)
+    assert recipe is not None and recipe["lang"] == "python"
+    monkeypatch.chdir(tmp_path)
+    total_steps = 1_234  # periodic saves at 0, 500 and 1000
+    state = {"w": np.zeros(4)}
+    namespace: dict[str, object] = {"trainstate": trainstate, "state": state, "total_steps": total_steps, "v": 0.5}
+    exec(compile(recipe["body"], "README.md, In the training loop", "exec"), namespace)
+    latest = trainstate.CheckpointManager("runs/exp1", read_only=True).latest()
+    assert latest is not None and latest.step == total_steps - 1

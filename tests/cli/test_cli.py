@@ -59,6 +59,29 @@ def test_help_documents_exit_codes() -> None:
         assert command in out
 
 
+def _key_env_help(command: str) -> str:
+    import argparse
+
+    from trainstate._cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return next(a.help or "" for a in sub.choices[command]._actions if "--key-env" in a.option_strings)
+
+
+@pytest.mark.parametrize(
+    "command", ["ls", "history", "inspect", "verify", "diff", "export", "export-onnx", "prune", "pin", "unpin"]
+)
+def test_key_env_help_of_a_command_that_writes_no_checkpoint_says_nothing_of_writing(command: str) -> None:
+    text = _key_env_help(command)
+    assert "trainstate keygen" in text
+    assert "writ" not in text and "encrypted with it" not in text, text
+
+
+@pytest.mark.parametrize("command", ["consolidate", "import", "average", "pack"])
+def test_key_env_help_of_a_command_that_writes_a_checkpoint_says_what_it_writes(command: str) -> None:
+    assert "OUT" in _key_env_help(command) or "CKPT" in _key_env_help(command)
+
+
 @pytest.mark.parametrize("args", [["--help"], ["verify", "--help"], ["demo", "--help"]])
 def test_help_works_without_docstrings(args: list[str]) -> None:
     """``python -OO`` strips docstrings; help text (and every exit code in it) must not come from them."""
@@ -341,6 +364,57 @@ def test_ls_shows_pin_reasons_and_a_second_pin_says_it_changed_nothing(tmp_path)
     again = cli("pin", str(tmp_path), "1", "--reason", "other")
     assert "already pinned" in again.stdout and "not changed" in again.stdout
     assert "paper figure" in cli("ls", str(tmp_path)).stdout
+
+
+def test_ls_lists_the_checkpoints_no_manager_wrote(tmp_path):
+    """A Lightning run's folder: TrainstateCheckpointIO writes one checkpoint per path Lightning names."""
+    for name in ("epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt", "last.ckpt"):
+        trainstate.save(tmp_path / name, state())
+    (tmp_path / "notes").mkdir()  # a folder that holds no checkpoint is not one
+    (tmp_path / "notes" / "readme.txt").write_text("not a checkpoint")
+    doc = cli_json("ls", str(tmp_path))
+    rows = [(r["name"], r["step"], r["status"]) for r in doc["checkpoints"]]
+    assert rows == [(n, None, "complete") for n in ("epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt", "last.ckpt")]
+    assert all(r["nbytes"] > 0 and r["path"] == str(tmp_path / r["name"]) for r in doc["checkpoints"])
+    out = cli("ls", str(tmp_path)).stdout
+    assert "no checkpoints" not in out and "last.ckpt" in out and "3 complete" in out
+
+
+def test_ls_inspect_and_history_agree_on_an_incremental_checkpoints_sizes(tmp_path):
+    """Three numbers, each named: a checkpoint's size (its manifest and every data file it reads, shared ones
+    included), what its save wrote (new data files and the manifest), and nothing else under those names."""
+    from trainstate._cli._output import size
+
+    base = np.random.default_rng(0).random(100_000, dtype=np.float32)  # frozen: written once, then shared
+    with trainstate.CheckpointManager(tmp_path, every_steps=1, incremental=True) as mgr:
+        for step in range(3):
+            mgr.save(step, {"base": base, "head": np.full(1000, step, np.float32)})
+    saves = {s["step"]: s["nbytes"] for s in cli_json("history", str(tmp_path))["saves"]}
+    rows = {r["step"]: r for r in cli_json("ls", str(tmp_path))["checkpoints"]}
+    manifest = (tmp_path / "step_00000002" / "manifest.json").stat().st_size
+    for step in range(3):
+        assert rows[step]["written_nbytes"] == saves[step]
+        assert rows[step]["size_nbytes"] == rows[step]["nbytes"] + rows[step]["manifest_nbytes"]
+    assert rows[2]["manifest_nbytes"] == manifest and saves[2] < rows[2]["size_nbytes"] / 10
+    one = cli_json("inspect", str(tmp_path / "step_00000002"))
+    assert (one["size_nbytes"], one["written_nbytes"]) == (rows[2]["size_nbytes"], saves[2])
+    wrote, whole = size(saves[2]), size(rows[2]["size_nbytes"])
+    ls_text = cli("ls", str(tmp_path)).stdout
+    assert "wrote" in ls_text and wrote in ls_text and whole in ls_text and "size:" in ls_text
+    inspect_text = cli("inspect", str(tmp_path / "step_00000002")).stdout
+    assert f"this save wrote {wrote}" in inspect_text and whole in inspect_text
+    history_text = cli("history", str(tmp_path)).stdout
+    assert "wrote" in history_text and wrote in history_text
+
+
+def test_ls_shows_a_checkpoint_a_delete_moved_aside_as_deleting(run_dir: Path) -> None:
+    """A local delete renames the checkpoint to ``.<name>.del-<random>`` first; killed then, it is being
+    deleted, not an unfinished save."""
+    os.rename(run_dir / "step_00000000", run_dir / ".step_00000000.del-0123abcd")
+    rows = {r["name"]: r for r in cli_json("ls", str(run_dir))["checkpoints"]}
+    assert rows[".step_00000000.del-0123abcd"]["status"] == "deleting"
+    assert rows[".step_00000040.tmp-0123abcd"]["status"] == "incomplete"
+    assert "2 complete, 2 incomplete, 1 deleting" in cli("ls", str(run_dir)).stdout
 
 
 def test_ls_marks_a_checkpoint_from_a_newer_trainstate(tmp_path):

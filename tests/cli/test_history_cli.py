@@ -45,7 +45,7 @@ def test_the_table_shows_every_save_with_its_timings_and_fate(trained: Path, mon
     assert lines[1].split() == [
         "step",
         "time",
-        "size",
+        "wrote",
         "blocked",
         "s",
         "write",
@@ -58,7 +58,7 @@ def test_the_table_shows_every_save_with_its_timings_and_fate(trained: Path, mon
     rows = [line.split() for line in lines[3:7]]
     assert [r[0] for r in rows] == ["3", "6", "9", "12"]
     for r in rows:
-        assert r[3] == "kB" and all(float(x) >= 0 for x in r[4:7])  # size "N.N kB", then three timings
+        assert r[3] == "kB" and all(float(x) >= 0 for x in r[4:7])  # wrote "N.N kB", then three timings
         assert r[7].startswith("loss=") and r[8] == "lr=0.05"
     assert rows[0][9:] == ["deleted:", "retention", "after", "step", "9"]
     assert rows[1][9:] == ["deleted:", "retention", "after", "step", "12"]

@@ -7,6 +7,7 @@ The last one does it on a real published model (all-MiniLM-L6-v2, shipped inside
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,56 @@ def test_forward_that_the_export_does_not_reproduce_is_a_mismatch(tmp_path: Path
     assert e.value.max_abs_diff is not None and e.value.max_abs_diff > 1e-3
     assert "differs between onnxruntime and torch: max |difference|" in str(e.value)
     assert not (tmp_path / "model.onnx").exists() and leftovers(tmp_path) == []  # nothing half-checked stays
+
+
+class Scaled(torch.nn.Module):
+    """A forward with a constant subexpression (``exp(scale)``), which onnxscript's optimizer tries to fold."""
+
+    def __init__(self, count: bool = False) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+        self.register_buffer("scale", torch.full((3,), 0.5))
+        self.count, self.calls = count, 0
+
+    def forward(self, x: Any) -> Any:
+        self.calls += 1
+        return self.fc(x) * torch.exp(self.scale) * (self.calls if self.count else 1)
+
+
+@pytest.fixture
+def folding_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxscript's constant folder meets a node its reference evaluator cannot run (as it does for some ops
+    of real models): it logs "Evaluation failed: ..." at WARNING, leaves the node unfolded and goes on."""
+    from onnxscript.optimizer import _constant_folding
+
+    def failing(self: Any, domain: str, op: str, version: int) -> Any:
+        def evaluate(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"no reference kernel for {op}")
+
+        return evaluate
+
+    monkeypatch.setattr(_constant_folding.ReferenceEvaluator, "get_evaluator", failing)
+
+
+@pytest.mark.usefixtures("folding_fails")
+def test_an_export_that_succeeds_logs_no_evaluation_failed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    trainstate.save(tmp_path / "ckpt", {"model": Scaled()})
+
+    with caplog.at_level(logging.INFO):
+        trainstate.export_onnx(tmp_path / "ckpt", Scaled, torch.randn(2, 6), tmp_path / "model.onnx")
+
+    assert (tmp_path / "model.onnx").is_file()
+    assert [r.getMessage() for r in caplog.records if "Evaluation failed" in r.getMessage()] == []
+
+
+@pytest.mark.usefixtures("folding_fails")
+def test_an_export_that_fails_keeps_what_the_exporter_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    trainstate.save(tmp_path / "ckpt", {"model": Scaled(count=True)})
+
+    with caplog.at_level(logging.INFO), pytest.raises(trainstate.OnnxExportError, match="differs"):
+        trainstate.export_onnx(tmp_path / "ckpt", lambda: Scaled(count=True), torch.randn(2, 6), tmp_path / "m.onnx")
+
+    assert any(r.getMessage() == "Evaluation failed: no reference kernel for Exp" for r in caplog.records)
 
 
 def test_select_and_strip_prefix_export_the_ema_weights_for_any_batch_size(

@@ -57,3 +57,19 @@ def test_a_tensor_named_like_the_header_metadata_key_keeps_the_file_readable(tmp
     target = {"__metadata__": torch.zeros(4), "__metadata__~": torch.zeros(2, dtype=torch.int64)}
     trainstate.load(tmp_path / "c", target)
     assert torch.equal(target["__metadata__"], state["__metadata__"])
+
+
+@pytest.mark.parametrize("how", ["zstd", "encrypted"])
+def test_safe_open_gives_a_transformed_tensors_stored_bytes_not_the_tensor(tmp_path, how):
+    """What the README says safe_open returns for a compressed or encrypted checkpoint: each chunk's stored
+    bytes as U8, under the tensor's name when it is one chunk, never the tensor."""
+    t = torch.zeros(256, 64)  # compresses well
+    options = {"compression": "zstd"} if how == "zstd" else {"key": bytes(range(32))}
+    trainstate.save(tmp_path / "c", {"w": t}, threads=1, **options)
+    with safe_open(str(tmp_path / "c" / "data-00000.safetensors"), "pt") as s:
+        assert list(s.keys()) == ["w"]
+        got = s.get_tensor("w")
+    assert got.dtype == torch.uint8 and got.shape != t.shape
+    assert got.numel() != t.numel() * t.element_size() or not torch.equal(got, t.view(-1).view(torch.uint8))
+    with trainstate.open(tmp_path / "c", key=options.get("key")) as ck:
+        assert torch.equal(ck.read("w", framework="torch"), t)

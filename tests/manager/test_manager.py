@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 
+import numpy as np
 import pytest
 
 import trainstate
@@ -75,6 +76,25 @@ def test_force_metrics_epoch_and_best(tmp_path):
     assert mgr.best().step == 2
     with trainstate.open(mgr.path_for(2)) as ck:
         assert ck.metadata["trainstate"]["reason"] == "forced"
+
+
+def test_a_listed_checkpoint_says_where_it_is(tmp_path):
+    """latest() and best() can be opened, exported or evaluated as they are: each carries its path."""
+    with trainstate.CheckpointManager(tmp_path / "run", every_steps=1) as mgr:
+        mgr.save(0, small_state(), metrics={"val": 0.5})
+        mgr.save(1, small_state(), metrics={"val": 0.2})
+    latest = mgr.latest()
+    assert latest is not None and latest.path == mgr.path_for(1) == os.path.join(tmp_path, "run", "step_00000001")
+    assert [c.path for c in mgr.list()] == [mgr.path_for(0), mgr.path_for(1)]
+    with trainstate.open(mgr.best("val", "min").path) as ck:
+        assert ck.metadata["trainstate"]["step"] == 1
+    pytest.importorskip("fsspec")
+    with trainstate.CheckpointManager(f"memory://{tmp_path.name}/run", every_steps=1) as remote:
+        remote.save(3, {"x": np.arange(3)})
+    latest = remote.latest()
+    assert latest is not None and latest.path == remote.path_for(3)  # the storage's form: no memory:// scheme
+    with trainstate.open(latest.path, storage=remote.storage) as ck:
+        assert ck.metadata["trainstate"]["step"] == 3
 
 
 def test_only_names_of_the_scheme_are_touched_and_pins_survive(tmp_path):

@@ -322,3 +322,41 @@ def test_the_command_line_works_on_s3_urls(s3_from_environment: MotoServer) -> N
     assert diff.returncode == 1 and "w" in diff.stdout
     missing = cli("ls", f"{run}-nope", code=None)
     assert missing.returncode == 3 and "Traceback" not in missing.stderr
+
+
+class _Killed(BaseException):
+    """The process dying mid-delete (not an Exception: nothing retries or catches it)."""
+
+
+def test_a_delete_interrupted_on_s3_is_listed_as_deleting(s3_from_environment: MotoServer, monkeypatch: Any) -> None:
+    """Retention on S3 removes a checkpoint's manifest, then its data: killed in between, the prefix holds data
+    and no manifest, as an unfinished save's does. ``trainstate ls`` tells the two apart."""
+    import json
+
+    from helpers import cli
+
+    run = f"s3://{BUCKET}/deleting-{uuid.uuid4().hex[:8]}"
+    fs = s3_from_environment.filesystem()
+    storage = FsspecStorage(fs)
+    with trainstate.CheckpointManager(run, storage=storage, every_steps=1, capture_rng=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": np.full(16, step, dtype=np.float32)})
+        real_rm = fs.rm
+
+        def rm(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(path, str) and path.endswith(MANIFEST_NAME):
+                return real_rm(path, *args, **kwargs)
+            raise _Killed  # the manifest went; the data files stay
+
+        monkeypatch.setattr(fs, "rm", rm)
+        with pytest.raises(_Killed):
+            mgr.catalog.delete("step_00000001")
+        monkeypatch.setattr(fs, "rm", real_rm)
+        with trainstate.CheckpointManager(run, storage=storage, every_steps=1, capture_rng=False) as partial:
+            partial.save(3, {"w": np.zeros(16, dtype=np.float32)})  # a save killed before its commit, by hand:
+        real_rm(f"{run.removeprefix('s3://')}/step_00000003/{MANIFEST_NAME}")  # its data, no manifest
+
+    rows = {r["name"]: r for r in json.loads(cli("ls", run, "--json").stdout)["checkpoints"]}
+    assert (rows["step_00000001"]["status"], rows["step_00000002"]["status"]) == ("deleting", "complete")
+    assert rows["step_00000003"]["status"] == "incomplete"
+    assert "1 deleting" in cli("ls", run).stdout

@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"trainstate {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def command(name: str, help: str, *, keyed: bool = True) -> argparse.ArgumentParser:
+    def command(name: str, help: str, *, keyed: bool = True, writes: str = "") -> argparse.ArgumentParser:
+        """A subcommand; ``writes``: for one that writes a checkpoint, what the key does to what it writes."""
         p = sub.add_parser(
             name,
             help=help,
@@ -177,9 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--key-env",
                 metavar="NAME",
-                help="the environment variable holding the key of encrypted checkpoints (make one with "
-                "'trainstate keygen'); checkpoints this command writes are encrypted with it too (export and "
-                "export-onnx write plain files)",
+                help=f"the environment variable holding the encryption key (make one with 'trainstate keygen'): {writes}"
+                if writes
+                else "the environment variable holding the key of encrypted checkpoints, to read them (make one "
+                "with 'trainstate keygen')",
             )
         return p
 
@@ -206,7 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("verify", "re-check every checksum of a checkpoint")
     p.add_argument("path", metavar="CKPT")
 
-    p = command("consolidate", "rewrite a checkpoint saved by many ranks as one a single process loads")
+    p = command(
+        "consolidate",
+        "rewrite a checkpoint saved by many ranks as one a single process loads",
+        writes="an encrypted CKPT is read with it, and OUT encrypted with it too unless --new-key-env names another key",
+    )
     p.add_argument("path", metavar="CKPT")
     p.add_argument("out", metavar="OUT", help="the new checkpoint (a path or URL)")
     p.add_argument(
@@ -234,7 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["hf", "safetensors", "torch"], default="hf", help="default: hf")
     p.add_argument("--overwrite", action="store_true", help="replace OUT")
 
-    p = command("import", "write safetensors, torch.save, Hugging Face or DCP weights as a trainstate checkpoint")
+    p = command(
+        "import",
+        "write safetensors, torch.save, Hugging Face or DCP weights as a trainstate checkpoint",
+        writes="CKPT is written encrypted with it",
+    )
     p.add_argument(
         "src", metavar="SRC", help="a .safetensors / torch.save file, a Hugging Face folder, a DCP directory"
     )
@@ -242,7 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", metavar="KEY", help="put the weights under this key, e.g. 'model'")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at CKPT")
 
-    p = command("average", "write the mean of several checkpoints of one run (floating tensors; the rest: newest)")
+    p = command(
+        "average",
+        "write the mean of several checkpoints of one run (floating tensors; the rest: newest)",
+        writes="encrypted CKPTs are read with it, and OUT is encrypted with it too",
+    )
     p.add_argument("paths", metavar="CKPT", nargs="+")
     p.add_argument("-o", "--out", metavar="OUT", required=True, help="the new checkpoint (a path or URL)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
@@ -259,7 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
         "RNG state a CheckpointManager captures on its own",
     )
 
-    p = command("pack", "pack a checkpoint into one file that CKPT arguments and trainstate.load accept")
+    p = command(
+        "pack",
+        "pack a checkpoint into one file that CKPT arguments and trainstate.load accept",
+        writes="an encrypted CKPT is read with it; OUT holds its bytes as stored, still encrypted with it",
+    )
     p.add_argument("path", metavar="CKPT")
     p.add_argument("out", metavar="OUT", help="the file to write (e.g. model.tsar)")
     p.add_argument("--overwrite", action="store_true", help="replace a file at OUT")

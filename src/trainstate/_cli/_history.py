@@ -56,8 +56,8 @@ def history(
         out.line(f"no saves in {path}")
         return OK
     t = Table(
-        ["step", "time", "size", "blocked s", "write s", "commit s", "metrics", "status"],
-        right=frozenset({"step", "size", "blocked s", "write s", "commit s"}),
+        ["step", "time", "wrote", "blocked s", "write s", "commit s", "metrics", "status"],
+        right=frozenset({"step", "wrote", "blocked s", "write s", "commit s"}),
         title=f"saves in {path}",
     )
     for e in entries:
@@ -74,6 +74,7 @@ def history(
         )
     out.table(t)
     out.line(_summary(entries))
+    out.line("wrote: what each save wrote (its new data files and the manifest); `trainstate ls` shows sizes")
     if plot is not None:
         out.line(f"plot written to {plot}")
     return OK

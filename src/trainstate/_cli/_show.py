@@ -12,12 +12,13 @@ from typing import Any
 from trainstate import open as open_checkpoint
 from trainstate._cli import UsageError, _values
 from trainstate._cli._output import Printer, Table, clip, local_time, metrics_text, short, size
-from trainstate._format.manifest import TensorEntry
+from trainstate._format.manifest import MANIFEST_NAME, TensorEntry
 from trainstate._incremental.pool import POOL_DIR
 from trainstate._manager import CheckpointInfo, CheckpointManager
 from trainstate._manager.naming import step_of
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import Storage, is_staging_name, resolve
+from trainstate._storage.base import DELETE_MARKER
 from trainstate.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -28,6 +29,8 @@ from trainstate.errors import (
 
 _STAGING = re.compile(r"^\.(.+)\.(tmp|old|del)-[^/]*$")
 _STAGING_NOTE = {"tmp": "unfinished save", "old": "replaced checkpoint not yet removed", "del": "unfinished delete"}
+_STAGING_STATUS = {"tmp": "incomplete", "old": "incomplete", "del": "deleting"}
+_DELETING_NOTE = "a delete began and did not finish; a manager's sweep removes it"
 
 
 def require_dir(path: str) -> None:
@@ -66,7 +69,12 @@ def open_ckpt(path: str, key_env: str | None = None) -> Checkpoint:
 # -- ls ---------------------------------------------------------------------------------------------
 
 
-def _row(info: CheckpointInfo, path: str) -> dict[str, Any]:
+def _row(info: CheckpointInfo, path: str, manifest_nbytes: int) -> dict[str, Any]:
+    """A committed checkpoint's row. Its sizes, the same in ``ls``, ``inspect`` and ``history``:
+    ``size_nbytes`` (its manifest and every data file it reads, shared pool files included),
+    ``written_nbytes`` (what its save wrote: the data files new in it and the manifest; what ``history``
+    counts), and their parts ``nbytes`` (data files), ``shared_nbytes`` (data files an earlier save wrote),
+    ``manifest_nbytes``."""
     return {
         "name": info.name,
         "path": path,
@@ -74,7 +82,10 @@ def _row(info: CheckpointInfo, path: str) -> dict[str, Any]:
         "created": info.created,
         "created_iso": local_time(info.created),
         "modified": None,
+        "size_nbytes": info.nbytes + manifest_nbytes,
+        "written_nbytes": info.nbytes - info.shared + manifest_nbytes,
         "nbytes": info.nbytes,
+        "manifest_nbytes": manifest_nbytes,
         "shared_nbytes": info.shared,
         "metrics": dict(info.metrics),
         "epoch": info.epoch,
@@ -104,7 +115,10 @@ def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -
         "created": None,
         "created_iso": "",
         "modified": modified,
+        "size_nbytes": nbytes,
+        "written_nbytes": nbytes,
         "nbytes": nbytes,
+        "manifest_nbytes": 0,
         "shared_nbytes": 0,
         "metrics": {},
         "epoch": None,
@@ -116,12 +130,18 @@ def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -
 
 
 def _probe(backend: Storage, name: str, path: str, key_env: str | None) -> dict[str, Any] | None:
-    """A row for a step directory the catalog did not list: incomplete, damaged, or committed just now."""
+    """A row for a step directory the catalog did not list (incomplete, damaged, or committed just now), or
+    for a checkpoint no manager wrote (Lightning's ``epoch=0-step=10.ckpt``, ``trainstate.save``'s): no step."""
+    step = step_of(name)
     try:
         with open_checkpoint(path, backend, key_env=key_env) as ck:
-            info = CheckpointInfo(name, step_of(name) or 0, ck.created, nbytes=ck.nbytes)
-            return _row(info, path)
+            info = CheckpointInfo(name, step or 0, ck.created, nbytes=ck.nbytes, shared=_shared(ck), path=path)
+            row = _row(info, path, _manifest_nbytes(backend, path))
+            row["step"] = step
+            return row
     except IncompleteCheckpointError:
+        if _deleting(backend, path):
+            return _other_row(backend, name, path, "deleting", _DELETING_NOTE)
         return _other_row(backend, name, path, "incomplete", "no manifest")
     except CorruptCheckpointError as e:
         return _other_row(backend, name, path, "corrupt", " ".join(str(e).split()))
@@ -140,30 +160,66 @@ def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str
         infos = CheckpointManager(root, read_only=True, storage=backend, key_env=key_env).list()
     finally:
         logger.setLevel(level)
-    rows = [_row(i, backend.join(root, i.name)) for i in infos]
+    rows = [_row(i, i.path, _manifest_nbytes(backend, i.path)) for i in infos]
     listed = {i.name for i in infos}
     for name in backend.list(root):
         path = backend.join(root, name)
-        if name in listed or not (step_of(name) is not None or is_staging_name(name)) or not _is_dir(backend, path):
+        if name in listed or not _is_dir(backend, path):
             continue
-        if step_of(name) is not None:
+        if step_of(name) is None and not is_staging_name(name):  # a checkpoint no manager wrote, or no checkpoint
+            row = _probe(backend, name, path, key_env) if _has_manifest(backend, path) else None
+            if row is not None:
+                rows.append(row)
+        elif step_of(name) is not None:
             row = _probe(backend, name, path, key_env)
             if row is not None:
                 rows.append(row)
         else:
             m = _STAGING.match(name)
-            rows.append(_other_row(backend, name, path, "incomplete", _STAGING_NOTE[m.group(2)] if m else "leftover"))
+            status = _STAGING_STATUS[m.group(2)] if m else "incomplete"
+            rows.append(_other_row(backend, name, path, status, _STAGING_NOTE[m.group(2)] if m else "leftover"))
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
     return rows
 
 
+def _has_manifest(backend: Storage, path: str) -> bool:
+    try:
+        return backend.stat(backend.join(path, MANIFEST_NAME)) is not None
+    except StorageError:
+        return False
+
+
+def _deleting(backend: Storage, path: str) -> bool:
+    """Whether a checkpoint without a manifest is one whose delete began (object stores mark it first)."""
+    try:
+        return backend.stat(backend.join(path, DELETE_MARKER)) is not None
+    except StorageError:
+        return False
+
+
+def _manifest_nbytes(backend: Storage, path: str) -> int:
+    """The size of a checkpoint's manifest (0 if it went meanwhile, or cannot be looked at)."""
+    try:
+        info = backend.stat(backend.join(path, MANIFEST_NAME))
+    except StorageError:
+        return 0
+    return info.size if info is not None else 0
+
+
+def _shared(ck: Checkpoint) -> int:
+    """Of a checkpoint's data-file bytes, those in shared pool files an earlier save wrote (incremental)."""
+    return sum(f.size for f in ck.manifest.files if f.pool and not f.new)
+
+
 def _single_row(path: str, ck: Checkpoint, key_env: str | None) -> dict[str, Any]:
     parent, name = _parent_and_name(ck.storage, ck.path)
+    manifest_nbytes = _manifest_nbytes(ck.storage, ck.path)
     if step_of(name) is not None:
         for info in CheckpointManager(parent, read_only=True, storage=ck.storage, key_env=key_env).list():
             if info.name == name:
-                return _row(info, path)
-    row = _row(CheckpointInfo(name, 0, ck.created, nbytes=ck.nbytes), path)
+                return _row(info, path, manifest_nbytes)
+    info = CheckpointInfo(name, 0, ck.created, nbytes=ck.nbytes, shared=_shared(ck), path=ck.path)
+    row = _row(info, path, manifest_nbytes)
     row["step"] = None  # not a manager's checkpoint: no step, metrics or pin
     return row
 
@@ -178,7 +234,12 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
     except (IncompleteCheckpointError, CheckpointNotFoundError):  # not one checkpoint: list the directory
         backend, root = resolve(path)
         name = _parent_and_name(backend, root)[1]
-        if step_of(name) is not None or is_staging_name(name):
+        m = _STAGING.match(name)
+        if m:
+            rows = [_other_row(backend, name, root, _STAGING_STATUS[m.group(2)], _STAGING_NOTE[m.group(2)])]
+        elif step_of(name) is not None and _deleting(backend, root):
+            rows = [_other_row(backend, name, root, "deleting", _DELETING_NOTE)]
+        elif step_of(name) is not None or is_staging_name(name):
             rows = [_other_row(backend, name, root, "incomplete", "no manifest")]
         else:
             kind, rows = "directory", _directory_rows(path, key_env)
@@ -197,13 +258,15 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
     )
     for r in rows:
         status = r["status"] if not r["note"] else f"{r['status']}: {clip(r['note'], 70)}"
-        style = {"incomplete": "yellow", "corrupt": "red", "newer format": "magenta"}.get(r["status"])
+        style = {"incomplete": "yellow", "deleting": "dim", "corrupt": "red", "newer format": "magenta"}.get(
+            r["status"]
+        )
         t.add(
             r["name"],
             "" if r["step"] is None else r["step"],
             r["created_iso"],
-            size(r["nbytes"]),
-            *([size(r["nbytes"] - r["shared_nbytes"])] if shares else []),
+            size(r["size_nbytes"]),
+            *([size(r["written_nbytes"])] if shares else []),
             metrics_text(r["metrics"]),
             _pin_text(r),
             status,
@@ -211,12 +274,18 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
         )
     out.table(t)
     complete = [r for r in rows if r["status"] == "complete"]
-    others = {s: sum(r["status"] == s for r in rows) for s in ("incomplete", "corrupt")}
+    others = {s: sum(r["status"] == s for r in rows) for s in ("incomplete", "deleting", "corrupt")}
     extra = "".join(f", {n} {s}" for s, n in others.items() if n)
     if pool:  # checkpoints share the pool's files: their sizes overlap
         out.line(f"{len(complete)} complete{extra}; {size(pool)} in the shared pool, which they share")
     else:
-        out.line(f"{len(complete)} complete{extra}; {size(sum(r['nbytes'] for r in complete))} in complete checkpoints")
+        total = size(sum(r["size_nbytes"] for r in complete))
+        out.line(f"{len(complete)} complete{extra}; {total} in complete checkpoints")
+    if shares:
+        out.line(
+            "size: the manifest and every data file it reads, shared ones included; wrote: its save's new data "
+            "files and manifest (as in `trainstate history`)"
+        )
     return 0
 
 
@@ -271,6 +340,7 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
         values = [(p, v) for p, v in _values.leaves(ck.manifest.tree) if wanted(p)]
         metadata = ck.metadata
         metadata_values = _values.leaves(ck.manifest.metadata)
+        shared, manifest_nbytes = _shared(ck), _manifest_nbytes(ck.storage, ck.path)
         head = {
             "path": path,
             "format_version": ck.manifest.format_version,
@@ -280,8 +350,11 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
             "world_size": ck.world_size,
             "encrypted": ck.encrypted,
             "files": len(ck.manifest.files),
+            "size_nbytes": ck.nbytes + manifest_nbytes,  # as ls counts a checkpoint's sizes (see _row)
+            "written_nbytes": ck.nbytes - shared + manifest_nbytes,
             "nbytes": ck.nbytes,
-            "shared_nbytes": sum(f.size for f in ck.manifest.files if f.pool and not f.new),
+            "shared_nbytes": shared,
+            "manifest_nbytes": manifest_nbytes,
             "tensor_count": len(ck.keys()),
             "transforms": transforms,
         }
@@ -321,7 +394,11 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
             ("created", str(head["created_iso"])),
             ("saved by", f"{ck.world_size} ranks" if ck.world_size > 1 else "1 process"),
             *([("encrypted", "yes: AES-256-GCM, manifest authenticated")] if ck.encrypted else []),
-            ("on disk", f"{size(ck.nbytes)} in {head['files']} data file(s)" + _shared_text(head)),
+            (
+                "size",
+                f"{size(ck.nbytes + manifest_nbytes)}: the manifest and {head['files']} data file(s)"
+                + _shared_text(head),
+            ),
             ("tensors", str(head["tensor_count"])),
             *(
                 [
@@ -386,7 +463,10 @@ def _shared_text(head: dict[str, Any]) -> str:
     shared = int(head["shared_nbytes"])
     if not shared:
         return ""
-    return f"; this save wrote {size(int(head['nbytes']) - shared)}, the rest is shared with earlier checkpoints"
+    return (
+        f"; this save wrote {size(int(head['written_nbytes']))} (its new data files and the manifest), the rest is "
+        "shared with earlier checkpoints"
+    )
 
 
 def _ratio(raw: int, stored: int) -> str:

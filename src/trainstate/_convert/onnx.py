@@ -14,10 +14,12 @@ Python and downloads nothing. Its first call in a process costs a few seconds of
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -144,27 +146,74 @@ def export_onnx(
         raise OnnxExportError(
             f"the model's forward on example_inputs raised {type(e).__name__}: {e} (do the inputs fit the model?)"
         ) from e
-    try:
-        program = torch.onnx.export(
-            model, args, kwargs=kwargs, dynamo=True, opset_version=opset, dynamic_shapes=dynamic_shapes, verbose=False
-        )
-    except Exception as e:  # torch.export / onnxscript raise many kinds; the user gets one, with the cause
-        raise OnnxExportError(f"torch.onnx.export could not export {type(model).__name__}: {e}") from e
-    if program is None:  # only the TorchScript exporter returns None
-        raise OnnxExportError("torch.onnx.export returned no ONNX program")
+    with _folding_failures_held():
+        try:
+            program = torch.onnx.export(
+                model,
+                args,
+                kwargs=kwargs,
+                dynamo=True,
+                opset_version=opset,
+                dynamic_shapes=dynamic_shapes,
+                verbose=False,
+            )
+        except Exception as e:  # torch.export / onnxscript raise many kinds; the user gets one, with the cause
+            raise OnnxExportError(f"torch.onnx.export could not export {type(model).__name__}: {e}") from e
+        if program is None:  # only the TorchScript exporter returns None
+            raise OnnxExportError("torch.onnx.export returned no ONNX program")
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
-    staging.mkdir()
-    try:
-        staged = staging / target.name
-        program.save(staged, external_data=external_data)
-        _check_opset(staged, opset)
-        _check(staged, args, kwargs, expected, rtol=rtol, atol=atol)
-        _commit(staging, target, overwrite=overwrite)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+        staging.mkdir()
+        try:
+            staged = staging / target.name
+            program.save(staged, external_data=external_data)
+            _check_opset(staged, opset)
+            _check(staged, args, kwargs, expected, rtol=rtol, atol=atol)
+            _commit(staging, target, overwrite=overwrite)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+_FOLDING_LOGGER = "onnxscript.optimizer._constant_folding"
+
+
+class _Held(logging.Filter):
+    """Keeps back the constant folder's "Evaluation failed: ..." warnings (see _folding_failures_held)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and str(record.msg).startswith("Evaluation failed"):
+            self.records.append(record)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _folding_failures_held() -> Iterator[None]:
+    """Hold onnxscript's "Evaluation failed: ..." warnings until the export is known to have worked.
+
+    The exporter's optimizer tries to fold constant subexpressions with ONNX's reference evaluator and logs
+    that at WARNING whenever the evaluator cannot run a node; the node stays unfolded and the export goes
+    on. After an export that onnxruntime then checked, the warning is noise that reads like a failure, so
+    it is dropped; when the export or its check fails it is logged after all, as a possible clue.
+    """
+    logger = logging.getLogger(_FOLDING_LOGGER)
+    held = _Held()
+    logger.addFilter(held)
+    try:
+        yield
+    except BaseException:
+        logger.removeFilter(held)
+        for record in held.records:
+            logger.handle(record)
+        raise
+    finally:
+        logger.removeFilter(held)
 
 
 def _inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -25,7 +25,7 @@ from trainstate._manager import naming
 from trainstate._manager.policies import CheckpointInfo
 from trainstate._restore.checkpoint import _read_manifest
 from trainstate._storage import Storage, is_staging_name
-from trainstate._storage.base import PROBE_PREFIX
+from trainstate._storage.base import DELETE_MARKER, PROBE_PREFIX
 from trainstate.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -128,6 +128,7 @@ class Catalog:
             shared=sum(f.size for f in m.files if f.pool and not f.new),
             pooled=sum(f.size for f in m.files if f.pool),
             seq=seq if type(seq) is int and seq >= 0 else None,
+            path=self.path(name),
         )
         self._cache[name] = (stamp.mtime, stamp.size, info)
         return info
@@ -197,7 +198,8 @@ class Catalog:
         """Delete a checkpoint for retention unless it is pinned; True if it was deleted.
 
         First take it out of sight — one rename where the storage has one, else remove the manifest
-        (keeping its bytes) — then look for a pin: a pin written before that look is seen and the
+        (keeping its bytes) after marking the checkpoint as being deleted (``DELETE_MARKER``, so that a kill
+        midway is not taken for an unfinished save) — then look for a pin: a pin written before that look is seen and the
         checkpoint is put back; a pin written after it finds no committed checkpoint and is not
         reported as a success (see :meth:`pin`). Either way a reported pin survives, and readers see the
         checkpoint whole or not at all.
@@ -216,13 +218,17 @@ class Catalog:
             self.storage.delete(hidden)
             return True
         manifest = self.storage.join(path, MANIFEST_NAME)
+        marker = self.storage.join(path, DELETE_MARKER)
         info = self.storage.stat(manifest)
         if info is not None:
             raw = bytearray(info.size)
             got = self.storage.read_into(manifest, 0, memoryview(raw))
+            if self.storage.stat(marker) is None:  # a kill from here on leaves it listed as being deleted
+                self.storage.write(marker, [memoryview(b"")], fsync=True)
             self.storage.delete(manifest)
             if self.is_pinned(name):
                 self.storage.write(manifest, [memoryview(raw)[:got]], fsync=True)
+                self.storage.delete(marker)
                 return False
         self.storage.delete(path)
         return True

@@ -46,10 +46,16 @@ class CheckpointInfo:
         pin_reason: the reason given to ``pin``.
         shared: of ``nbytes``, bytes in shared pool files an earlier save wrote (incremental checkpoints).
         pooled: of ``nbytes``, bytes in the run's shared pool: what deleting this checkpoint does not free.
+        path: where the checkpoint is: the manager's directory joined to ``name``, in the form its storage
+            uses, as ``mgr.path_for(step)`` gives it (``""`` for one built by hand). On a local disk that is
+            a path that ``trainstate.open``, ``load`` and ``export`` take as it is; on an object store it has
+            no ``s3://`` scheme, so open it with ``storage=mgr.storage``.
 
     Example:
         >>> for info in mgr.list():
         ...     print(info.step, info.metrics.get("val_loss"), info.nbytes, "pinned" if info.pinned else "")
+        >>> trainstate.export(mgr.latest().path, "release/")
+        >>> trainstate.open(mgr.latest().path, storage=mgr.storage)   # on any storage
         >>> trainstate.CheckpointInfo("step_00000100", 100, created=0.0, seq=0)  # by hand, to try a policy
     """
 
@@ -64,6 +70,7 @@ class CheckpointInfo:
     pin_reason: str = ""
     shared: int = 0  # of nbytes, in shared pool files an earlier save wrote (incremental checkpoints)
     pooled: int = 0  # of nbytes, in the run's shared pool (shared or not): what deleting it does not free
+    path: str = ""  # the checkpoint's directory, as the manager's storage names it (mgr.path_for(step))
 
 
 # -- when to save -----------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 STAGING_TAGS = (".tmp-", ".old-", ".del-")
+# Where a checkpoint cannot be renamed aside to delete it (object stores), an empty object of this name in it
+# says its delete has begun: written before the manifest goes, removed last (docs/format.md §1.1).
+DELETE_MARKER = "deleting"
 PROBE_PREFIX = ".trainstate-probe-"  # check_storage() writes and deletes one; a crash may leave it
 
 

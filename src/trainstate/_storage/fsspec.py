@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._optional import optional
-from trainstate._storage.base import Capabilities, FileInfo, Storage
+from trainstate._storage.base import DELETE_MARKER, Capabilities, FileInfo, Storage
 from trainstate.errors import CheckpointExistsError, MissingDependencyError, StorageError
 
 log = logging.getLogger("trainstate")
@@ -201,8 +201,18 @@ class FsspecStorage(Storage):
         if info is None:
             return
         if info.is_dir:  # the manifest goes first: from then on the checkpoint is invisible
-            self._rm(posixpath.join(path, MANIFEST_NAME))
-            self._retry(f"delete {path}", lambda: self.fs.rm(path, recursive=True))
+            manifest, marker = posixpath.join(path, MANIFEST_NAME), posixpath.join(path, DELETE_MARKER)
+            if self.stat(manifest) is not None and self.stat(marker) is None:  # a kill leaves it "being deleted"
+                self.write(marker, [memoryview(b"")], fsync=False)
+            self._rm(manifest)
+            rest = [posixpath.join(path, n) for n in self.list(path) if n != DELETE_MARKER]
+            if rest:
+                self._retry(f"delete {path}", lambda: self.fs.rm(rest, recursive=True))
+            try:  # the marker last (and the directory, where the filesystem has them)
+                self._retry(f"delete {path}", lambda: self.fs.rm(path, recursive=True))
+            except StorageError as e:
+                if e.errno != errno.ENOENT:  # nothing was left to remove
+                    raise
         else:
             self._rm(path)
 
@@ -212,7 +222,7 @@ class FsspecStorage(Storage):
                 raise CheckpointExistsError(
                     f"a checkpoint already exists at {final}; pass overwrite=True to replace it"
                 )
-        elif any(not _is_data_file(n) for n in self.list(final)):
+        elif any(not _is_data_file(n) and n != DELETE_MARKER for n in self.list(final)):  # a delete's leftovers
             raise CheckpointExistsError(f"{final} holds objects that are not a trainstate checkpoint; refusing")
         return final
 
@@ -220,7 +230,7 @@ class FsspecStorage(Storage):
         # The manifest is already in place: that PUT was the commit. Now drop the replaced data files.
         keep = set(files)
         for name in self.list(final):
-            if _is_data_file(name) and name not in keep:
+            if (_is_data_file(name) and name not in keep) or name == DELETE_MARKER:  # an interrupted delete's
                 self._rm(posixpath.join(final, name))
 
     # -- optional operations ---------------------------------------------------------------------
