@@ -4,8 +4,13 @@ file holds."""
 
 from __future__ import annotations
 
+import collections
+import io
 import json
+import pickle
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,3 +93,105 @@ def test_a_shard_name_that_leaves_the_folder_is_refused(tmp_path, shard):
     _hf_sharded(folder, [shard])
     with pytest.raises(trainstate.CorruptCheckpointError, match="not a file of its folder"):
         trainstate.import_checkpoint(folder, tmp_path / "out")
+
+
+# -- torch.save files: tensors no bigger than their bytes in the file ------------------------------------
+
+
+class _Storage:
+    def __init__(self, declared: int) -> None:
+        self.declared = declared
+
+
+class _View:
+    """Pickles as torch.save pickles a tensor: a view (offset, size, stride) of a float32 storage."""
+
+    def __init__(self, storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.storage, self.place = storage, (offset, size, stride)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        offset, size, stride = self.place
+        return torch._utils._rebuild_tensor_v2, (self.storage, offset, size, stride, False, collections.OrderedDict())
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Storage):
+            return ("storage", torch.FloatStorage, "0", "cpu", obj.declared)
+        return None
+
+
+def _torch_file(
+    path: Path, declared: int, stored: int, offset: int, size: tuple[int, ...], stride: tuple[int, ...]
+) -> None:
+    """A torch.save file (torch's own zip writer) of one float32 view over one storage record of ``stored``
+    floats whose pickle declares ``declared`` floats."""
+    pickled = io.BytesIO()
+    _Pickler(pickled, protocol=2).dump({"w": _View(_Storage(declared), offset, size, stride)})
+    data = pickled.getvalue()
+    with open(path, "wb") as f:
+        writer = torch._C.PyTorchFileWriter(f, True, 64)
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record(".format_version", "1", 1)
+        writer.write_record(".storage_alignment", "64", 2)
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        storage = torch.arange(stored, dtype=torch.float32).untyped_storage()
+        writer.write_record("data/0", storage, storage.nbytes())
+        writer.write_end_of_file()
+        del writer
+
+
+def test_an_expanded_tensor_is_refused_not_materialized(tmp_path):
+    src = tmp_path / "expanded.pt"
+    torch.save({"w": torch.zeros(1).expand(25_000_000), "b": torch.ones(3)}, src)  # 4 bytes stored, 100 MB seen
+    assert src.stat().st_size < 4096
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"expanded.pt.*\bw\b.*25000000 elements.*4 bytes"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_broadcast_buffer_of_its_own_size_still_imports(tmp_path):
+    # BERT's position_ids: arange(n).expand((1, -1)), stride 0 only on a dimension of one
+    src = tmp_path / "bert.bin"
+    torch.save({"position_ids": torch.arange(8).expand((1, -1))}, src)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    with trainstate.open(tmp_path / "out") as ck:
+        assert ck.read("position_ids", framework="torch").tolist() == [list(range(8))]
+
+
+@pytest.mark.parametrize(
+    ("declared", "stored", "offset", "size", "stride"),
+    [
+        (4, 4, 2, (4,), (1,)),  # offset past the storage
+        (4, 4, 0, (3,), (2,)),  # strides past the storage
+        (1 << 30, 4, 0, (200,), (1,)),  # a storage declared larger than its record: the rest of the file
+        (4, 4, 0, (1 << 62,), (1,)),  # sizes that overflow
+    ],
+)
+def test_a_view_past_its_storage_is_refused(tmp_path, declared, stored, offset, size, stride):
+    src = tmp_path / "hostile.pt"
+    _torch_file(src, declared, stored, offset, size, stride)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"hostile.pt"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("dtype", ["float4_e2m1fn_x2", "quint8"])
+def test_a_torch_tensor_of_a_dtype_trainstate_does_not_store_is_named(tmp_path, dtype):
+    if not hasattr(torch, dtype):
+        pytest.skip(f"torch {torch.__version__} has no {dtype}")
+    if dtype == "quint8":
+        t = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8)
+    else:
+        t = torch.zeros(4, dtype=torch.uint8).view(getattr(torch, dtype))
+    src = tmp_path / "odd.pt"
+    torch.save({"w": t}, src)
+    with pytest.raises(trainstate.CheckpointError, match=r"odd.pt"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_sparse_tensor_is_refused_with_the_file_named(tmp_path):
+    src = tmp_path / "sparse.pt"
+    torch.save({"w": torch.eye(3).to_sparse()}, src)
+    with pytest.raises(trainstate.CheckpointError, match=r"sparse.pt"):
+        trainstate.import_checkpoint(src, tmp_path / "out")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ def import_checkpoint(
     path = Path(src)
     kind, state, meta = read_source(path)
     record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
-    torch_tensors = torch_file.source_tensor if kind in ("torch", "hf") else None  # others need no torch
+    torch_tensors = partial(torch_file.source_tensor, where=path) if kind in ("torch", "hf") else None
     snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
     backend, root = resolve(ckpt, None)
     with _gc.paused():
@@ -189,5 +190,7 @@ def _sharded(index: Path) -> dict[str, Any]:
             raise CorruptCheckpointError(f"{index} maps {missing[:5]} to {shard}, which does not hold them")
         for name, value in tensors.items():
             if name in wanted:
-                out[name] = value if kind == "safetensors" else torch_file.source_tensor(value) or value
+                out[name] = (
+                    value if kind == "safetensors" else torch_file.source_tensor(value, name, where=file) or value
+                )
     return out
