@@ -8,6 +8,7 @@ import collections
 import io
 import json
 import pickle
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,60 @@ def test_a_sparse_tensor_is_refused_with_the_file_named(tmp_path):
     torch.save({"w": torch.eye(3).to_sparse()}, src)
     with pytest.raises(trainstate.CheckpointError, match=r"sparse.pt"):
         trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+# -- safetensors files -----------------------------------------------------------------------------------
+
+
+def _safetensors(path: Path, header: Any, data: bytes = b"") -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize("code", ["F4", "F6_E2M3", "F8_E8M0FNU", "Q4_K"])
+def test_an_unsupported_safetensors_dtype_is_named(tmp_path, code):
+    src = tmp_path / "fp4.safetensors"
+    _safetensors(src, {"w": {"dtype": code, "shape": [4], "data_offsets": [0, 2]}}, b"\0\0")
+    with pytest.raises(trainstate.UnsupportedValueError, match=rf"fp4.safetensors.*unsupported dtype {code}\b"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"\xff\xfe{",  # not UTF-8
+        {"w": {"dtype": "F32", "shape": [1 << 62, 1 << 62], "data_offsets": [0, 4]}},
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "extra": 1}, "__metadata__": {"a": 1}},
+        {"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}},
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}},
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": {"trainstate.tied": "{"}},
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": {"trainstate.tied": '{"a": 1}'}},
+        [1, 2],
+        {"w": [1]},
+    ],
+)
+def test_a_malformed_safetensors_file_is_a_checkpoint_error_naming_it(tmp_path, header):
+    src = tmp_path / "bad.safetensors"
+    _safetensors(src, header, b"\0" * 4)
+    with pytest.raises(trainstate.CheckpointError, match=r"bad.safetensors"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        b"\xff\xfe",
+        b"[]",
+        b'{"weight_map": []}',
+        b'{"weight_map": {"w": 5}}',
+        b'{"weight_map": {"w": "missing.safetensors"}}',
+        b'{"weight_map": {"w": "model.bin"}}',  # a .bin shard that is not a torch file
+    ],
+)
+def test_a_malformed_hugging_face_folder_is_a_checkpoint_error_naming_it(tmp_path, index):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_bytes(index)
+    (folder / "model.bin").write_bytes(b"PK\x03\x04 not really")
+    with pytest.raises(trainstate.CheckpointError, match=r"model"):
+        trainstate.import_checkpoint(folder, tmp_path / "out")
