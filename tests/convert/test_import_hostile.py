@@ -7,9 +7,11 @@ from __future__ import annotations
 import collections
 import io
 import json
+import os
 import pickle
 import struct
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 import trainstate
+from trainstate._format import archive, checksum
 
 # -- Hugging Face folders: shards stay inside the folder (or the hub cache's blob store) ------------------
 
@@ -253,3 +256,77 @@ def test_a_malformed_hugging_face_folder_is_a_checkpoint_error_naming_it(tmp_pat
     (folder / "model.bin").write_bytes(b"PK\x03\x04 not really")
     with pytest.raises(trainstate.CheckpointError, match=r"model"):
         trainstate.import_checkpoint(folder, tmp_path / "out")
+
+
+# -- packed archives: the index costs what its bytes do ----------------------------------------------------
+
+
+def _packed(tmp_path: Path) -> bytes:
+    trainstate.save(tmp_path / "ckpt", {"w": torch.ones(3)})
+    return trainstate.pack(tmp_path / "ckpt")
+
+
+def _with_index(blob: bytes, index: bytes, total: int | None = None, length: int | None = None) -> bytes:
+    """An archive with another index (the header's checksum made right for it, as anyone can)."""
+    magic, major, minor, n, old_total, _ = archive.HEADER.unpack(blob[: archive.HEADER.size])
+    rest = blob[archive.HEADER.size + n :]
+    head = archive.HEADER.pack(magic, major, minor, len(index) if length is None else length, total or old_total, 0)
+    head = head[:24] + struct.pack("<Q", checksum.value_of(head[:24] + index))
+    return head + index + rest
+
+
+def test_a_tiny_archive_declaring_a_huge_index_is_refused_without_allocating_it(tmp_path):
+    blob = _packed(tmp_path)
+    for length in (archive.MAX_INDEX, (1 << 32) - 1):
+        hostile = _with_index(blob[:4096], b"{}", length=length)[:100]
+        tracemalloc.start()
+        with pytest.raises(trainstate.CorruptCheckpointError, match="index"):
+            trainstate.open(hostile)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 1 << 20
+
+
+def test_an_index_of_many_tiny_entries_costs_memory_in_proportion_to_its_bytes(tmp_path):
+    blob = _packed(tmp_path)
+    fillers = (b"{},", b"[],", b"1.5,", b'"",', b"1.5e+00,", b'"abcde",', b"[[[[[[[]]]]]]],")
+    for filler in fillers:  # values that parse to Python objects far bigger than their bytes
+        index = b'{"files":[' + filler * (1_200_000 // len(filler)) + b"0]}"
+        tracemalloc.start()
+        with pytest.raises(trainstate.CorruptCheckpointError, match="index"):
+            trainstate.open(_with_index(blob, index))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 12 * len(index), (filler, peak, len(index))  # 26x for {} before the check
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        [{"name": 5, "offset": 4096, "length": 1}],
+        [{"name": ["manifest.json"], "offset": 4096, "length": 1}],
+        [{"name": "manifest.json", "offset": 4096, "length": 10**30}],
+        [{"name": "manifest.json", "offset": 4096.0, "length": 1}],
+        [{"name": "manifest.json", "offset": True, "length": 1}],
+        [{"name": "manifest.json", "offset": 4096, "length": 1}, {"name": "../x", "offset": 8192, "length": 1}],
+        [{"name": "manifest.json", "offset": 4096, "length": 1}, {"name": "\udc80", "offset": 8192, "length": 1}],
+        [None],
+        "files",
+    ],
+)
+def test_a_hostile_archive_index_is_a_checkpoint_error(tmp_path, files):
+    blob = _packed(tmp_path)
+    index = json.dumps({"files": files}).encode()
+    with pytest.raises(trainstate.CheckpointError):
+        trainstate.open(_with_index(blob, index))
+
+
+def test_a_damaged_archive_file_is_a_checkpoint_error_naming_it(tmp_path):
+    blob = bytearray(_packed(tmp_path))
+    path = tmp_path / "model.tsar"
+    for cut in (10, 40, 4096, 4200, len(blob) - 1):
+        path.write_bytes(blob[:cut])
+        with pytest.raises(trainstate.CheckpointError, match="model.tsar"):
+            with trainstate.open(str(path)) as ck:
+                ck.verify()
+    os.unlink(path)
