@@ -330,3 +330,26 @@ def test_a_damaged_archive_file_is_a_checkpoint_error_naming_it(tmp_path):
             with trainstate.open(str(path)) as ck:
                 ck.verify()
     os.unlink(path)
+
+
+# -- whatever a torch.save file holds, a refusal names the file ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [{"d": torch.device("cpu")}, {"s": {1, 2}}, {(1, 2): torch.ones(1)}, {"c": 1 + 2j}],
+    ids=["device", "set", "tuple key", "complex"],
+)
+def test_a_value_trainstate_does_not_store_is_refused_naming_the_file(tmp_path, obj):
+    src = tmp_path / "odd.pt"
+    torch.save(obj, src)
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"odd.pt"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_an_empty_expanded_tensor_imports(tmp_path):
+    src = tmp_path / "empty.pt"
+    torch.save({"e": torch.ones(1).expand(0), "f": torch.ones(3, 1).expand(3, 0)}, src)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    with trainstate.open(tmp_path / "out") as ck:
+        assert ck.read("e", framework="torch").shape == (0,) and ck.read("f", framework="torch").shape == (3, 0)

@@ -29,7 +29,13 @@ from trainstate._convert import dcp, safetensors_file, source, torch_file
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._save.write import SaveResult, write_checkpoint
 from trainstate._storage import resolve
-from trainstate.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, StorageError
+from trainstate.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StorageError,
+    UnsupportedValueError,
+)
 
 TIED_KEY = "trainstate.tied"  # export.py writes it: JSON {alias: name written}
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -76,7 +82,10 @@ def import_checkpoint(
     kind, state, meta = read_source(path)
     record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
     torch_tensors = partial(torch_file.source_tensor, where=path) if kind in ("torch", "hf") else None
-    snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
+    try:
+        snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
+    except UnsupportedValueError as e:
+        raise e if str(path) in str(e) else UnsupportedValueError(f"{path}: {e}") from None
     backend, root = resolve(ckpt, None)
     with _gc.paused():
         return write_checkpoint(

@@ -143,6 +143,8 @@ def byte_view(value: torch.Tensor) -> memoryview:
     t = value.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    if t.numel() == 0:  # no bytes; an empty expanded view (stride 0) has no byte view either
+        return memoryview(b"")
     t = t.resolve_conj().resolve_neg().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy().data
 
