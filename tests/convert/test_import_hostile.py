@@ -353,3 +353,16 @@ def test_an_empty_expanded_tensor_imports(tmp_path):
     trainstate.import_checkpoint(src, tmp_path / "out")
     with trainstate.open(tmp_path / "out") as ck:
         assert ck.read("e", framework="torch").shape == (0,) and ck.read("f", framework="torch").shape == (3, 0)
+
+
+def test_a_compressed_pickle_larger_than_its_file_is_refused_unread(tmp_path):
+    import zipfile
+
+    src = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as z:  # 50 MB of pickle in a file of 50 KB
+        z.writestr("a/data.pkl", b"(" * 50_000_000)
+        z.writestr("a/byteorder", b"little")
+        z.writestr("a/version", b"3")
+    assert src.stat().st_size < 1 << 20
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"bomb.pt: its pickle \(data.pkl\) claims more bytes"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
