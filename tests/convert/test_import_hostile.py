@@ -366,3 +366,21 @@ def test_a_compressed_pickle_larger_than_its_file_is_refused_unread(tmp_path):
     assert src.stat().st_size < 1 << 20
     with pytest.raises(trainstate.CorruptCheckpointError, match=r"bomb.pt: its pickle \(data.pkl\) claims more bytes"):
         trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_many_views_of_one_storage_cannot_make_a_small_file_a_huge_checkpoint(tmp_path):
+    base = torch.zeros(250_000)  # 1 MB stored once; 200 views of it would import 200 MB
+    src = tmp_path / "views.pt"
+    torch.save({f"v{i}": base[i:] for i in range(200)}, src)
+    assert src.stat().st_size < 2 << 20
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"views.pt: tensor 'v\d+' is one view too many"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_tensor_beside_a_view_of_it_and_tied_names_still_import(tmp_path):
+    w = torch.arange(12.0).reshape(3, 4)
+    src = tmp_path / "ok.pt"
+    torch.save({"w": w, "row": w[0], "tied": w, "q": w[:1], "k": w[1:2], "v": w[2:]}, src)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    with trainstate.open(tmp_path / "out") as ck:
+        assert ck.read("row", framework="torch").tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -81,7 +81,9 @@ def import_checkpoint(
     path = Path(src)
     kind, state, meta = read_source(path)
     record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
-    torch_tensors = partial(torch_file.source_tensor, where=path) if kind in ("torch", "hf") else None
+    torch_tensors = (
+        partial(torch_file.source_tensor, where=path, views=torch_file.Views()) if kind in ("torch", "hf") else None
+    )
     try:
         snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
     except UnsupportedValueError as e:
@@ -197,9 +199,12 @@ def _sharded(index: Path) -> dict[str, Any]:
         missing = sorted(wanted - set(tensors))
         if missing:
             raise CorruptCheckpointError(f"{index} maps {missing[:5]} to {shard}, which does not hold them")
+        views = torch_file.Views() if kind != "safetensors" else None
         for name, value in tensors.items():
             if name in wanted:
                 out[name] = (
-                    value if kind == "safetensors" else torch_file.source_tensor(value, name, where=file) or value
+                    value
+                    if kind == "safetensors"
+                    else torch_file.source_tensor(value, name, where=file, views=views) or value
                 )
     return out

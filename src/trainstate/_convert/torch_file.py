@@ -221,7 +221,32 @@ def read(path: Path) -> Any:
         raise CorruptCheckpointError(f"{path} is not a torch.save file ({said:.120})") from None
 
 
-def source_tensor(value: Any, name: str, *, where: Path) -> SourceTensor | None:
+VIEW_SLACK = 64 << 20  # bytes views may import beyond twice what their storages hold
+
+
+class Views:
+    """What the tensors of one file imported so far take, beside what their storages hold: distinct views of
+    one storage (``x`` and ``x[0]``, or a fused ``qkv`` and its slices, under several names) are each imported
+    in full, so a file of many views of one storage could become a checkpoint many times its size. Together
+    the views may import twice their storages' bytes plus :data:`VIEW_SLACK`."""
+
+    def __init__(self) -> None:
+        self.stored: dict[int, int] = {}  # storage address -> its bytes
+        self.used = 0  # bytes imported so far
+        self.seen: set[object] = set()  # tensor identities already counted (a tied name counts once)
+
+    def add(self, value: Any, identity: object, nbytes: int) -> int | None:
+        """Count a tensor; the bytes imported when that is over the budget, else None."""
+        if identity is None or identity in self.seen:
+            return None
+        self.seen.add(identity)
+        storage = value.untyped_storage()
+        self.stored.setdefault(storage.data_ptr(), storage.nbytes())
+        self.used += nbytes
+        return self.used if self.used > 2 * sum(self.stored.values()) + VIEW_SLACK else None
+
+
+def source_tensor(value: Any, name: str, *, where: Path, views: Views | None = None) -> SourceTensor | None:
     """A torch tensor of a loaded file as a :class:`SourceTensor` (None for anything else): its bytes are
     read from the file's map when the writer reaches it; names of one tied tensor share an identity.
 
@@ -229,7 +254,7 @@ def source_tensor(value: Any, name: str, *, where: Path) -> SourceTensor | None:
         UnsupportedValueError: the tensor is one trainstate does not store (sparse, quantized, a dtype it
             lacks), or its elements overlap in memory (an ``expand``-ed view): imported at full size it would
             take more bytes than the file gave it (``torch.zeros(1).expand(10**9)`` is 4 bytes in the file, 4 GB
-            as a tensor).
+            as a tensor); or, counted in ``views``, it is one view too many of one storage (:class:`Views`).
     """
     torch = _torch()
     if not isinstance(value, torch.Tensor):
@@ -249,7 +274,16 @@ def source_tensor(value: Any, name: str, *, where: Path) -> SourceTensor | None:
             f"{span * itemsize} bytes stored, strides {value.stride()}. trainstate imports a tensor only as large "
             "as its bytes in the file; save it with .contiguous() (or save the tensor before expand)"
         )
-    return SourceTensor(code, shape, numel * itemsize, partial(_bytes_of, value), adapter.identity(value))
+    identity = adapter.identity(value)
+    over = views.add(value, identity, numel * itemsize) if views is not None else None
+    if over is not None:
+        raise UnsupportedValueError(
+            f"{where}: tensor {name!r:.80} is one view too many: the file's tensors would import {over} bytes from "
+            f"storages of {sum(views.stored.values()) if views else 0} bytes (views of one storage are imported each "
+            "in full; trainstate imports up to twice the stored bytes, plus 64 MiB). Save the tensors with "
+            ".clone() if they are meant to be separate"
+        )
+    return SourceTensor(code, shape, numel * itemsize, partial(_bytes_of, value), identity)
 
 
 def _bytes_of(t: Any) -> np.ndarray:
