@@ -14,7 +14,8 @@ Every tensor is read (checked against its checksum), cast if asked, written and 
 memory peaks near the largest tensor. A tensor tied under several names (input and output embeddings) is
 written once in safetensors layouts, under its first name, as ``save_pretrained`` does (safetensors refuses
 shared storage; Hugging Face re-ties on load); the other names are listed in the file's ``__metadata__``
-(``trainstate.tied``), which ``import_checkpoint`` reads back. A torch file keeps every name, sharing one
+(``trainstate.tied``), which ``import_checkpoint`` reads back. A checkpoint imported from a safetensors file
+writes that file's other ``__metadata__`` again. A torch file keeps every name, sharing one
 storage, as ``torch.save(model.state_dict())`` does.
 """
 
@@ -156,7 +157,7 @@ def export(
                 files = [target.name if single else name]
             else:
                 groups = _shards(picked, tensors, shard) if format == "hf" else [_unique(picked)]
-                files = _write_safetensors(ck, tmp, single, groups, tensors, tied)
+                files = _write_safetensors(ck, tmp, single, groups, tensors, tied, _source_metadata(ck))
             files = [target.name] if single else files
             copied = copy_beside(copy_from, tmp) if copy_from is not None else []
             nbytes = tmp.stat().st_size if single else sum((tmp / f).stat().st_size for f in files)
@@ -242,13 +243,14 @@ def _write_safetensors(
     groups: list[list[Weight]],
     tensors: dict[str, _Tensor],
     tied: dict[str, str],
+    kept: dict[str, str],
 ) -> list[str]:
     files = []
     weight_map: dict[str, str] = {}
     total = parameters = 0
     for i, group in enumerate(groups):
         name = tmp.name if single else _shard_name(i, len(groups))
-        meta = {"format": "pt"}  # what from_pretrained checks
+        meta = {"format": "pt", **kept}  # format: what from_pretrained checks
         here = {w.name for w in group}
         aliases = {alias: kept for alias, kept in tied.items() if kept in here}
         if aliases:
@@ -269,6 +271,17 @@ def _write_safetensors(
         fsync_path(tmp / INDEX_NAME)
         files.append(INDEX_NAME)
     return files
+
+
+def _source_metadata(ck: Checkpoint) -> dict[str, str]:
+    """The ``__metadata__`` of the safetensors file ``ck`` was imported from (``import_checkpoint`` records it),
+    to write again: a model's own notes (format, license, provenance) survive import then export. The list
+    of tied names is left out: it describes the source's tensors, and export writes its own."""
+    record = ck.metadata.get("imported_from") if isinstance(ck.metadata, dict) else None
+    meta = record.get("metadata") if isinstance(record, dict) else None
+    if not isinstance(meta, dict):
+        return {}
+    return {str(k): v for k, v in meta.items() if isinstance(v, str) and k != TIED_KEY}
 
 
 def _shard_name(i: int, n: int) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,13 @@ from trainstate._convert import dcp, safetensors_file, source, torch_file
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._save.write import SaveResult, write_checkpoint
 from trainstate._storage import resolve
-from trainstate.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, StorageError
+from trainstate.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StorageError,
+    UnsupportedValueError,
+)
 
 TIED_KEY = "trainstate.tied"  # export.py writes it: JSON {alias: name written}
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -74,8 +81,13 @@ def import_checkpoint(
     path = Path(src)
     kind, state, meta = read_source(path)
     record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
-    torch_tensors = torch_file.source_tensor if kind in ("torch", "hf") else None  # others need no torch
-    snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
+    torch_tensors = (
+        partial(torch_file.source_tensor, where=path, views=torch_file.Views()) if kind in ("torch", "hf") else None
+    )
+    try:
+        snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
+    except UnsupportedValueError as e:
+        raise e if str(path) in str(e) else UnsupportedValueError(f"{path}: {e}") from None
     backend, root = resolve(ckpt, None)
     with _gc.paused():
         return write_checkpoint(
@@ -89,17 +101,13 @@ def read_source(path: Path) -> tuple[str, Any, dict[str, str]]:
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such file or directory to import")
     if path.is_file():
-        if _is_safetensors(path):
-            tensors, meta = safetensors_file.read(path)
-            return "safetensors", _tie(tensors, meta, path), meta
-        if path.name.endswith(".index.json"):
-            return "hf", _sharded(path), {}
-        return "torch", torch_file.read(path), {}
+        return _read_file(path, path.name)
     if (path / dcp.METADATA).is_file():
         return "dcp", dcp.read(path), {}
     for name in _HF_FILES:
         if (path / name).is_file():
-            return "hf", read_source(path / name)[1], {}
+            real = confined(path / name, path)  # the index is read through its name: its shards are beside it
+            return "hf", _sharded(path / name) if name.endswith(".index.json") else _read_file(real, name)[1], {}
     if (path / MANIFEST_NAME).is_file():
         raise InvalidArgumentError(f"{path} is a trainstate checkpoint already: load it, or consolidate it to copy it")
     raise InvalidArgumentError(
@@ -109,14 +117,24 @@ def read_source(path: Path) -> tuple[str, Any, dict[str, str]]:
     )
 
 
-def _is_safetensors(path: Path) -> bool:
+def _read_file(path: Path, name: str) -> tuple[str, Any, dict[str, str]]:
+    """:func:`read_source` of a file, its kind told by ``name`` (a hub cache's blobs have none) and its bytes."""
+    if _is_safetensors(path, name):
+        tensors, meta = safetensors_file.read(path)
+        return "safetensors", _tie(tensors, meta, path), meta
+    if name.endswith(".index.json"):
+        return "hf", _sharded(path), {}
+    return "torch", torch_file.read(path), {}
+
+
+def _is_safetensors(path: Path, name: str) -> bool:
     """Whether a file starts as safetensors does: a plausible header length, then a JSON object."""
     try:
         with open(path, "rb") as f:
             head = f.read(9)
     except OSError as e:
         raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
-    if path.suffix == ".safetensors":
+    if name.endswith(".safetensors"):
         return True  # its reader says what is wrong with it, if anything
     return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size
 
@@ -139,6 +157,25 @@ def _tie(tensors: dict[str, Any], meta: dict[str, str], path: Path) -> dict[str,
     return out
 
 
+def confined(file: Path, folder: Path) -> Path:
+    """Where the file ``file`` of a Hugging Face folder really is, refused when a link takes it out of
+    ``folder``; in a hub cache snapshot (``<repo>/snapshots/<revision>/``, whose files link to
+    ``../../blobs/<hash>``) the repo's ``blobs`` folder counts as inside. Downloaded folders are untrusted:
+    a link to ``~/.ssh/`` or another model's weights is no weight of this one."""
+    root = folder.resolve()
+    real = file.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    if not any(real.is_relative_to(place) for place in allowed):
+        where = " or its hub cache's blobs" if len(allowed) > 1 else ""
+        raise CorruptCheckpointError(
+            f"{file} is a link to {real}, outside {root}{where}: refused (a model folder's weights are its own "
+            "files). Pass the file itself to import it"
+        )
+    return real
+
+
 def _sharded(index: Path) -> dict[str, Any]:
     """The tensors of a sharded Hugging Face folder, shard by shard, as its index maps them."""
     try:
@@ -149,19 +186,25 @@ def _sharded(index: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{index}: weight_map is not a mapping of tensor names to shard files")
     out: dict[str, Any] = {}
     for shard in sorted(set(weight_map.values())):
-        if Path(shard).name != shard or shard.startswith(".") or not shard.endswith((".safetensors", ".bin")):
+        plain = Path(shard).name == shard and "\\" not in shard and not shard.startswith(".")
+        if not plain or not shard.endswith((".safetensors", ".bin")):
             raise CorruptCheckpointError(f"{index} names shard {shard!r:.80}, which is not a file of its folder")
         wanted = {name for name, f in weight_map.items() if f == shard}
-        file = index.parent / shard
-        if not file.is_file():
+        if not (index.parent / shard).is_file():
             raise CorruptCheckpointError(f"{index} names shard {shard}, which is missing")
-        kind, tensors, _ = read_source(file)
+        file = confined(index.parent / shard, index.parent)
+        kind, tensors, _ = _read_file(file, shard)
         if not isinstance(tensors, dict):
             raise CorruptCheckpointError(f"{file} does not hold a mapping of names to tensors")
         missing = sorted(wanted - set(tensors))
         if missing:
             raise CorruptCheckpointError(f"{index} maps {missing[:5]} to {shard}, which does not hold them")
+        views = torch_file.Views() if kind != "safetensors" else None
         for name, value in tensors.items():
             if name in wanted:
-                out[name] = value if kind == "safetensors" else torch_file.source_tensor(value) or value
+                out[name] = (
+                    value
+                    if kind == "safetensors"
+                    else torch_file.source_tensor(value, name, where=file, views=views) or value
+                )
     return out

@@ -25,7 +25,7 @@ import numpy as np
 from trainstate._convert.source import SourceTensor
 from trainstate._format import datafile, dtypes
 from trainstate._storage.local import LocalStorage
-from trainstate.errors import CorruptCheckpointError, StorageError
+from trainstate.errors import CorruptCheckpointError, StorageError, UnsupportedValueError
 
 
 class Out(NamedTuple):
@@ -67,6 +67,7 @@ def read(path: Path) -> tuple[dict[str, SourceTensor], dict[str, str]]:
 
     Raises:
         CorruptCheckpointError: the file is not a well-formed safetensors file.
+        UnsupportedValueError: a tensor of a dtype trainstate does not store (FP4, F6, a quantized block type).
     """
     what = f"{path} (a safetensors file)"
     try:
@@ -102,6 +103,11 @@ def read(path: Path) -> tuple[dict[str, SourceTensor], dict[str, str]]:
 def _entry(entry: object, name: str, what: str) -> tuple[str, tuple[int, ...], tuple[int, int]]:
     if isinstance(entry, dict):
         code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if isinstance(code, str) and code not in dtypes.BY_CODE:  # a well-formed file of a newer dtype (FP4)
+            raise UnsupportedValueError(
+                f"{what}: tensor {name!r:.80} has unsupported dtype {code:.40}; trainstate stores "
+                f"{', '.join(sorted(dtypes.BY_CODE))}"
+            )
         if (
             isinstance(code, str)
             and code in dtypes.BY_CODE

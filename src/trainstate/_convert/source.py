@@ -47,11 +47,12 @@ def build(
     source: Any,
     prefix: str | None,
     metadata: Any = None,
-    tensor_of: Callable[[Any], SourceTensor | None] | None = None,
+    tensor_of: Callable[[Any, str], SourceTensor | None] | None = None,
 ) -> Snapshot:
     """The snapshot of ``source`` placed under ``prefix`` (dotted: ``"a.b"`` nests twice; None: the root).
 
-    ``tensor_of`` turns a source's own tensor type (a torch tensor) into a :class:`SourceTensor`.
+    ``tensor_of`` turns a source's own tensor type (a torch tensor) into a :class:`SourceTensor`; it is given
+    the tensor's dotted name in the source, for its errors.
 
     Raises:
         UnsupportedValueError: a value trainstate cannot store (named by its path), or a dict key that is
@@ -65,7 +66,7 @@ def build(
     def visit(item: _Item) -> Any:
         value, path = item
         if tensor_of is not None and not isinstance(value, (SourceTensor, Mapping, list, tuple)):
-            value = tensor_of(value) or value
+            value = tensor_of(value, tree.join(path[len(at) :])) or value
         if isinstance(value, SourceTensor):
             name = names.get(value.identity) if value.identity is not None else None
             if name is None:

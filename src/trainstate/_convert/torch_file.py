@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import errno
 import io
+import math
 import os
 import pickle
 import re
@@ -32,7 +33,7 @@ import numpy as np
 from trainstate._convert.source import SourceTensor
 from trainstate._format import dtypes
 from trainstate._optional import optional
-from trainstate.errors import CorruptCheckpointError, StorageError, UnsupportedValueError
+from trainstate.errors import CheckpointError, CorruptCheckpointError, StorageError, UnsupportedValueError
 
 _NEEDED = "reading and writing torch.save files"
 
@@ -135,6 +136,52 @@ def _as_storage(torch: Any, array: np.ndarray) -> Any:
         return torch.from_numpy(flat).untyped_storage()
 
 
+def _check_storages(torch: Any, path: Path) -> None:
+    """Refuse a zip-format file whose pickle declares a storage of another size than its record holds.
+
+    ``torch.load(mmap=True)`` slices the mapped file by the *declared* size, unchecked: a storage declared
+    larger than its record reads the bytes after it (other tensors, the zip's directory) as its own. The
+    pickle is run once more here by torch's restricted unpickler with storages on the meta device (no
+    bytes), each declared size compared with its record's. Files in the legacy format are left to torch.
+    """
+    try:
+        reader = torch._C.PyTorchFileReader(str(path))
+    except RuntimeError:
+        return  # not a zip: the legacy format, or not a torch file (torch.load says which)
+    records = set(reader.get_all_records())
+    if "data.pkl" not in records:
+        return
+    if reader.get_record_size("data.pkl") > path.stat().st_size:  # compressed past its file: a zip bomb
+        raise CorruptCheckpointError(f"{path}: its pickle (data.pkl) claims more bytes than the whole file")
+    from torch._weights_only_unpickler import Unpickler
+
+    def persistent_load(pid: Any) -> Any:
+        if not isinstance(pid, tuple) or len(pid) != 5:
+            raise CorruptCheckpointError(f"{path}: the pickle names a storage as {pid!r:.80}")
+        _, kind, key, _, numel = pid
+        dtype = torch.uint8 if kind is torch.UntypedStorage else getattr(kind, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
+            raise CorruptCheckpointError(f"{path}: the pickle names a storage as {pid!r:.80}")
+        nbytes = numel * torch._utils._element_size(dtype)
+        record = f"data/{key}"
+        held = reader.get_record_size(record) if record in records else None
+        if held != nbytes:
+            raise CorruptCheckpointError(
+                f"{path}: storage {key!r:.40} is declared as {numel} x {dtype} ({nbytes} bytes), but the file "
+                + ("has no record of it" if held is None else f"holds {held} bytes for it")
+                + ": the file is damaged or forged"
+            )
+        return torch.storage.TypedStorage(
+            wrap_storage=torch.UntypedStorage(nbytes, device="meta"), dtype=dtype, _internal=True
+        )
+
+    unpickler = Unpickler(io.BytesIO(reader.get_record("data.pkl")), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    with warnings.catch_warnings():  # torch's own rebuild of a quantized tensor touches TypedStorage
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        unpickler.load()  # type: ignore[no-untyped-call]
+
+
 def read(path: Path) -> Any:
     """The object a torch.save file holds, its tensors mapped from the file (see :func:`source_tensor`).
 
@@ -145,6 +192,7 @@ def read(path: Path) -> Any:
     """
     torch = _torch()
     try:
+        _check_storages(torch, path)
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
@@ -162,6 +210,8 @@ def read(path: Path) -> Any:
             f"{found.group(1)}); trainstate never unpickles code. Save the weights as tensors "
             "(torch.save(model.state_dict(), ...)) or as safetensors, and import that"
         ) from None
+    except CheckpointError:
+        raise
     except OSError as e:
         if e.errno == errno.EINVAL:  # torch's reader on a truncated file: not the disk's fault
             raise CorruptCheckpointError(f"{path} is damaged or truncated: torch.load could not read it") from None
@@ -171,17 +221,69 @@ def read(path: Path) -> Any:
         raise CorruptCheckpointError(f"{path} is not a torch.save file ({said:.120})") from None
 
 
-def source_tensor(value: Any) -> SourceTensor | None:
+VIEW_SLACK = 64 << 20  # bytes views may import beyond twice what their storages hold
+
+
+class Views:
+    """What the tensors of one file imported so far take, beside what their storages hold: distinct views of
+    one storage (``x`` and ``x[0]``, or a fused ``qkv`` and its slices, under several names) are each imported
+    in full, so a file of many views of one storage could become a checkpoint many times its size. Together
+    the views may import twice their storages' bytes plus :data:`VIEW_SLACK`."""
+
+    def __init__(self) -> None:
+        self.stored: dict[int, int] = {}  # storage address -> its bytes
+        self.used = 0  # bytes imported so far
+        self.seen: set[object] = set()  # tensor identities already counted (a tied name counts once)
+
+    def add(self, value: Any, identity: object, nbytes: int) -> int | None:
+        """Count a tensor; the bytes imported when that is over the budget, else None."""
+        if identity is None or identity in self.seen:
+            return None
+        self.seen.add(identity)
+        storage = value.untyped_storage()
+        self.stored.setdefault(storage.data_ptr(), storage.nbytes())
+        self.used += nbytes
+        return self.used if self.used > 2 * sum(self.stored.values()) + VIEW_SLACK else None
+
+
+def source_tensor(value: Any, name: str, *, where: Path, views: Views | None = None) -> SourceTensor | None:
     """A torch tensor of a loaded file as a :class:`SourceTensor` (None for anything else): its bytes are
-    read from the file's map when the writer reaches it; names of one tied tensor share an identity."""
+    read from the file's map when the writer reaches it; names of one tied tensor share an identity.
+
+    Raises:
+        UnsupportedValueError: the tensor is one trainstate does not store (sparse, quantized, a dtype it
+            lacks), or its elements overlap in memory (an ``expand``-ed view): imported at full size it would
+            take more bytes than the file gave it (``torch.zeros(1).expand(10**9)`` is 4 bytes in the file, 4 GB
+            as a tensor); or, counted in ``views``, it is one view too many of one storage (:class:`Views`).
+    """
     torch = _torch()
     if not isinstance(value, torch.Tensor):
         return None
     from trainstate._frameworks import torch as adapter
 
-    code, shape, _ = adapter.describe(value)
-    nbytes = dtypes.from_code(code).itemsize * int(np.prod(shape))
-    return SourceTensor(code, shape, nbytes, partial(_bytes_of, value), adapter.identity(value))
+    try:
+        code, shape, _ = adapter.describe(value)
+    except UnsupportedValueError as e:
+        raise UnsupportedValueError(f"{where}: tensor {name!r:.80}: {e}") from None
+    itemsize = dtypes.from_code(code).itemsize
+    numel = math.prod(shape)
+    span = 1 + sum((n - 1) * abs(s) for n, s in zip(shape, value.stride())) if numel else 0
+    if numel > span:  # elements that share bytes: a stride of 0 (expand), or windows over one another
+        raise UnsupportedValueError(
+            f"{where}: tensor {name!r:.80} is an expanded view: {numel} elements ({numel * itemsize} bytes) over "
+            f"{span * itemsize} bytes stored, strides {value.stride()}. trainstate imports a tensor only as large "
+            "as its bytes in the file; save it with .contiguous() (or save the tensor before expand)"
+        )
+    identity = adapter.identity(value)
+    over = views.add(value, identity, numel * itemsize) if views is not None else None
+    if over is not None:
+        raise UnsupportedValueError(
+            f"{where}: tensor {name!r:.80} is one view too many: the file's tensors would import {over} bytes from "
+            f"storages of {sum(views.stored.values()) if views else 0} bytes (views of one storage are imported each "
+            "in full; trainstate imports up to twice the stored bytes, plus 64 MiB). Save the tensors with "
+            ".clone() if they are meant to be separate"
+        )
+    return SourceTensor(code, shape, numel * itemsize, partial(_bytes_of, value), identity)
 
 
 def _bytes_of(t: Any) -> np.ndarray:

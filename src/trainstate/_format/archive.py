@@ -27,6 +27,10 @@ ALIGN = 4096  # every member starts on a page: aligned like a mapped file, and m
 HEADER = struct.Struct("<8sHHIQQ")  # magic, major, minor, index length, archive length, checksum
 MAX_INDEX = 64 << 20  # a million files' worth; more is a damaged length, not an index
 _SUMMED = 24  # the checksum covers the header before it, then the index
+# An entry {"length":0,"name":"x","offset":0}, is 4 JSON values (braces, commas) in 35 bytes or more. An
+# index packed tighter than 1 value per 8 bytes is forged ([{},{},...] or [1.5,1.5,...]), and refused
+# before it is parsed: parsed, each of its values would be a Python object many times its bytes.
+_BYTES_PER_VALUE = 8
 
 
 @dataclass(frozen=True)
@@ -128,8 +132,15 @@ def _not_packed(data: memoryview, what: str) -> InvalidArgumentError:
 
 def _members(index: memoryview, what: str) -> list[Member]:
     """The index's entries, each with a legal, unique name and integer place (places are checked after)."""
+    raw = bytes(index)
+    values = raw.count(b",") + raw.count(b"{") + raw.count(b"[")  # each value past the first adds a comma
+    if values * _BYTES_PER_VALUE > len(raw) + _BYTES_PER_VALUE:
+        raise CorruptCheckpointError(
+            f"{what}: the archive's index is malformed ({values} JSON values in {len(raw)} bytes; an index entry "
+            f"takes at least {4 * _BYTES_PER_VALUE} bytes for its 4)"
+        )
     try:
-        body = json.loads(bytes(index))
+        body = json.loads(raw)
         if not isinstance(body, dict) or set(body) != {"files"} or not isinstance(body["files"], list):
             raise TypeError("the index is not {'files': [...]}")
         members = []

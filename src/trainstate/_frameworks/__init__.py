@@ -201,6 +201,16 @@ def load_takes_strict(obj: Any) -> bool:
     return any(a.load_takes_strict(obj) for a in _loaded())
 
 
+def ignored_on_load(obj: Any) -> tuple[list[str], list[str]]:
+    """The name patterns (regexes) a strict load into ``obj`` lets the checkpoint lack and hold beyond the
+    object's own: what ``from_pretrained`` ignores for a transformers model (``torch.ignored_on_load``)."""
+    if "torch" not in sys.modules or not load_takes_strict(obj):
+        return [], []
+    from trainstate._frameworks import torch as torch_adapter
+
+    return torch_adapter.ignored_on_load(obj)
+
+
 def rebuilt_from_checkpoint(obj: Any) -> bool:
     """See :meth:`Adapter.rebuilt_from_checkpoint`; False for objects of no framework."""
     return any(a.rebuilt_from_checkpoint(obj) for a in _loaded())

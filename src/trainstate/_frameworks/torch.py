@@ -8,6 +8,7 @@ and ``copy_``, so a restored tensor keeps its device. The object hooks tell rest
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -142,6 +143,8 @@ def byte_view(value: torch.Tensor) -> memoryview:
     t = value.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    if t.numel() == 0:  # no bytes; an empty expanded view (stride 0) has no byte view either
+        return memoryview(b"")
     t = t.resolve_conj().resolve_neg().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy().data
 
@@ -220,6 +223,27 @@ def unwrap(obj: Any) -> Any:
 
 def load_takes_strict(obj: Any) -> bool:
     return isinstance(obj, torch.nn.Module)
+
+
+def ignored_on_load(module: Any) -> tuple[list[str], list[str]]:
+    """The key patterns (regexes, searched in each name) ``from_pretrained`` lets a model's checkpoint lack
+    (missing) or hold beyond the model's own (unexpected): for a transformers ``PreTrainedModel``, its class's
+    ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected`` (collected from its
+    submodels), and, as transformers adds them, ``position_ids`` and ``rotary_emb.inv_freq`` when the model
+    has such a buffer (older checkpoints persisted buffers the class no longer does). Nothing for other
+    modules."""
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    if not isinstance(base, type) or not isinstance(module, base) or not isinstance(module, torch.nn.Module):
+        return [], []
+    missing = [str(p) for p in getattr(module, "_keys_to_ignore_on_load_missing", None) or ()]
+    unexpected = [str(p) for p in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    buffers = [name for name, _ in module.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        unexpected.append(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        unexpected.append(r"(^|\.)position_ids$")
+    return missing, unexpected
 
 
 def rebuilt_from_checkpoint(obj: Any) -> bool:

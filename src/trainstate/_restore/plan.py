@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
@@ -34,6 +35,7 @@ from trainstate._frameworks import (
     WRAPPER_PREFIXES,
     Bound,
     adapter_for,
+    ignored_on_load,
     jax_tree,
     load_takes_strict,
     pytree,
@@ -141,6 +143,7 @@ class Restorer:
         self.missing: list[str] = []
         self.unexpected: list[str] = []
         self.mismatched: list[tuple[str, str, str]] = []
+        self.ignored: list[tuple[str, re.Pattern[str] | None, re.Pattern[str] | None]] = []  # see _drop_ignored
         self.world_size_changed = False  # a per-rank value met a different world size: say so in the error
         self.jobs: dict[str, _Job] = {}
         self.extra_jobs: list[tuple[str, _Job]] = []
@@ -308,6 +311,9 @@ class Restorer:
             return lambda: target
         held, target = target, unwrapped(target)  # the container keeps the wrapper; the model is filled
         module = load_takes_strict(target)  # an nn.Module: its own keys are the truth
+        lacking, extra = ignored_on_load(target)
+        if lacking or extra:
+            self.ignored.append((f"{key}." if path else "", _any_of(lacking), _any_of(extra)))
         bound = self.bound.get(id(target))
         if bound is not None:
             self.touched.append(bound)
@@ -476,7 +482,25 @@ class Restorer:
         for bound in self.touched:
             bound.undo()
 
+    def _drop_ignored(self) -> None:
+        """Forget the missing and unexpected names a model's class lets its checkpoints lack or hold, as
+        ``from_pretrained`` does (``ignored_on_load``: a transformers model's own rules, searched in the name
+        below the model's key). The model's ``load_state_dict`` then gets its own value for an ignored missing
+        name, and no ignored unexpected one."""
+
+        def kept(keys: list[str], which: int) -> list[str]:
+            out = []
+            for k in keys:
+                rules = [(p, rule[which]) for p, *rule in self.ignored if k.startswith(p)]
+                if not any(r is not None and r.search(k[len(p) :]) for p, r in rules):
+                    out.append(k)
+            return out
+
+        if self.ignored:
+            self.missing, self.unexpected = kept(self.missing, 0), kept(self.unexpected, 1)
+
     def check(self) -> None:
+        self._drop_ignored()
         if self.mismatched or (self.strict and (self.missing or self.unexpected)):
             hint = (
                 "Per-rank values (RNG states, data loader positions, trainstate.PerRank) restore only at the world "
@@ -535,6 +559,10 @@ def _describe_node(node: tree.Node) -> str:
         if isinstance(node, tree.ValueNode)
         else "state"
     )
+
+
+def _any_of(patterns: list[str]) -> re.Pattern[str] | None:
+    return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
 
 def _first(finishers: list[Finisher]) -> Finisher:

@@ -1,0 +1,386 @@
+"""Imports of untrusted files (downloaded weights, archives from elsewhere), each built hostile here: a
+refusal is a trainstate CheckpointError naming the file, and nothing is allocated or read beyond what the
+file holds."""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+import pickle
+import struct
+import sys
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import trainstate
+from trainstate._format import archive, checksum
+
+# -- Hugging Face folders: shards stay inside the folder (or the hub cache's blob store) ------------------
+
+
+def _hf_sharded(folder: Path, shard_names: list[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map = {f"w{i}": name for i, name in enumerate(shard_names)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_a_shard_linked_outside_its_folder_is_refused(tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    save_file({"w0": torch.ones(2)}, outside / "secret.safetensors")
+    folder = tmp_path / "model"
+    _hf_sharded(folder, ["model-00001-of-00001.safetensors"])
+    (folder / "model-00001-of-00001.safetensors").symlink_to(outside / "secret.safetensors")
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"model-00001-of-00001.safetensors.*outside"):
+        trainstate.import_checkpoint(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_single_weights_file_linked_outside_its_folder_is_refused(tmp_path):
+    save_file({"w": torch.ones(2)}, tmp_path / "secret.safetensors")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").symlink_to(tmp_path / "secret.safetensors")
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"model.safetensors.*outside"):
+        trainstate.import_checkpoint(folder, tmp_path / "out")
+
+
+def _hub_cache(root: Path, target_of: dict[str, str]) -> Path:
+    """A hub cache's repo folder as huggingface_hub lays it out: blobs by hash, a snapshot of links to them."""
+    repo = root / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    for i, (name, target) in enumerate(target_of.items()):
+        blob = repo / "blobs" / f"{i:040x}"
+        save_file({f"w{i}": torch.full((2,), float(i))}, blob)
+        (snapshot / name).symlink_to(target or f"../../blobs/{blob.name}")
+    index = repo / "blobs" / "index"
+    index.write_text(json.dumps({"weight_map": {f"w{i}": name for i, name in enumerate(target_of)}}))
+    (snapshot / "model.safetensors.index.json").symlink_to("../../blobs/index")
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_imports_through_its_links_to_blobs(tmp_path):
+    snapshot = _hub_cache(tmp_path, {"model-00001-of-00002.safetensors": "", "model-00002-of-00002.safetensors": ""})
+    trainstate.import_checkpoint(snapshot, tmp_path / "out")
+    with trainstate.open(tmp_path / "out") as ck:
+        assert sorted(ck.keys()) == ["w0", "w1"]
+        assert ck.read("w1", framework="torch").tolist() == [1.0, 1.0]
+
+
+def test_a_hub_cache_link_out_of_its_blobs_is_refused(tmp_path):
+    save_file({"w1": torch.ones(2)}, tmp_path / "secret.safetensors")
+    snapshot = _hub_cache(
+        tmp_path,
+        {"model-00001-of-00002.safetensors": "", "model-00002-of-00002.safetensors": "../../../secret.safetensors"},
+    )
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"model-00002-of-00002.safetensors.*outside"):
+        trainstate.import_checkpoint(snapshot, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "shard", ["../model.safetensors", "/etc/model.safetensors", "sub/../model.safetensors", "..", "a\\..\\b.bin"]
+)
+def test_a_shard_name_that_leaves_the_folder_is_refused(tmp_path, shard):
+    save_file({"w0": torch.ones(2)}, tmp_path / "model.safetensors")
+    folder = tmp_path / "model"
+    _hf_sharded(folder, [shard])
+    with pytest.raises(trainstate.CorruptCheckpointError, match="not a file of its folder"):
+        trainstate.import_checkpoint(folder, tmp_path / "out")
+
+
+# -- torch.save files: tensors no bigger than their bytes in the file ------------------------------------
+
+
+class _Storage:
+    def __init__(self, declared: int) -> None:
+        self.declared = declared
+
+
+class _View:
+    """Pickles as torch.save pickles a tensor: a view (offset, size, stride) of a float32 storage."""
+
+    def __init__(self, storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.storage, self.place = storage, (offset, size, stride)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        offset, size, stride = self.place
+        return torch._utils._rebuild_tensor_v2, (self.storage, offset, size, stride, False, collections.OrderedDict())
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Storage):
+            return ("storage", torch.FloatStorage, "0", "cpu", obj.declared)
+        return None
+
+
+def _torch_file(
+    path: Path, declared: int, stored: int, offset: int, size: tuple[int, ...], stride: tuple[int, ...]
+) -> None:
+    """A torch.save file (torch's own zip writer) of one float32 view over one storage record of ``stored``
+    floats whose pickle declares ``declared`` floats."""
+    pickled = io.BytesIO()
+    _Pickler(pickled, protocol=2).dump({"w": _View(_Storage(declared), offset, size, stride)})
+    data = pickled.getvalue()
+    with open(path, "wb") as f:
+        writer = torch._C.PyTorchFileWriter(f, True, 64)
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record(".format_version", "1", 1)
+        writer.write_record(".storage_alignment", "64", 2)
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        storage = torch.arange(stored, dtype=torch.float32).untyped_storage()
+        writer.write_record("data/0", storage, storage.nbytes())
+        writer.write_end_of_file()
+        del writer
+
+
+def test_an_expanded_tensor_is_refused_not_materialized(tmp_path):
+    src = tmp_path / "expanded.pt"
+    torch.save({"w": torch.zeros(1).expand(25_000_000), "b": torch.ones(3)}, src)  # 4 bytes stored, 100 MB seen
+    assert src.stat().st_size < 4096
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"expanded.pt.*\bw\b.*25000000 elements.*4 bytes"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_broadcast_buffer_of_its_own_size_still_imports(tmp_path):
+    # BERT's position_ids: arange(n).expand((1, -1)), stride 0 only on a dimension of one
+    src = tmp_path / "bert.bin"
+    torch.save({"position_ids": torch.arange(8).expand((1, -1))}, src)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    with trainstate.open(tmp_path / "out") as ck:
+        assert ck.read("position_ids", framework="torch").tolist() == [list(range(8))]
+
+
+@pytest.mark.parametrize(
+    ("declared", "stored", "offset", "size", "stride"),
+    [
+        (4, 4, 2, (4,), (1,)),  # offset past the storage
+        (4, 4, 0, (3,), (2,)),  # strides past the storage
+        (1 << 30, 4, 0, (200,), (1,)),  # a storage declared larger than its record: the rest of the file
+        (4, 4, 0, (1 << 62,), (1,)),  # sizes that overflow
+    ],
+)
+def test_a_view_past_its_storage_is_refused(tmp_path, declared, stored, offset, size, stride):
+    src = tmp_path / "hostile.pt"
+    _torch_file(src, declared, stored, offset, size, stride)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"hostile.pt"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("dtype", ["float4_e2m1fn_x2", "quint8"])
+def test_a_torch_tensor_of_a_dtype_trainstate_does_not_store_is_named(tmp_path, dtype):
+    if not hasattr(torch, dtype):
+        pytest.skip(f"torch {torch.__version__} has no {dtype}")
+    if dtype == "quint8":
+        t = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8)
+    else:
+        t = torch.zeros(4, dtype=torch.uint8).view(getattr(torch, dtype))
+    src = tmp_path / "odd.pt"
+    torch.save({"w": t}, src)
+    with pytest.raises(trainstate.CheckpointError, match=r"odd.pt"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_sparse_tensor_is_refused_with_the_file_named(tmp_path):
+    src = tmp_path / "sparse.pt"
+    torch.save({"w": torch.eye(3).to_sparse()}, src)
+    with pytest.raises(trainstate.CheckpointError, match=r"sparse.pt"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+# -- safetensors files -----------------------------------------------------------------------------------
+
+
+def _safetensors(path: Path, header: Any, data: bytes = b"") -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize("code", ["F4", "F6_E2M3", "F8_E8M0FNU", "Q4_K"])
+def test_an_unsupported_safetensors_dtype_is_named(tmp_path, code):
+    src = tmp_path / "fp4.safetensors"
+    _safetensors(src, {"w": {"dtype": code, "shape": [4], "data_offsets": [0, 2]}}, b"\0\0")
+    with pytest.raises(trainstate.UnsupportedValueError, match=rf"fp4.safetensors.*unsupported dtype {code}\b"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"\xff\xfe{",  # not UTF-8
+        {"w": {"dtype": "F32", "shape": [1 << 62, 1 << 62], "data_offsets": [0, 4]}},
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "extra": 1}, "__metadata__": {"a": 1}},
+        {"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}},
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}},
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": {"trainstate.tied": "{"}},
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": {"trainstate.tied": '{"a": 1}'}},
+        [1, 2],
+        {"w": [1]},
+    ],
+)
+def test_a_malformed_safetensors_file_is_a_checkpoint_error_naming_it(tmp_path, header):
+    src = tmp_path / "bad.safetensors"
+    _safetensors(src, header, b"\0" * 4)
+    with pytest.raises(trainstate.CheckpointError, match=r"bad.safetensors"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        b"\xff\xfe",
+        b"[]",
+        b'{"weight_map": []}',
+        b'{"weight_map": {"w": 5}}',
+        b'{"weight_map": {"w": "missing.safetensors"}}',
+        b'{"weight_map": {"w": "model.bin"}}',  # a .bin shard that is not a torch file
+    ],
+)
+def test_a_malformed_hugging_face_folder_is_a_checkpoint_error_naming_it(tmp_path, index):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_bytes(index)
+    (folder / "model.bin").write_bytes(b"PK\x03\x04 not really")
+    with pytest.raises(trainstate.CheckpointError, match=r"model"):
+        trainstate.import_checkpoint(folder, tmp_path / "out")
+
+
+# -- packed archives: the index costs what its bytes do ----------------------------------------------------
+
+
+def _packed(tmp_path: Path) -> bytes:
+    trainstate.save(tmp_path / "ckpt", {"w": torch.ones(3)})
+    return trainstate.pack(tmp_path / "ckpt")
+
+
+def _with_index(blob: bytes, index: bytes, total: int | None = None, length: int | None = None) -> bytes:
+    """An archive with another index (the header's checksum made right for it, as anyone can)."""
+    magic, major, minor, n, old_total, _ = archive.HEADER.unpack(blob[: archive.HEADER.size])
+    rest = blob[archive.HEADER.size + n :]
+    head = archive.HEADER.pack(magic, major, minor, len(index) if length is None else length, total or old_total, 0)
+    head = head[:24] + struct.pack("<Q", checksum.value_of(head[:24] + index))
+    return head + index + rest
+
+
+def test_a_tiny_archive_declaring_a_huge_index_is_refused_without_allocating_it(tmp_path):
+    blob = _packed(tmp_path)
+    for length in (archive.MAX_INDEX, (1 << 32) - 1):
+        hostile = _with_index(blob[:4096], b"{}", length=length)[:100]
+        tracemalloc.start()
+        with pytest.raises(trainstate.CorruptCheckpointError, match="index"):
+            trainstate.open(hostile)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 1 << 20
+
+
+def test_an_index_of_many_tiny_entries_costs_memory_in_proportion_to_its_bytes(tmp_path):
+    blob = _packed(tmp_path)
+    fillers = (b"{},", b"[],", b"1.5,", b'"",', b"1.5e+00,", b'"abcde",', b"[[[[[[[]]]]]]],")
+    for filler in fillers:  # values that parse to Python objects far bigger than their bytes
+        index = b'{"files":[' + filler * (1_200_000 // len(filler)) + b"0]}"
+        tracemalloc.start()
+        with pytest.raises(trainstate.CorruptCheckpointError, match="index"):
+            trainstate.open(_with_index(blob, index))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 12 * len(index), (filler, peak, len(index))  # 26x for {} before the check
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        [{"name": 5, "offset": 4096, "length": 1}],
+        [{"name": ["manifest.json"], "offset": 4096, "length": 1}],
+        [{"name": "manifest.json", "offset": 4096, "length": 10**30}],
+        [{"name": "manifest.json", "offset": 4096.0, "length": 1}],
+        [{"name": "manifest.json", "offset": True, "length": 1}],
+        [{"name": "manifest.json", "offset": 4096, "length": 1}, {"name": "../x", "offset": 8192, "length": 1}],
+        [{"name": "manifest.json", "offset": 4096, "length": 1}, {"name": "\udc80", "offset": 8192, "length": 1}],
+        [None],
+        "files",
+    ],
+)
+def test_a_hostile_archive_index_is_a_checkpoint_error(tmp_path, files):
+    blob = _packed(tmp_path)
+    index = json.dumps({"files": files}).encode()
+    with pytest.raises(trainstate.CheckpointError):
+        trainstate.open(_with_index(blob, index))
+
+
+def test_a_damaged_archive_file_is_a_checkpoint_error_naming_it(tmp_path):
+    blob = bytearray(_packed(tmp_path))
+    path = tmp_path / "model.tsar"
+    for cut in (10, 40, 4096, 4200, len(blob) - 1):
+        path.write_bytes(blob[:cut])
+        with pytest.raises(trainstate.CheckpointError, match="model.tsar"):
+            with trainstate.open(str(path)) as ck:
+                ck.verify()
+    os.unlink(path)
+
+
+# -- whatever a torch.save file holds, a refusal names the file ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [{"d": torch.device("cpu")}, {"s": {1, 2}}, {(1, 2): torch.ones(1)}, {"c": 1 + 2j}],
+    ids=["device", "set", "tuple key", "complex"],
+)
+def test_a_value_trainstate_does_not_store_is_refused_naming_the_file(tmp_path, obj):
+    src = tmp_path / "odd.pt"
+    torch.save(obj, src)
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"odd.pt"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_an_empty_expanded_tensor_imports(tmp_path):
+    src = tmp_path / "empty.pt"
+    torch.save({"e": torch.ones(1).expand(0), "f": torch.ones(3, 1).expand(3, 0)}, src)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    with trainstate.open(tmp_path / "out") as ck:
+        assert ck.read("e", framework="torch").shape == (0,) and ck.read("f", framework="torch").shape == (3, 0)
+
+
+def test_a_compressed_pickle_larger_than_its_file_is_refused_unread(tmp_path):
+    import zipfile
+
+    src = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as z:  # 50 MB of pickle in a file of 50 KB
+        z.writestr("a/data.pkl", b"(" * 50_000_000)
+        z.writestr("a/byteorder", b"little")
+        z.writestr("a/version", b"3")
+    assert src.stat().st_size < 1 << 20
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"bomb.pt: its pickle \(data.pkl\) claims more bytes"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_many_views_of_one_storage_cannot_make_a_small_file_a_huge_checkpoint(tmp_path):
+    base = torch.zeros(250_000)  # 1 MB stored once; 200 views of it would import 200 MB
+    src = tmp_path / "views.pt"
+    torch.save({f"v{i}": base[i:] for i in range(200)}, src)
+    assert src.stat().st_size < 2 << 20
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"views.pt: tensor 'v\d+' is one view too many"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_tensor_beside_a_view_of_it_and_tied_names_still_import(tmp_path):
+    w = torch.arange(12.0).reshape(3, 4)
+    src = tmp_path / "ok.pt"
+    torch.save({"w": w, "row": w[0], "tied": w, "q": w[:1], "k": w[1:2], "v": w[2:]}, src)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    with trainstate.open(tmp_path / "out") as ck:
+        assert ck.read("row", framework="torch").tolist() == [0.0, 1.0, 2.0, 3.0]
