@@ -1,13 +1,14 @@
 """torch.distributed.checkpoint directories, read a tensor at a time without unpickling code.
 
 DCP keeps its metadata (``.metadata``) as a plain pickle, which ``FileSystemReader.read_metadata`` loads
-with ``pickle.load``: a hostile directory would run code. Here it is unpickled by a restricted unpickler
-that builds only DCP's own metadata classes, ``torch.Size``, dtypes, layouts and paths (Python's
-"restricting globals" recipe), and non-tensor values are loaded with ``torch.load(weights_only=True)``
-instead of DCP's ``weights_only=False``. Tensors are loaded through DCP's own ``dcp.load`` (no process
-group: ``no_dist=True``), one tensor per call, into a fresh tensor of its saved shape and dtype, so the
-importer holds one tensor at a time. The nesting DCP flattened away (``model.layer.weight`` from
-``{"model": {"layer.weight": ...}}``) comes back from the metadata's ``planner_data``.
+with ``pickle.load``: a hostile directory would run code. ``dcp_metadata`` unpickles it with a restricted
+unpickler and checks what it declares (chunks that tile each tensor, files inside the folder, sizes its
+bytes can hold) before anything is allocated. Non-tensor values are loaded with
+``torch.load(weights_only=True)`` instead of DCP's ``weights_only=False``. Tensors are loaded through DCP's
+own ``dcp.load`` (no process group: ``no_dist=True``), one tensor per call, into a fresh tensor of its saved
+shape and dtype, so the importer holds one tensor at a time. The nesting DCP flattened away
+(``model.layer.weight`` from ``{"model": {"layer.weight": ...}}``) comes back from the metadata's
+``planner_data``.
 """
 
 from __future__ import annotations
@@ -21,89 +22,34 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from trainstate._convert.dcp_metadata import METADATA, Checked
+from trainstate._convert.dcp_metadata import read as read_metadata
 from trainstate._convert.source import SourceTensor
-from trainstate._format import dtypes
-from trainstate._optional import optional
 from trainstate._tree import MAX_DEPTH
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 
-METADATA = ".metadata"
+__all__ = ["METADATA", "read"]
+
 BATCH_BYTES = 16 << 20  # small tensors loaded together, up to this many bytes
-_DCP = "torch.distributed.checkpoint"
-_ALLOWED = {  # module -> names the metadata pickle may build
-    f"{_DCP}.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    f"{_DCP}.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
-}
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch":  # a dtype (torch.float32) is pickled as a global
-            import torch
-
-            found = getattr(torch, name, None)
-            if isinstance(found, torch.dtype):
-                return found
-        raise UnsupportedValueError(
-            f"the DCP metadata asks to build {module}.{name}, which is not part of DCP's metadata; trainstate "
-            "never unpickles code"
-        )
-
-
-def metadata(path: Path) -> Any:
-    """The DCP ``Metadata`` of directory ``path``, unpickled with only DCP's own classes allowed."""
-    with optional("torch", extra="torch", needed_for="importing a torch.distributed.checkpoint directory"):
-        import torch.distributed.checkpoint  # noqa: F401 - the classes the unpickler allows
-    try:
-        with open(path / METADATA, "rb") as f:
-            return _Unpickler(f).load()
-    except UnsupportedValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - what a damaged pickle raises is anyone's guess
-        raise CorruptCheckpointError(f"{path / METADATA} is not readable DCP metadata ({e!s:.120})") from None
 
 
 def read(path: Path) -> Any:
     """The state a DCP directory holds: nested dicts / lists of :class:`SourceTensor` s (each loaded when
     the writer reaches it) and plain values (loaded now, with ``weights_only=True``)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = metadata(path)
-    paths: dict[str, tuple[Any, ...]] = getattr(md, "planner_data", None) or {}
+    checked = read_metadata(path)
     root: dict[Any, Any] = {}
-    plain: list[str] = []
-    batches = _Batches(path, md)
-    for fqn, entry in md.state_dict_metadata.items():
-        where = tuple(paths.get(fqn) or (fqn,))
+    batches = _Batches(path, checked)
+    for fqn, where in checked.where.items():
         if not 0 < len(where) <= MAX_DEPTH:
             raise CorruptCheckpointError(f"{path / METADATA}: {fqn!r:.80} is nested {len(where)} levels deep")
-        if isinstance(entry, TensorStorageMetadata):
-            code = dtypes.BY_TORCH_NAME[str(entry.properties.dtype).removeprefix("torch.")].code
-            shape = tuple(int(n) for n in entry.size)
-            nbytes = dtypes.from_code(code).itemsize * int(np.prod(shape))
-            value: Any = SourceTensor(code, shape, nbytes, partial(batches.get, fqn))
+        tensor = checked.tensors.get(fqn)
+        if tensor is not None:
+            value: Any = SourceTensor(tensor.dtype, tensor.shape, tensor.nbytes, partial(batches.get, fqn))
             batches.tensors[fqn] = value
         else:
             value = _Plain(fqn)
-            plain.append(fqn)
-        _put(root, where, value)
-    values = _load(path, md, {fqn: None for fqn in plain})
+        _put(path, root, fqn, where, value)
+    values = _load(path, checked, {fqn: None for fqn in checked.plain})
     fqn_of = {id(t): fqn for fqn, t in batches.tensors.items()}
     batches.set_order([fqn_of[id(t)] for t in _leaves(root)])
     return _lists(root, values)
@@ -123,8 +69,8 @@ class _Batches:
     reached yet waits in ``ready``. A large tensor is loaded alone.
     """
 
-    def __init__(self, path: Path, md: Any) -> None:
-        self.path, self.md = path, md
+    def __init__(self, path: Path, checked: Checked) -> None:
+        self.path, self.checked = path, checked
         self.tensors: dict[str, SourceTensor] = {}
         self.order: list[str] = []
         self.position: dict[str, int] = {}
@@ -148,7 +94,7 @@ class _Batches:
             group.append(later)
             total += n
         outs = {f: adapter.empty(self.tensors[f].dtype, self.tensors[f].shape) for f in group}
-        _load(self.path, self.md, dict(outs))
+        _load(self.path, self.checked, dict(outs))
         for f in group[1:]:
             self.ready[f] = np.frombuffer(adapter.byte_view(outs[f]), np.uint8)
         return np.frombuffer(adapter.byte_view(outs[fqn]), np.uint8)
@@ -163,14 +109,14 @@ def _leaves(node: Any) -> list[SourceTensor]:
     return []
 
 
-def _load(path: Path, md: Any, state: dict[str, Any]) -> dict[str, Any]:
+def _load(path: Path, checked: Checked, state: dict[str, Any]) -> dict[str, Any]:
     """``dcp.load`` of the keys of ``state`` (tensors filled in place); returns the non-tensor values."""
     from torch.distributed.checkpoint.state_dict_loader import load
 
     reader_class, planner_class = _classes()
     planner = planner_class()
     try:
-        load(state, storage_reader=reader_class(path, md), planner=planner, no_dist=True)
+        load(state, storage_reader=reader_class(path, checked), planner=planner, no_dist=True)
     except Exception as e:  # noqa: BLE001 - DCP's own errors: a damaged or truncated directory
         if planner.refused is None:
             raise CorruptCheckpointError(f"reading {path} (a DCP directory) failed: {e!s:.200}") from None
@@ -192,12 +138,12 @@ def _classes() -> tuple[Any, Any]:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     class Reader(FileSystemReader):
-        def __init__(self, path: Path, md: Any) -> None:
+        def __init__(self, path: Path, checked: Checked) -> None:
             super().__init__(path)
-            self.md = md
+            self.checked = checked
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return self.md
+            return self.checked.md
 
     class Planner(DefaultLoadPlanner):
         def __init__(self) -> None:
@@ -215,12 +161,16 @@ def _classes() -> tuple[Any, Any]:
     return Reader, Planner
 
 
-def _put(root: dict[Any, Any], where: tuple[Any, ...], value: Any) -> None:
+def _put(path: Path, root: dict[Any, Any], fqn: str, where: tuple[Any, ...], value: Any) -> None:
     node = root
     for key in where[:-1]:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise CorruptCheckpointError(f"DCP metadata nests a value under {'.'.join(map(str, where))}")
+            raise CorruptCheckpointError(f"{path / METADATA}: {fqn!r:.80} nests a value under another value")
+    if where[-1] in node:
+        raise CorruptCheckpointError(
+            f"{path / METADATA}: {fqn!r:.80} is placed at {'.'.join(map(str, where))!r:.80}, where another value is"
+        )
     node[where[-1]] = value
 
 

@@ -1,0 +1,255 @@
+"""Importing a torch.distributed.checkpoint directory someone else made: its ``.metadata`` and data files are
+the attacker's. Each test starts from a real ``dcp.save`` and changes one thing the way a hostile download
+would; the import refuses it with a CheckpointError naming the file, and changes nothing outside the output."""
+
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import pathlib
+import pickle
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+import trainstate
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+DATA = "__0_0.distcp"
+
+
+def saved(tmp_path: Path, state: dict[str, Any] | None = None, **kwargs: Any) -> Path:
+    """A real DCP directory of ``state`` (two float tensors by default)."""
+    out = tmp_path / "dcp"
+    state = state if state is not None else {"w": torch.arange(4.0), "v": torch.arange(4.0) + 10}
+    dcp.save(state, checkpoint_id=out, no_dist=True, **kwargs)
+    return out
+
+
+def rewrite(path: Path, change: Callable[[Metadata], object]) -> None:
+    """Unpickle our own save's metadata (trusted: the test wrote it), change it, pickle it back."""
+    md = pickle.loads((path / ".metadata").read_bytes())
+    change(md)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def info(md: Metadata, fqn: str) -> _StorageInfo:
+    return next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+
+
+def set_chunks(fqn: str, *chunks: tuple[int, int]) -> Callable[[Metadata], None]:
+    """The 1-d tensor ``fqn`` said to be stored as these (offset, size) chunks, each read from its own copy of
+    the tensor's real bytes (one byte range per chunk, as DCP writes them)."""
+
+    def change(md: Metadata) -> None:
+        where = info(md, fqn)
+        entry = md.state_dict_metadata[fqn]
+        assert isinstance(entry, TensorStorageMetadata)
+        entry.chunks = [ChunkStorageMetadata(torch.Size([o]), torch.Size([n])) for o, n in chunks]
+        for i, (o, _) in enumerate(chunks):
+            md.storage_data[MetadataIndex(fqn, [o], i)] = _StorageInfo(f"copy{i}.distcp", where.offset, where.length)
+
+    return change
+
+
+def refused(src: Path, tmp_path: Path, match: str) -> pytest.ExceptionInfo[trainstate.CorruptCheckpointError]:
+    with pytest.raises(trainstate.CorruptCheckpointError, match=match) as caught:
+        trainstate.import_checkpoint(src, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+    return caught
+
+
+# 1. chunks that do not cover their tensor: the gap would be the importing process's uninitialised memory
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [((0, 2),), ((0, 3), (1, 3)), ((2, 4),), ((-1, 5),), ((0, 2), (2, 2), (2, 2))],
+    ids=["gap", "overlap", "out_of_bounds", "negative_offset", "duplicate"],
+)
+def test_chunks_that_do_not_cover_the_tensor_are_refused(chunks, tmp_path):
+    src = saved(tmp_path)
+    for i in range(len(chunks)):
+        shutil.copy(src / DATA, src / f"copy{i}.distcp")
+    rewrite(src, set_chunks("w", *chunks))
+    refused(src, tmp_path, r"\.metadata.*'w'.*chunks")
+
+
+def test_one_byte_range_read_for_two_chunks_is_refused(tmp_path):
+    src = saved(tmp_path)
+
+    def change(md: Metadata) -> None:
+        set_chunks("w", (0, 2), (2, 2))(md)
+        for key in [k for k in md.storage_data if k.fqn == "w"]:
+            md.storage_data[key] = info(md, "v")  # both halves of w from v's bytes, which v reads too
+
+    rewrite(src, change)
+    refused(src, tmp_path, r"\.metadata: the bytes of '[vw]' in __0_0\.distcp overlap '[vw]'")
+
+
+# 2. every file read is a file of the folder
+
+
+def outside_copy(tmp_path: Path, src: Path) -> Path:
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(src / DATA, outside)
+    return outside
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink", "symlinked_metadata"])
+def test_files_outside_the_folder_are_never_read(how, tmp_path):
+    src = saved(tmp_path)
+    outside = outside_copy(tmp_path, src)
+    if how in ("dotdot", "absolute"):
+        name = "../outside.distcp" if how == "dotdot" else str(outside)
+
+        def change(md: Metadata) -> None:
+            for where in md.storage_data.values():
+                where.relative_path = name
+
+        rewrite(src, change)
+        (src / DATA).unlink()  # what is imported can only come from outside
+    elif how == "symlink":
+        (src / DATA).unlink()
+        (src / DATA).symlink_to(outside)
+    else:
+        (tmp_path / "elsewhere.metadata").write_bytes((src / ".metadata").read_bytes())
+        (src / ".metadata").unlink()
+        (src / ".metadata").symlink_to(tmp_path / "elsewhere.metadata")
+    refused(src, tmp_path, "outside")
+
+
+# 3. the metadata unpickler builds DCP's metadata and changes nothing else
+
+
+def short(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+
+def set_class_attribute(module: str, name: str, attribute: str) -> bytes:
+    """A pickle that fetches an allowed class and BUILDs it with a slot state: ``setattr(cls, attribute, ...)``."""
+    return (
+        b"\x80\x04"  # PROTO 4
+        + short(module)
+        + short(name)
+        + b"\x93"  # STACK_GLOBAL: the class itself
+        + b"N}"  # NONE, EMPTY_DICT: state (None, {attribute: "pwned"})
+        + short(attribute)
+        + short("pwned")
+        + b"s\x86"  # SETITEM, TUPLE2
+        + b"b."  # BUILD on the class, STOP
+    )
+
+
+@contextlib.contextmanager
+def restoring(cls: type) -> Iterator[dict[str, Any]]:
+    """The class's own attributes as they were; put back afterwards whatever happened, so later tests see
+    the real class."""
+    before = dict(cls.__dict__)
+    try:
+        yield before
+    finally:
+        for k in set(cls.__dict__) - set(before):
+            delattr(cls, k)
+        for k, v in before.items():
+            if cls.__dict__.get(k) is not v:
+                setattr(cls, k, v)
+
+
+@pytest.mark.parametrize(
+    "module, name, attribute",
+    [
+        ("pathlib", "PosixPath", "exists"),
+        ("torch.distributed.checkpoint.metadata", "Metadata", "planner_data"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo", "transform_descriptors"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "pwned"),
+    ],
+)
+def test_the_metadata_cannot_set_attributes_of_a_class(module, name, attribute, tmp_path):
+    src = saved(tmp_path)
+    (src / ".metadata").write_bytes(set_class_attribute(module, name, attribute))
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    with restoring(cls) as before:
+        with pytest.raises(trainstate.CorruptCheckpointError, match=r"\.metadata"):
+            trainstate.import_checkpoint(src, tmp_path / "ck")
+        assert dict(cls.__dict__) == before  # nothing set, nothing added
+    assert "exists" not in pathlib.PosixPath.__dict__ and "exists" not in pathlib.Path.__dict__.get("__slots__", ())
+
+
+class AsMetadataIndex:
+    """Pickles exactly as a MetadataIndex does (NEWOBJ + BUILD), but two of them can be keys of one dict."""
+
+    def __init__(self, fqn: str, offset: list[int], index: int) -> None:
+        self.state = {"fqn": fqn, "offset": torch.Size(offset), "index": index}
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # what the pickler checks NEWOBJ's class against
+        return MetadataIndex
+
+    def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
+        return copyreg.__newobj__, (MetadataIndex,), self.state
+
+
+def test_a_set_where_dcp_writes_a_tuple_is_refused(tmp_path):
+    src = saved(tmp_path)
+    rewrite(src, lambda md: md.planner_data.update(w={"x"}))  # a real save never holds a set
+    refused(src, tmp_path, r"\.metadata.*set")
+
+
+def test_a_type_no_dcp_save_holds_is_refused_after_loading(tmp_path):
+    src = saved(tmp_path)
+    rewrite(src, lambda md: md.planner_data.update(w=("x", 1.5)))  # a float: built without any global
+    refused(src, tmp_path, r"\.metadata holds a builtins\.float")
+
+
+# 4. small inputs cannot cost large memory or disk
+
+
+def test_a_declared_size_beyond_the_bytes_stored_is_refused_before_allocating(tmp_path, monkeypatch):
+    from trainstate._frameworks import torch as adapter
+
+    src = saved(tmp_path)
+
+    def change(md: Metadata) -> None:
+        entry = md.state_dict_metadata["w"]
+        entry.size = torch.Size([1 << 28])  # 1 GiB of float32, from a file of a few kB
+        entry.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([1 << 28]))]
+
+    rewrite(src, change)
+    asked: list[int] = []
+    real_empty = adapter.empty
+    monkeypatch.setattr(adapter, "empty", lambda dtype, shape: asked.append(shape) or real_empty(dtype, shape))
+    refused(src, tmp_path, r"\.metadata.*'w'.*bytes")
+    assert all(max(shape, default=0) < 1 << 20 for shape in asked), asked
+
+
+def test_two_storage_entries_for_one_chunk_are_refused(tmp_path):
+    src = saved(tmp_path)
+
+    def change(md: Metadata) -> None:
+        real, v = next(k for k in md.storage_data if k.fqn == "w"), info(md, "v")
+        md.storage_data = {AsMetadataIndex("w", [0], 0): md.storage_data.pop(real), **md.storage_data}
+        md.storage_data[AsMetadataIndex("w", [0], 1)] = v  # the same key again, with v's bytes
+
+    rewrite(src, change)
+    refused(src, tmp_path, r"\.metadata.*'w'.*twice")
+
+
+def test_two_tensors_in_one_place_are_refused(tmp_path):
+    src = saved(tmp_path)
+    rewrite(src, lambda md: md.planner_data.update(w=("x",), v=("x",)))
+    refused(src, tmp_path, r"\.metadata.*'x'")
