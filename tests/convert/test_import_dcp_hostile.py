@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import io
+import os
 import pathlib
 import pickle
 import shutil
+import struct
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from convert_helpers import cli
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -86,6 +91,16 @@ def test_chunks_that_do_not_cover_the_tensor_are_refused(chunks, tmp_path):
         shutil.copy(src / DATA, src / f"copy{i}.distcp")
     rewrite(src, set_chunks("w", *chunks))
     refused(src, tmp_path, r"\.metadata.*'w'.*chunks")
+
+
+def test_chunks_that_tile_the_tensor_are_read(tmp_path):
+    src = saved(tmp_path)
+    for i in range(2):
+        shutil.copy(src / DATA, src / f"copy{i}.distcp")
+    rewrite(src, set_chunks("w", (0, 2), (2, 2)))  # each chunk reads the first half of its copy
+    trainstate.import_checkpoint(src, tmp_path / "ck")
+    with trainstate.open(tmp_path / "ck") as ck:
+        assert ck.read("w").tolist() == [0.0, 1.0, 0.0, 1.0] and ck.read("v").tolist() == [10.0, 11.0, 12.0, 13.0]
 
 
 def test_one_byte_range_read_for_two_chunks_is_refused(tmp_path):
@@ -237,6 +252,40 @@ def test_a_declared_size_beyond_the_bytes_stored_is_refused_before_allocating(tm
     assert all(max(shape, default=0) < 1 << 20 for shape in asked), asked
 
 
+def test_a_compressed_entry_decompresses_no_further_than_its_declared_size(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.zeros(1000)}, storage_writer=FileSystemWriter(src, _extensions=[ZStandard()]), no_dist=True)
+    big = io.BytesIO()
+    torch.save(torch.zeros(16 << 20), big)  # 64 MiB where the metadata declares 4 kB
+    bomb = zstandard.ZstdCompressor().compress(big.getvalue())
+    assert len(bomb) < 64 << 10
+    (src / DATA).write_bytes(bomb)
+    rewrite(src, lambda md: setattr(info(md, "w"), "length", len(bomb)))
+    tracemalloc.start()
+    try:
+        refused(src, tmp_path, r"__0_0\.distcp.*'w'.*declares")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+
+
+def test_a_compressed_directory_imports_exactly(tmp_path):
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    state = {"w": torch.randn(300, 7), "zeros": torch.zeros(5000), "step": 9, "groups": [{"lr": 0.1}]}
+    src = tmp_path / "dcp"
+    dcp.save(state, storage_writer=FileSystemWriter(src, _extensions=[ZStandard()]), no_dist=True)
+    trainstate.import_checkpoint(src, tmp_path / "ck")
+    back = trainstate.load(tmp_path / "ck", framework="torch")
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["zeros"], state["zeros"])
+    assert back["step"] == 9 and back["groups"] == [{"lr": 0.1}]
+
+
 def test_two_storage_entries_for_one_chunk_are_refused(tmp_path):
     src = saved(tmp_path)
 
@@ -253,3 +302,49 @@ def test_two_tensors_in_one_place_are_refused(tmp_path):
     src = saved(tmp_path)
     rewrite(src, lambda md: md.planner_data.update(w=("x",), v=("x",)))
     refused(src, tmp_path, r"\.metadata.*'x'")
+
+
+# 5. every failure is a CheckpointError naming the file, and one line from the command line
+
+
+def truncated(src: Path) -> None:
+    data = (src / DATA).read_bytes()
+    (src / DATA).write_bytes(data[: len(data) // 2])
+
+
+def scrambled(src: Path) -> None:
+    """Every byte range still inside its file: only reading the bytes can tell."""
+    size = (src / DATA).stat().st_size
+    (src / DATA).write_bytes(bytes(range(256)) * (size // 256) + bytes(size % 256))
+
+
+def unknown_dtype(src: Path) -> None:
+    def change(md: Metadata) -> None:
+        md.state_dict_metadata["w"].properties.dtype = torch.quint8
+
+    rewrite(src, change)
+
+
+def not_metadata(src: Path) -> None:
+    (src / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+
+
+def garbage(src: Path) -> None:
+    (src / ".metadata").write_bytes(b"\x80\x04" + struct.pack("<Q", 7) + b"\xff" * 8)
+
+
+@pytest.mark.parametrize("damage", [truncated, scrambled, unknown_dtype, not_metadata, garbage])
+def test_every_failure_is_a_checkpoint_error_naming_the_file(damage, tmp_path):
+    src = saved(tmp_path)
+    damage(src)
+    with pytest.raises(trainstate.CheckpointError, match=str(src)):
+        trainstate.import_checkpoint(src, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_the_command_line_says_one_line(tmp_path):
+    src = saved(tmp_path)
+    scrambled(src)
+    err = cli("import", str(src), str(tmp_path / "ck"), code=5).stderr
+    assert err.startswith("trainstate: error: ") and err.count("\n") == 1 and str(src) in err, err
+    assert os.listdir(tmp_path) == ["dcp"] or "ck" not in os.listdir(tmp_path)

@@ -3,12 +3,16 @@
 DCP keeps its metadata (``.metadata``) as a plain pickle, which ``FileSystemReader.read_metadata`` loads
 with ``pickle.load``: a hostile directory would run code. ``dcp_metadata`` unpickles it with a restricted
 unpickler and checks what it declares (chunks that tile each tensor, files inside the folder, sizes its
-bytes can hold) before anything is allocated. Non-tensor values are loaded with
-``torch.load(weights_only=True)`` instead of DCP's ``weights_only=False``. Tensors are loaded through DCP's
-own ``dcp.load`` (no process group: ``no_dist=True``), one tensor per call, into a fresh tensor of its saved
-shape and dtype, so the importer holds one tensor at a time. The nesting DCP flattened away
-(``model.layer.weight`` from ``{"model": {"layer.weight": ...}}``) comes back from the metadata's
-``planner_data``.
+bytes can hold) before anything is allocated. Tensors are then loaded through DCP's own planner (``dcp.load``
+without a process group: ``no_dist=True``) with a reader of ours that opens only the files the check
+resolved, reads only the byte ranges it checked, decompresses a zstd entry no further than its declared
+size, and loads each chunk and non-tensor value with ``torch.load(weights_only=True)`` (DCP's own reader
+uses ``weights_only=False`` for values). One tensor per call, into a fresh tensor of its saved shape and
+dtype, so the importer holds one tensor at a time. The nesting DCP flattened away (``model.layer.weight``
+from ``{"model": {"layer.weight": ...}}``) comes back from the metadata's ``planner_data``.
+
+Every failure of a read is a CheckpointError naming the file: DCP wraps what a reader raises in its
+``CheckpointException``, a BaseException, so the reader keeps its own error and it is raised here instead.
 """
 
 from __future__ import annotations
@@ -16,17 +20,19 @@ from __future__ import annotations
 import functools
 import io
 import pickle
+import zipfile
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from trainstate._convert.dcp_metadata import METADATA, Checked
+from trainstate._convert.dcp_metadata import METADATA, Checked, Stored
 from trainstate._convert.dcp_metadata import read as read_metadata
 from trainstate._convert.source import SourceTensor
+from trainstate._optional import optional
 from trainstate._tree import MAX_DEPTH
-from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
+from trainstate.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 
 __all__ = ["METADATA", "read"]
 
@@ -114,12 +120,21 @@ def _load(path: Path, checked: Checked, state: dict[str, Any]) -> dict[str, Any]
     from torch.distributed.checkpoint.state_dict_loader import load
 
     reader_class, planner_class = _classes()
-    planner = planner_class()
+    reader, planner = reader_class(path, checked), planner_class()
     try:
-        load(state, storage_reader=reader_class(path, checked), planner=planner, no_dist=True)
-    except Exception as e:  # noqa: BLE001 - DCP's own errors: a damaged or truncated directory
+        load(state, storage_reader=reader, planner=planner, no_dist=True)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        cause = _cause(e)
+        if isinstance(cause, (KeyboardInterrupt, SystemExit)):  # DCP wraps a Ctrl-C too
+            raise cause from None
+        if reader.failed is not None:
+            raise reader.failed from None
         if planner.refused is None:
-            raise CorruptCheckpointError(f"reading {path} (a DCP directory) failed: {e!s:.200}") from None
+            text = str(cause).strip()
+            raise CorruptCheckpointError(
+                f"reading {path} (a DCP directory) failed: {type(cause).__name__}: "
+                f"{text.splitlines()[0][:200] if text else ''}"
+            ) from None
     if planner.refused is not None:  # raised here: DCP wraps what a planner raises in its own error
         raise UnsupportedValueError(
             f"{path}: {planner.refused} holds a pickled object other than tensors and plain values; trainstate "
@@ -129,21 +144,140 @@ def _load(path: Path, checked: Checked, state: dict[str, Any]) -> dict[str, Any]
     return loaded
 
 
+def _cause(e: BaseException) -> BaseException:
+    """The first failure a CheckpointException wraps (DCP keeps each as an (exception, traceback) pair),
+    else the error itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        found = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(found, BaseException):
+            return found
+    return e
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``start`` to ``start + length`` of an open file, as a seekable file of its own."""
+
+    def __init__(self, f: Any, start: int, length: int) -> None:
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = (0, self.pos, self.length)[whence]
+        self.pos = max(base + offset, 0)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.start + self.pos)
+        got: int = self.f.readinto(memoryview(buffer).cast("B")[:n])
+        self.pos += got
+        return got
+
+
+def _entry(f: BinaryIO, where: Stored, what: str) -> BinaryIO:
+    """The bytes of one storage entry (a torch.save file), decompressed no further than its limit."""
+    window: BinaryIO = _Window(f, where.offset, where.length)  # type: ignore[assignment]
+    if where.compressed:
+        with optional("zstandard", extra="zstd", needed_for="importing a zstd-compressed DCP directory"):
+            import zstandard
+        out = bytearray()
+        with zstandard.ZstdDecompressor().stream_reader(window) as stream:
+            while len(out) <= where.limit:
+                piece = stream.read(min(1 << 20, where.limit + 1 - len(out)))
+                if not piece:
+                    break
+                out += piece
+        if len(out) > where.limit:
+            raise CorruptCheckpointError(
+                f"{where.file}: the compressed entry of {what} decompresses past the {where.limit} bytes its "
+                "metadata declares"
+            )
+        window = io.BytesIO(out)
+    with zipfile.ZipFile(window) as z:  # torch.load would inflate a deflated record to the size it claims
+        if any(i.compress_type != zipfile.ZIP_STORED or i.file_size > where.limit for i in z.infolist()):
+            raise CorruptCheckpointError(
+                f"{where.file}: the entry of {what} holds compressed or oversized records; torch.save writes neither"
+            )
+    window.seek(0)
+    return window
+
+
 @functools.cache
 def _classes() -> tuple[Any, Any]:
-    """DCP's reader and planner with the two changes the module docstring describes (made on first use:
+    """DCP's reader and planner with the changes the module docstring describes (made on first use:
     defining them imports torch)."""
     import torch
+    from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
 
     class Reader(FileSystemReader):
         def __init__(self, path: Path, checked: Checked) -> None:
             super().__init__(path)
             self.checked = checked
+            self.failed: CheckpointError | None = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return self.checked.md
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            by_file: dict[Path, list[Any]] = {}
+            for item in plan.items:
+                by_file.setdefault(self.checked.stored[item.storage_index].file, []).append(item)
+            for file, items in by_file.items():
+                what = "?"
+                try:
+                    with open(file, "rb") as f:
+                        for item in items:
+                            what = repr(item.storage_index.fqn)[:80]
+                            self._read(f, item, what, planner)
+                except CheckpointError as e:
+                    self.failed = e
+                    raise
+                except Exception as e:  # noqa: BLE001 - torch.load / zip / zstd on damaged bytes
+                    text = str(e).strip()
+                    self.failed = CorruptCheckpointError(
+                        f"{file}: the bytes of {what} are not what DCP writes ({type(e).__name__}: "
+                        f"{text.splitlines()[0][:160] if text else ''})"
+                    )
+                    raise
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+        def _read(self, f: BinaryIO, item: Any, what: str, planner: Any) -> None:
+            where = self.checked.stored[item.storage_index]
+            data = _entry(f, where, what)
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(data.read()))
+                return
+            tensor = torch.load(data, map_location="cpu", weights_only=True)
+            target = planner.resolve_tensor(item).detach()
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != target.dtype:
+                raise CorruptCheckpointError(f"{where.file}: the entry of {what} is not a {target.dtype} tensor")
+            tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+            if target.size() != tensor.size():
+                raise CorruptCheckpointError(
+                    f"{where.file}: the entry of {what} holds {list(tensor.size())} where its metadata declares "
+                    f"{list(target.size())}"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
 
     class Planner(DefaultLoadPlanner):
         def __init__(self) -> None:
