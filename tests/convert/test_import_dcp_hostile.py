@@ -286,6 +286,31 @@ def test_a_compressed_directory_imports_exactly(tmp_path):
     assert back["step"] == 9 and back["groups"] == [{"lr": 0.1}]
 
 
+def test_a_length_in_the_metadata_pickle_does_not_size_a_read(tmp_path):
+    src = saved(tmp_path)
+    (src / ".metadata").write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 2 << 30) + b"tiny")  # BINBYTES8 of 2 GiB
+    tracemalloc.start()
+    try:
+        refused(src, tmp_path, r"\.metadata is not readable DCP metadata")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
+def test_a_tensor_of_too_many_dimensions_is_refused(tmp_path):
+    src = saved(tmp_path)
+
+    def change(md: Metadata) -> None:
+        entry = md.state_dict_metadata["w"]
+        entry.size = torch.Size([4] + [1] * 99)
+        entry.chunks = [ChunkStorageMetadata(torch.Size([0] * 100), entry.size)]
+        md.storage_data[MetadataIndex("w", [0] * 100, 0)] = md.storage_data.pop(MetadataIndex("w", [0]))
+
+    rewrite(src, change)
+    refused(src, tmp_path, r"\.metadata: 'w' has a shape")
+
+
 def test_two_storage_entries_for_one_chunk_are_refused(tmp_path):
     src = saved(tmp_path)
 

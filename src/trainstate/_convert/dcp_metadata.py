@@ -18,6 +18,7 @@ stored bytes can hold (zstd-compressed entries: :data:`ZSTD_RATIO` times their l
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import pickle
 from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
@@ -30,6 +31,7 @@ from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 METADATA = ".metadata"
 ZSTD = "stream.zstd/1"  # DCP's zstd stream extension (torch.distributed.checkpoint._extension.ZStandard)
 ZSTD_RATIO = 1 << 15  # zstd's ceiling: a 4-byte RLE block stands for 128 KiB
+MAX_NDIM = 64  # the most dimensions a tensor may declare
 BYTES_LIMIT = 64 << 20  # a compressed non-tensor value (a step count, param groups) decompresses to this at most
 FRAMING = 64 << 10  # torch.save's zip around a chunk's bytes (about 1.5 kB in practice)
 _DCP = "torch.distributed.checkpoint"
@@ -227,8 +229,8 @@ def load(path: Path) -> Any:
     file = path / METADATA
     _inside(path, file, METADATA)
     try:
-        with open(file, "rb") as f:
-            md = _Unpickler(f).load()
+        with open(file, "rb") as f:  # whole: a length in the pickle then never sizes a read of the file
+            md = _Unpickler(io.BytesIO(f.read())).load()
     except UnsupportedValueError:
         raise
     except _Refused as e:
@@ -402,7 +404,8 @@ def _tensor(file: Path, fqn: str, entry: Any, stored: dict[Any, Stored]) -> Tens
 
 def _dims(file: Path, fqn: str, value: Any, ndim: int | None) -> tuple[int, ...]:
     torch = _torch()
-    if type(value) is not torch.Size or (ndim is not None and len(value) != ndim) or any(n < 0 for n in value):
+    bad = type(value) is not torch.Size or len(value) > MAX_NDIM or any(n < 0 for n in value)
+    if bad or (ndim is not None and len(value) != ndim):
         raise CorruptCheckpointError(f"{file}: {fqn!r:.80} has a shape or chunks that are not lists of sizes")
     return tuple(int(n) for n in value)
 
