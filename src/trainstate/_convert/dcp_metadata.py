@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from trainstate._format import dtypes
 from trainstate._optional import optional
-from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
+from trainstate.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 
 METADATA = ".metadata"
 ZSTD = "stream.zstd/1"  # DCP's zstd stream extension (torch.distributed.checkpoint._extension.ZStandard)
@@ -227,11 +227,12 @@ def _described(key: Any) -> str:
 def load(path: Path) -> Any:
     """The DCP ``Metadata`` of directory ``path``, unpickled as the module docstring says, and walked."""
     file = path / METADATA
+    _torch()
     _inside(path, file, METADATA)
     try:
         with open(file, "rb") as f:  # whole: a length in the pickle then never sizes a read of the file
             md = _Unpickler(io.BytesIO(f.read())).load()
-    except UnsupportedValueError:
+    except CheckpointError:  # the unpickler's own refusals: code asked for
         raise
     except _Refused as e:
         raise CorruptCheckpointError(f"{file} is not DCP metadata trainstate can read: {e}") from None
@@ -285,9 +286,9 @@ def read(path: Path) -> Checked:
         CorruptCheckpointError: the metadata is not DCP's, or declares what its files cannot hold.
         UnsupportedValueError: it asks for code, a dtype or a storage transform trainstate does not read.
     """
+    md = load(path)  # first: without torch, it raises MissingDependencyError naming the extra
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    md = load(path)
     file = path / METADATA
     entries, storage, planner_data = (
         getattr(md, k, None) for k in ("state_dict_metadata", "storage_data", "planner_data")
