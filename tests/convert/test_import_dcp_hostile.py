@@ -115,6 +115,16 @@ def test_one_byte_range_read_for_two_chunks_is_refused(tmp_path):
     refused(src, tmp_path, r"\.metadata: the bytes of '[vw]' in __0_0\.distcp overlap '[vw]'")
 
 
+def test_a_value_without_storage_is_refused_before_reading(tmp_path):
+    src = saved(tmp_path, {"w": torch.ones(2), "step": 5})
+
+    def change(md: Metadata) -> None:  # stored under a tensor chunk's key: not where a value is read from
+        md.storage_data[MetadataIndex("step", [0])] = md.storage_data.pop(MetadataIndex("step"))
+
+    rewrite(src, change)
+    refused(src, tmp_path, r"\.metadata: no storage is given for 'step'")
+
+
 # 2. every file read is a file of the folder
 
 

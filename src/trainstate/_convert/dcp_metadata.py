@@ -287,7 +287,7 @@ def read(path: Path) -> Checked:
         UnsupportedValueError: it asks for code, a dtype or a storage transform trainstate does not read.
     """
     md = load(path)  # first: without torch, it raises MissingDependencyError naming the extra
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     file = path / METADATA
     entries, storage, planner_data = (
@@ -310,7 +310,7 @@ def read(path: Path) -> Checked:
             tensors[fqn] = _tensor(file, fqn, entry, stored)
         elif type(entry) is BytesStorageMetadata:
             plain.append(fqn)
-            if not any(getattr(k, "fqn", None) == fqn for k in stored):
+            if MetadataIndex(fqn) not in stored:  # the key DCP's planner reads a value by
                 raise CorruptCheckpointError(f"{file}: no storage is given for {fqn!r:.80}")
         else:
             raise CorruptCheckpointError(f"{file}: {fqn!r:.80} is described by a {_name(entry)}")
