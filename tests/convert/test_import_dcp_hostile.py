@@ -10,6 +10,7 @@ import io
 import os
 import pathlib
 import pickle
+import random
 import shutil
 import struct
 import tracemalloc
@@ -91,6 +92,27 @@ def test_chunks_that_do_not_cover_the_tensor_are_refused(chunks, tmp_path):
         shutil.copy(src / DATA, src / f"copy{i}.distcp")
     rewrite(src, set_chunks("w", *chunks))
     refused(src, tmp_path, r"\.metadata.*'w'.*chunks")
+
+
+def test_the_overlap_check_agrees_with_comparing_every_pair():
+    from trainstate._convert.dcp_metadata import _overlap
+
+    def pairwise(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+        live = [b for b in boxes if all(b[1])]
+        return any(
+            all(b0 < a0 + an and a0 < b0 + bn for a0, an, b0, bn in zip(a[0], a[1], b[0], b[1]))
+            for i, a in enumerate(live)
+            for b in live[i + 1 :]
+        )
+
+    rng = random.Random(1)
+    for _ in range(5000):
+        ndim = rng.randint(0, 3)
+        boxes = [
+            (tuple(rng.randint(0, 5) for _ in range(ndim)), tuple(rng.randint(0, 3) for _ in range(ndim)))
+            for _ in range(rng.randint(0, 6))
+        ]
+        assert _overlap(boxes) == pairwise(boxes), boxes
 
 
 def test_chunks_that_tile_the_tensor_are_read(tmp_path):
