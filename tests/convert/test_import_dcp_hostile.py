@@ -156,7 +156,7 @@ def outside_copy(tmp_path: Path, src: Path) -> Path:
     return outside
 
 
-@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink", "symlinked_metadata"])
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink", "symlinked_metadata", "symlink_loop"])
 def test_files_outside_the_folder_are_never_read(how, tmp_path):
     src = saved(tmp_path)
     outside = outside_copy(tmp_path, src)
@@ -172,11 +172,15 @@ def test_files_outside_the_folder_are_never_read(how, tmp_path):
     elif how == "symlink":
         (src / DATA).unlink()
         (src / DATA).symlink_to(outside)
+    elif how == "symlink_loop":
+        (src / DATA).unlink()
+        (src / DATA).symlink_to(src / "loop")
+        (src / "loop").symlink_to(src / DATA)
     else:
         (tmp_path / "elsewhere.metadata").write_bytes((src / ".metadata").read_bytes())
         (src / ".metadata").unlink()
         (src / ".metadata").symlink_to(tmp_path / "elsewhere.metadata")
-    refused(src, tmp_path, "outside")
+    refused(src, tmp_path, "outside" if how != "symlink_loop" else "cannot be resolved")
 
 
 # 3. the metadata unpickler builds DCP's metadata and changes nothing else

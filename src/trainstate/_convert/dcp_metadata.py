@@ -271,8 +271,11 @@ def _walk(file: Path, md: Any) -> None:
 
 def _inside(root: Path, file: Path, name: str) -> Path:
     """``file`` resolved (symlinks followed), refused unless it is a file inside ``root``."""
-    real = file.resolve()
-    if not real.is_relative_to(root.resolve()):
+    try:
+        real, home = file.resolve(), root.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise CorruptCheckpointError(f"{root / METADATA}: {name!r:.120} cannot be resolved ({e!s:.120})") from None
+    if not real.is_relative_to(home):
         raise CorruptCheckpointError(f"{root / METADATA}: {name!r:.120} is outside {root} (a link or a path out)")
     if not real.is_file():
         raise CorruptCheckpointError(f"{root / METADATA}: {name!r:.120} is not a file of {root}")
