@@ -390,11 +390,15 @@ def not_metadata(src: Path) -> None:
     (src / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
 
 
+def asks_for_code(src: Path) -> None:
+    (src / ".metadata").write_bytes(b"\x80\x04" + short("os") + short("system") + b"\x93.")  # os.system, not called
+
+
 def garbage(src: Path) -> None:
     (src / ".metadata").write_bytes(b"\x80\x04" + struct.pack("<Q", 7) + b"\xff" * 8)
 
 
-@pytest.mark.parametrize("damage", [truncated, scrambled, unknown_dtype, not_metadata, garbage])
+@pytest.mark.parametrize("damage", [truncated, scrambled, unknown_dtype, not_metadata, asks_for_code, garbage])
 def test_every_failure_is_a_checkpoint_error_naming_the_file(damage, tmp_path):
     src = saved(tmp_path)
     damage(src)

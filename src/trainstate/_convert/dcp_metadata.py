@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from trainstate._format import dtypes
 from trainstate._optional import optional
-from trainstate.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
+from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 
 METADATA = ".metadata"
 ZSTD = "stream.zstd/1"  # DCP's zstd stream extension (torch.distributed.checkpoint._extension.ZStandard)
@@ -232,8 +232,8 @@ def load(path: Path) -> Any:
     try:
         with open(file, "rb") as f:  # whole: a length in the pickle then never sizes a read of the file
             md = _Unpickler(io.BytesIO(f.read())).load()
-    except CheckpointError:  # the unpickler's own refusals: code asked for
-        raise
+    except UnsupportedValueError as e:  # the unpickler's own refusal: code asked for
+        raise UnsupportedValueError(f"{file}: {e}") from None
     except _Refused as e:
         raise CorruptCheckpointError(f"{file} is not DCP metadata trainstate can read: {e}") from None
     except Exception as e:  # noqa: BLE001 - what a damaged pickle raises is anyone's guess
