@@ -407,6 +407,19 @@ def test_every_failure_is_a_checkpoint_error_naming_the_file(damage, tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+def test_tensors_inside_a_value_dcp_pickled_whole_are_imported(tmp_path):
+    src = saved(tmp_path, {"w": torch.ones(2), "pair": (torch.arange(3.0), 3)})  # a tuple: saved as one value
+    trainstate.import_checkpoint(src, tmp_path / "ck")
+    back = trainstate.load(tmp_path / "ck", framework="torch")
+    assert torch.equal(back["pair"][0], torch.arange(3.0)) and back["pair"][1] == 3
+
+
+def test_a_value_trainstate_cannot_store_is_refused_naming_the_source(tmp_path):
+    src = saved(tmp_path, {"w": torch.ones(2), "tags": {1, 2}})
+    with pytest.raises(trainstate.UnsupportedValueError, match=f"{src}: tags: a builtins.set cannot be stored"):
+        trainstate.import_checkpoint(src, tmp_path / "ck")
+
+
 def test_the_command_line_says_one_line(tmp_path):
     src = saved(tmp_path)
     scrambled(src)

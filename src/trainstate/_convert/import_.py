@@ -28,7 +28,13 @@ from trainstate._convert import dcp, safetensors_file, source, torch_file
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._save.write import SaveResult, write_checkpoint
 from trainstate._storage import resolve
-from trainstate.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, StorageError
+from trainstate.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StorageError,
+    UnsupportedValueError,
+)
 
 TIED_KEY = "trainstate.tied"  # export.py writes it: JSON {alias: name written}
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -74,8 +80,12 @@ def import_checkpoint(
     path = Path(src)
     kind, state, meta = read_source(path)
     record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
-    torch_tensors = torch_file.source_tensor if kind in ("torch", "hf") else None  # others need no torch
-    snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
+    # torch tensors: a torch.save file's, a .bin shard's, or inside a value DCP pickled whole (a tuple)
+    torch_tensors = torch_file.source_tensor if kind in ("torch", "hf", "dcp") else None  # safetensors: no torch
+    try:
+        snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
+    except UnsupportedValueError as e:  # it names the value's place in the source; the source is named here
+        raise UnsupportedValueError(f"{path}: {e}") from None
     backend, root = resolve(ckpt, None)
     with _gc.paused():
         return write_checkpoint(
