@@ -79,12 +79,15 @@ def test_demo_without_torch_says_to_install_the_demo_extra(tmp_path: Path, no_to
         "from trainstate._data import ResumableSampler",
         "trainstate.load(CKPT, framework='torch')",
         "trainstate.open(CKPT).read('w', framework='torch')",
+        "d = pathlib.Path(CKPT + '_dcp'); d.mkdir(); (d / '.metadata').write_bytes(b'x'); "
+        "trainstate.import_checkpoint(d, CKPT + '_imported')",
     ],
 )
 def test_torch_features_without_torch_name_the_torch_extra(tmp_path: Path, no_torch: dict[str, str], use: str) -> None:
     ckpt = tmp_path / "ckpt"
     trainstate.save(ckpt, {"w": np.arange(4.0)})
     code = f"""
+import pathlib
 import trainstate
 CKPT = {str(ckpt)!r}
 assert trainstate.load(CKPT)["w"].tolist() == [0, 1, 2, 3]  # NumPy-only use works without torch

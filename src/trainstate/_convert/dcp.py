@@ -1,13 +1,18 @@
 """torch.distributed.checkpoint directories, read a tensor at a time without unpickling code.
 
 DCP keeps its metadata (``.metadata``) as a plain pickle, which ``FileSystemReader.read_metadata`` loads
-with ``pickle.load``: a hostile directory would run code. Here it is unpickled by a restricted unpickler
-that builds only DCP's own metadata classes, ``torch.Size``, dtypes, layouts and paths (Python's
-"restricting globals" recipe), and non-tensor values are loaded with ``torch.load(weights_only=True)``
-instead of DCP's ``weights_only=False``. Tensors are loaded through DCP's own ``dcp.load`` (no process
-group: ``no_dist=True``), one tensor per call, into a fresh tensor of its saved shape and dtype, so the
-importer holds one tensor at a time. The nesting DCP flattened away (``model.layer.weight`` from
-``{"model": {"layer.weight": ...}}``) comes back from the metadata's ``planner_data``.
+with ``pickle.load``: a hostile directory would run code. ``dcp_metadata`` unpickles it with a restricted
+unpickler and checks what it declares (chunks that tile each tensor, files inside the folder, sizes its
+bytes can hold) before anything is allocated. Tensors are then loaded through DCP's own planner (``dcp.load``
+without a process group: ``no_dist=True``) with a reader of ours that opens only the files the check
+resolved, reads only the byte ranges it checked, decompresses a zstd entry no further than its declared
+size, and loads each chunk and non-tensor value with ``torch.load(weights_only=True)`` (DCP's own reader
+uses ``weights_only=False`` for values). One tensor per call, into a fresh tensor of its saved shape and
+dtype, so the importer holds one tensor at a time. The nesting DCP flattened away (``model.layer.weight``
+from ``{"model": {"layer.weight": ...}}``) comes back from the metadata's ``planner_data``.
+
+Every failure of a read is a CheckpointError naming the file: DCP wraps what a reader raises in its
+``CheckpointException``, a BaseException, so the reader keeps its own error and it is raised here instead.
 """
 
 from __future__ import annotations
@@ -15,95 +20,42 @@ from __future__ import annotations
 import functools
 import io
 import pickle
+import zipfile
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
+from trainstate._convert.dcp_metadata import METADATA, Checked, Stored
+from trainstate._convert.dcp_metadata import read as read_metadata
 from trainstate._convert.source import SourceTensor
-from trainstate._format import dtypes
 from trainstate._optional import optional
 from trainstate._tree import MAX_DEPTH
-from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
+from trainstate.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 
-METADATA = ".metadata"
+__all__ = ["METADATA", "read"]
+
 BATCH_BYTES = 16 << 20  # small tensors loaded together, up to this many bytes
-_DCP = "torch.distributed.checkpoint"
-_ALLOWED = {  # module -> names the metadata pickle may build
-    f"{_DCP}.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    f"{_DCP}.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
-}
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch":  # a dtype (torch.float32) is pickled as a global
-            import torch
-
-            found = getattr(torch, name, None)
-            if isinstance(found, torch.dtype):
-                return found
-        raise UnsupportedValueError(
-            f"the DCP metadata asks to build {module}.{name}, which is not part of DCP's metadata; trainstate "
-            "never unpickles code"
-        )
-
-
-def metadata(path: Path) -> Any:
-    """The DCP ``Metadata`` of directory ``path``, unpickled with only DCP's own classes allowed."""
-    with optional("torch", extra="torch", needed_for="importing a torch.distributed.checkpoint directory"):
-        import torch.distributed.checkpoint  # noqa: F401 - the classes the unpickler allows
-    try:
-        with open(path / METADATA, "rb") as f:
-            return _Unpickler(f).load()
-    except UnsupportedValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - what a damaged pickle raises is anyone's guess
-        raise CorruptCheckpointError(f"{path / METADATA} is not readable DCP metadata ({e!s:.120})") from None
 
 
 def read(path: Path) -> Any:
     """The state a DCP directory holds: nested dicts / lists of :class:`SourceTensor` s (each loaded when
     the writer reaches it) and plain values (loaded now, with ``weights_only=True``)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = metadata(path)
-    paths: dict[str, tuple[Any, ...]] = getattr(md, "planner_data", None) or {}
+    checked = read_metadata(path)
     root: dict[Any, Any] = {}
-    plain: list[str] = []
-    batches = _Batches(path, md)
-    for fqn, entry in md.state_dict_metadata.items():
-        where = tuple(paths.get(fqn) or (fqn,))
+    batches = _Batches(path, checked)
+    for fqn, where in checked.where.items():
         if not 0 < len(where) <= MAX_DEPTH:
             raise CorruptCheckpointError(f"{path / METADATA}: {fqn!r:.80} is nested {len(where)} levels deep")
-        if isinstance(entry, TensorStorageMetadata):
-            code = dtypes.BY_TORCH_NAME[str(entry.properties.dtype).removeprefix("torch.")].code
-            shape = tuple(int(n) for n in entry.size)
-            nbytes = dtypes.from_code(code).itemsize * int(np.prod(shape))
-            value: Any = SourceTensor(code, shape, nbytes, partial(batches.get, fqn))
+        tensor = checked.tensors.get(fqn)
+        if tensor is not None:
+            value: Any = SourceTensor(tensor.dtype, tensor.shape, tensor.nbytes, partial(batches.get, fqn))
             batches.tensors[fqn] = value
         else:
             value = _Plain(fqn)
-            plain.append(fqn)
-        _put(root, where, value)
-    values = _load(path, md, {fqn: None for fqn in plain})
+        _put(path, root, fqn, where, value)
+    values = _load(path, checked, {fqn: None for fqn in checked.plain})
     fqn_of = {id(t): fqn for fqn, t in batches.tensors.items()}
     batches.set_order([fqn_of[id(t)] for t in _leaves(root)])
     return _lists(root, values)
@@ -123,8 +75,8 @@ class _Batches:
     reached yet waits in ``ready``. A large tensor is loaded alone.
     """
 
-    def __init__(self, path: Path, md: Any) -> None:
-        self.path, self.md = path, md
+    def __init__(self, path: Path, checked: Checked) -> None:
+        self.path, self.checked = path, checked
         self.tensors: dict[str, SourceTensor] = {}
         self.order: list[str] = []
         self.position: dict[str, int] = {}
@@ -148,7 +100,7 @@ class _Batches:
             group.append(later)
             total += n
         outs = {f: adapter.empty(self.tensors[f].dtype, self.tensors[f].shape) for f in group}
-        _load(self.path, self.md, dict(outs))
+        _load(self.path, self.checked, dict(outs))
         for f in group[1:]:
             self.ready[f] = np.frombuffer(adapter.byte_view(outs[f]), np.uint8)
         return np.frombuffer(adapter.byte_view(outs[fqn]), np.uint8)
@@ -163,17 +115,26 @@ def _leaves(node: Any) -> list[SourceTensor]:
     return []
 
 
-def _load(path: Path, md: Any, state: dict[str, Any]) -> dict[str, Any]:
+def _load(path: Path, checked: Checked, state: dict[str, Any]) -> dict[str, Any]:
     """``dcp.load`` of the keys of ``state`` (tensors filled in place); returns the non-tensor values."""
     from torch.distributed.checkpoint.state_dict_loader import load
 
     reader_class, planner_class = _classes()
-    planner = planner_class()
+    reader, planner = reader_class(path, checked), planner_class()
     try:
-        load(state, storage_reader=reader_class(path, md), planner=planner, no_dist=True)
-    except Exception as e:  # noqa: BLE001 - DCP's own errors: a damaged or truncated directory
+        load(state, storage_reader=reader, planner=planner, no_dist=True)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        cause = _cause(e)
+        if isinstance(cause, (KeyboardInterrupt, SystemExit)):  # DCP wraps a Ctrl-C too
+            raise cause from None
+        if reader.failed is not None:
+            raise reader.failed from None
         if planner.refused is None:
-            raise CorruptCheckpointError(f"reading {path} (a DCP directory) failed: {e!s:.200}") from None
+            text = str(cause).strip()
+            raise CorruptCheckpointError(
+                f"reading {path} (a DCP directory) failed: {type(cause).__name__}: "
+                f"{text.splitlines()[0][:200] if text else ''}"
+            ) from None
     if planner.refused is not None:  # raised here: DCP wraps what a planner raises in its own error
         raise UnsupportedValueError(
             f"{path}: {planner.refused} holds a pickled object other than tensors and plain values; trainstate "
@@ -183,21 +144,140 @@ def _load(path: Path, md: Any, state: dict[str, Any]) -> dict[str, Any]:
     return loaded
 
 
+def _cause(e: BaseException) -> BaseException:
+    """The first failure a CheckpointException wraps (DCP keeps each as an (exception, traceback) pair),
+    else the error itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        found = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(found, BaseException):
+            return found
+    return e
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``start`` to ``start + length`` of an open file, as a seekable file of its own."""
+
+    def __init__(self, f: Any, start: int, length: int) -> None:
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = (0, self.pos, self.length)[whence]
+        self.pos = max(base + offset, 0)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.start + self.pos)
+        got: int = self.f.readinto(memoryview(buffer).cast("B")[:n])
+        self.pos += got
+        return got
+
+
+def _entry(f: BinaryIO, where: Stored, what: str) -> BinaryIO:
+    """The bytes of one storage entry (a torch.save file), decompressed no further than its limit."""
+    window: BinaryIO = _Window(f, where.offset, where.length)  # type: ignore[assignment]
+    if where.compressed:
+        with optional("zstandard", extra="zstd", needed_for="importing a zstd-compressed DCP directory"):
+            import zstandard
+        out = bytearray()
+        with zstandard.ZstdDecompressor().stream_reader(window) as stream:
+            while len(out) <= where.limit:
+                piece = stream.read(min(1 << 20, where.limit + 1 - len(out)))
+                if not piece:
+                    break
+                out += piece
+        if len(out) > where.limit:
+            raise CorruptCheckpointError(
+                f"{where.file}: the compressed entry of {what} decompresses past the {where.limit} bytes its "
+                "metadata declares"
+            )
+        window = io.BytesIO(out)
+    with zipfile.ZipFile(window) as z:  # torch.load would inflate a deflated record to the size it claims
+        if any(i.compress_type != zipfile.ZIP_STORED or i.file_size > where.limit for i in z.infolist()):
+            raise CorruptCheckpointError(
+                f"{where.file}: the entry of {what} holds compressed or oversized records; torch.save writes neither"
+            )
+    window.seek(0)
+    return window
+
+
 @functools.cache
 def _classes() -> tuple[Any, Any]:
-    """DCP's reader and planner with the two changes the module docstring describes (made on first use:
+    """DCP's reader and planner with the changes the module docstring describes (made on first use:
     defining them imports torch)."""
     import torch
+    from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
 
     class Reader(FileSystemReader):
-        def __init__(self, path: Path, md: Any) -> None:
+        def __init__(self, path: Path, checked: Checked) -> None:
             super().__init__(path)
-            self.md = md
+            self.checked = checked
+            self.failed: CheckpointError | None = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return self.md
+            return self.checked.md
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            by_file: dict[Path, list[Any]] = {}
+            for item in plan.items:
+                by_file.setdefault(self.checked.stored[item.storage_index].file, []).append(item)
+            for file, items in by_file.items():
+                what = "?"
+                try:
+                    with open(file, "rb") as f:
+                        for item in items:
+                            what = repr(item.storage_index.fqn)[:80]
+                            self._read(f, item, what, planner)
+                except CheckpointError as e:
+                    self.failed = e
+                    raise
+                except Exception as e:  # noqa: BLE001 - torch.load / zip / zstd on damaged bytes
+                    text = str(e).strip()
+                    self.failed = CorruptCheckpointError(
+                        f"{file}: the bytes of {what} are not what DCP writes ({type(e).__name__}: "
+                        f"{text.splitlines()[0][:160] if text else ''})"
+                    )
+                    raise
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+        def _read(self, f: BinaryIO, item: Any, what: str, planner: Any) -> None:
+            where = self.checked.stored[item.storage_index]
+            data = _entry(f, where, what)
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(data.read()))
+                return
+            tensor = torch.load(data, map_location="cpu", weights_only=True)
+            target = planner.resolve_tensor(item).detach()
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != target.dtype:
+                raise CorruptCheckpointError(f"{where.file}: the entry of {what} is not a {target.dtype} tensor")
+            tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+            if target.size() != tensor.size():
+                raise CorruptCheckpointError(
+                    f"{where.file}: the entry of {what} holds {list(tensor.size())} where its metadata declares "
+                    f"{list(target.size())}"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
 
     class Planner(DefaultLoadPlanner):
         def __init__(self) -> None:
@@ -215,12 +295,16 @@ def _classes() -> tuple[Any, Any]:
     return Reader, Planner
 
 
-def _put(root: dict[Any, Any], where: tuple[Any, ...], value: Any) -> None:
+def _put(path: Path, root: dict[Any, Any], fqn: str, where: tuple[Any, ...], value: Any) -> None:
     node = root
     for key in where[:-1]:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise CorruptCheckpointError(f"DCP metadata nests a value under {'.'.join(map(str, where))}")
+            raise CorruptCheckpointError(f"{path / METADATA}: {fqn!r:.80} nests a value under another value")
+    if where[-1] in node:
+        raise CorruptCheckpointError(
+            f"{path / METADATA}: {fqn!r:.80} is placed at {'.'.join(map(str, where))!r:.80}, where another value is"
+        )
     node[where[-1]] = value
 
 

@@ -81,12 +81,15 @@ def import_checkpoint(
     path = Path(src)
     kind, state, meta = read_source(path)
     record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
+    # torch tensors: a torch.save file's, a .bin shard's, or inside a value DCP pickled whole (a tuple)
     torch_tensors = (
-        partial(torch_file.source_tensor, where=path, views=torch_file.Views()) if kind in ("torch", "hf") else None
+        partial(torch_file.source_tensor, where=path, views=torch_file.Views())
+        if kind in ("torch", "hf", "dcp")
+        else None  # safetensors: no torch
     )
     try:
         snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
-    except UnsupportedValueError as e:
+    except UnsupportedValueError as e:  # it names the value's place in the source; the source is named here
         raise e if str(path) in str(e) else UnsupportedValueError(f"{path}: {e}") from None
     backend, root = resolve(ckpt, None)
     with _gc.paused():
