@@ -394,3 +394,41 @@ def test_a_resume_amid_gradient_accumulation_does_not_save_its_step_again(run, t
     assert saves.saved == []  # step 3 was not saved again after the first batch, amid accumulation
     resumed = fit(run_dir).state_dict()
     assert_same(resumed, reference)
+
+
+def test_slurm_auto_resume_is_not_misled_by_a_killed_saves_staging_directory(run, tmp_path, monkeypatch):
+    """Lightning's SLURM auto-resume reads the number after ``hpc_ckpt_`` in every name of the run directory
+    (and ``hpc_save_path`` after ``ckpt_``). A save of hpc_ckpt_2.ckpt killed before its commit, and a delete
+    of hpc_ckpt_3.ckpt killed before it finished, left hidden siblings; their names held the target's name and
+    random hex digits, so Lightning picked a checkpoint that does not exist and the restarted job failed."""
+    plugin = run.TrainstateCheckpointIO()
+
+    def trainer(steps: int) -> Any:
+        return run.L.Trainer(
+            max_steps=steps,
+            default_root_dir=tmp_path,
+            plugins=[plugin],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+
+    run.L.seed_everything(0, verbose=False)
+    first = trainer(2)
+    first.fit(run.Tiny(), run.loader())
+    for n in (1, 2, 3):
+        first.save_checkpoint(tmp_path / f"hpc_ckpt_{n}.ckpt")
+    storage = trainstate.LocalStorage()
+    storage.hide(str(tmp_path / "hpc_ckpt_3.ckpt"))  # a delete killed between its rename and its removal
+    storage.begin(str(tmp_path / "hpc_ckpt_2.ckpt"), overwrite=True)  # a save of it killed before its commit
+    leftovers = [n for n in _names(tmp_path) if n.startswith(".")]
+    assert len(leftovers) == 2
+    assert not [n for n in leftovers if "ckpt_" in n]  # nothing a name scanner takes for a checkpoint
+
+    second = trainer(4)
+    assert second._checkpoint_connector._hpc_resume_path == str(tmp_path / "hpc_ckpt_2.ckpt")
+    assert second._checkpoint_connector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_3.ckpt")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    second.fit(run.Tiny(), run.loader(), ckpt_path="hpc")  # Lightning resolves "hpc" itself
+    assert second.global_step == 4

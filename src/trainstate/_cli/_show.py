@@ -6,7 +6,6 @@ import fnmatch
 import logging
 import os
 import posixpath
-import re
 from typing import Any
 
 from trainstate import open as open_checkpoint
@@ -18,6 +17,7 @@ from trainstate._manager import CheckpointInfo, CheckpointManager
 from trainstate._manager.naming import step_of
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import Storage, is_staging_name, resolve
+from trainstate._storage.base import staged_target
 from trainstate.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -26,7 +26,6 @@ from trainstate.errors import (
     StorageError,
 )
 
-_STAGING = re.compile(r"^\.(.+)\.(tmp|old|del)-[^/]*$")
 _STAGING_NOTE = {"tmp": "unfinished save", "old": "replaced checkpoint not yet removed", "del": "unfinished delete"}
 
 
@@ -86,8 +85,8 @@ def _row(info: CheckpointInfo, path: str) -> dict[str, Any]:
 
 
 def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -> dict[str, Any]:
-    m = _STAGING.match(name)
-    step = step_of(m.group(1) if m else name)
+    staged = staged_target(name)
+    step = step_of(staged[0] if staged else name)
     nbytes, modified = 0, None
     try:
         for entry in backend.list(path):
@@ -151,8 +150,10 @@ def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str
             if row is not None:
                 rows.append(row)
         else:
-            m = _STAGING.match(name)
-            rows.append(_other_row(backend, name, path, "incomplete", _STAGING_NOTE[m.group(2)] if m else "leftover"))
+            staged = staged_target(name)
+            rows.append(
+                _other_row(backend, name, path, "incomplete", _STAGING_NOTE[staged[1]] if staged else "leftover")
+            )
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
     return rows
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import uuid
 import warnings
 import weakref
 from collections import OrderedDict
@@ -45,6 +44,7 @@ from trainstate._save import save as _save
 from trainstate._save.background import BackgroundSaver
 from trainstate._save.write import DEFAULT_THREADS
 from trainstate._storage import LocalStorage, resolve
+from trainstate._storage.base import staged_target, staging_name
 from trainstate.errors import (
     CheckpointExistsError,
     InvalidArgumentError,
@@ -336,19 +336,24 @@ def _make_room(path: str) -> Path | None:
         return None
     backend = LocalStorage()
     backend.recover(str(local))  # a checkpoint a crash left mid-replace goes back first
-    prefix = f".{local.name}."
-    aside = [n for n in backend.list(str(local.parent)) if n.startswith(f"{prefix}replaced-")]
+    prefix = f".{local.name}."  # how earlier versions named them (a scanner of "hpc_ckpt_" names read them)
+    names = backend.list(str(local.parent))
+    aside = [n for n in names if staged_target(n) == (local.name, "old") and (local.parent / n).is_file()]
+    aside += [n for n in names if n.startswith(f"{prefix}replaced-")]
     if aside and not local.exists() and not local.is_symlink():  # a crash after moving a file aside: put it back
         (local.parent / aside[0]).rename(local)
     for name in backend.list(str(local.parent)):
-        if name.startswith(prefix) and name[len(prefix) :].split("-", 1)[0] in ("tmp", "del", "old", "replaced"):
+        staged = staged_target(name)
+        if (staged is not None and staged[0] == local.name) or (
+            name.startswith(prefix) and name[len(prefix) :].split("-", 1)[0] == "replaced"
+        ):
             backend.delete(str(local.parent / name))
     if local.is_symlink():
         local.unlink()
     elif local.is_file():
         if not _is_torch_file(str(local)) and local.stat().st_size:
             raise CheckpointExistsError(f"{local} exists and is not a checkpoint; refusing to replace it")
-        moved = local.parent / f"{prefix}replaced-{uuid.uuid4().hex[:12]}"
+        moved = local.parent / staging_name(local.name, "old")  # a file: recover() leaves it to us
         local.rename(moved)
         return moved
     return None
