@@ -14,6 +14,7 @@ import importlib.util
 import os
 import pathlib
 import pickle
+import shutil
 from types import ModuleType
 from typing import Any
 
@@ -432,3 +433,35 @@ def test_slurm_auto_resume_is_not_misled_by_a_killed_saves_staging_directory(run
     monkeypatch.setenv("SLURM_NTASKS", "1")
     second.fit(run.Tiny(), run.loader(), ckpt_path="hpc")  # Lightning resolves "hpc" itself
     assert second.global_step == 4
+
+
+def test_async_saves_in_flight_count_for_modelcheckpoints_version_names(run, tmp_path):
+    """ModelCheckpoint with a fixed file name asks the filesystem whether ``fixed.ckpt`` exists to choose
+    ``fixed-v1.ckpt``, ``fixed-v2.ckpt``...; a background save still in flight was not there yet, so the next
+    save took the same name and replaced it: 2 of 4 checkpoints were lost without a word. The name is now
+    reserved when the save is asked for, so the names are those of a run that saves in the foreground."""
+    checkpoints = tmp_path / "checkpoints"
+
+    def fit(async_save: bool) -> list[str]:
+        run.L.seed_everything(0, verbose=False)
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        run.L.Trainer(
+            max_steps=4,
+            default_root_dir=tmp_path,
+            plugins=[run.TrainstateCheckpointIO(async_save=async_save)],
+            callbacks=[
+                run.ModelCheckpoint(checkpoints, filename="fixed", save_top_k=-1, every_n_train_steps=1, monitor="step")
+            ],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(run.Tiny(), run.loader())
+        steps = []
+        for name in _names(checkpoints):
+            with trainstate.open(checkpoints / name) as ck:
+                steps.append(f"{name}:{ck.metadata['step']}")
+        return steps
+
+    expected = ["fixed-v1.ckpt:2", "fixed-v2.ckpt:3", "fixed-v3.ckpt:4", "fixed.ckpt:1"]
+    assert fit(async_save=False) == expected
+    assert fit(async_save=True) == expected
