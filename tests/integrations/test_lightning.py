@@ -465,3 +465,64 @@ def test_async_saves_in_flight_count_for_modelcheckpoints_version_names(run, tmp
     expected = ["fixed-v1.ckpt:2", "fixed-v2.ckpt:3", "fixed-v3.ckpt:4", "fixed.ckpt:1"]
     assert fit(async_save=False) == expected
     assert fit(async_save=True) == expected
+
+
+def test_a_module_passed_as_a_hyperparameter_is_refused_by_name(run, tmp_path):
+    """A loss module passed to __init__ is a hyperparameter to save_hyperparameters() (Lightning only warns);
+    it was saved as its state_dict() and came back as ``{}``, not the loss, without a word."""
+
+    class WithLoss(run.Tiny):
+        def __init__(self, loss: Any = None) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.loss = loss
+
+    trainer = run.L.Trainer(
+        max_steps=1,
+        default_root_dir=tmp_path,
+        plugins=[run.TrainstateCheckpointIO()],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(WithLoss(loss=torch.nn.SmoothL1Loss(beta=0.5)), run.loader())
+    with pytest.raises(UnsupportedValueError, match=r"hyper_parameters\.loss.*SmoothL1Loss.*ignore=\['loss'\]"):
+        trainer.save_checkpoint(tmp_path / "a.ckpt")
+    plugin = run.TrainstateCheckpointIO()
+    with pytest.raises(UnsupportedValueError, match=r"datamodule_hyper_parameters\.net.*ignore=\['net'\]"):
+        plugin.save_checkpoint({"datamodule_hyper_parameters": {"net": torch.nn.Linear(2, 2)}}, tmp_path / "b.ckpt")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".ckpt") or p.name.startswith(".")]
+
+
+def test_omegaconf_hyperparameters_come_back_as_omegaconf(run, tmp_path):
+    """A DictConfig among the hyperparameters came back as a plain dict (and one given whole to
+    save_hyperparameters was refused for the class Lightning stores beside it)."""
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({"lr": 0.1, "model": {"layers": [4, 8], "act": "relu"}, "ref": "${lr}"})
+    plugin = run.TrainstateCheckpointIO()
+    nested = {"hyper_parameters": {"cfg": cfg, "tags": omegaconf.OmegaConf.create(["a", "b"])}, "global_step": 1}
+    plugin.save_checkpoint(nested, tmp_path / "nested.ckpt")
+    got = plugin.load_checkpoint(tmp_path / "nested.ckpt")["hyper_parameters"]
+    assert isinstance(got["cfg"], omegaconf.DictConfig) and isinstance(got["tags"], omegaconf.ListConfig)
+    assert got["cfg"] == cfg and got["cfg"].ref == 0.1 and list(got["tags"]) == ["a", "b"]
+
+    class FromConfig(run.Tiny):
+        def __init__(self, cfg: Any) -> None:
+            super().__init__()
+            self.save_hyperparameters(cfg)
+
+    trainer = run.L.Trainer(
+        max_steps=1,
+        default_root_dir=tmp_path,
+        plugins=[plugin],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(FromConfig(cfg), run.loader())
+    trainer.save_checkpoint(tmp_path / "whole.ckpt")
+    got = plugin.load_checkpoint(tmp_path / "whole.ckpt")
+    assert got["hparams_type"] is omegaconf.DictConfig  # as Lightning's own checkpoint holds it
+    assert isinstance(got["hyper_parameters"], omegaconf.DictConfig) and got["hyper_parameters"] == cfg
