@@ -44,6 +44,7 @@ with optional("transformers", extra="huggingface", needed_for="trainstate.integr
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_callback import ExportableState
 
+from trainstate._frameworks import load_takes_strict, unwrapped
 from trainstate._manager import CheckpointManager
 from trainstate._manager.policies import KeepBest, saved_order
 from trainstate._restore.checkpoint import open_checkpoint
@@ -537,6 +538,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
                 f"resume_point() prepared step {step}, but the Trainer resumed at step {state.global_step}: pass "
                 "what resume_point returned to trainer.train(resume_from_checkpoint=...)"
             )
+        self._reshape_model(step)
         resumed = self._manager.restore_latest(self._live)
         if resumed != step + 1:
             raise CheckpointError(
@@ -562,6 +564,35 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         # fetched), or, at an epoch boundary, before the next epoch's iterator drew its seed
         self._rng_at = "step" if saved.get("batches_into_epoch", 0) else "epoch"
         self._discard_stand_in(folder)
+
+    def _reshape_model(self, step: int) -> None:
+        """Hand the saved tensors whose shape differs from the model's to the model's own ``load_state_dict``
+        (``strict=False``), as the Trainer's resume does: a model whose ``_load_from_state_dict`` resizes a buffer
+        (one that grows as it trains) takes the saved shape, and the restore after it fills every tensor in
+        place. A model that does not resize raises nothing here; the restore then names the mismatch."""
+        assert self._live is not None
+        model = unwrapped(self._live["model"])
+        if not load_takes_strict(model):
+            return
+        own = model.state_dict()
+        with open_checkpoint(
+            self._manager.path_for(step),
+            self._manager.storage,
+            key=self._options.get("key"),
+            key_env=self._options.get("key_env"),
+        ) as ck:
+            differing = [
+                name
+                for name, value in own.items()
+                if f"model.{name}" in ck and tuple(ck.info(f"model.{name}").shape) != tuple(getattr(value, "shape", ()))
+            ]
+            if not differing:
+                return
+            saved = {name: ck.read(f"model.{name}", framework="torch") for name in differing}
+        try:
+            model.load_state_dict(saved, strict=False)
+        except RuntimeError as e:  # it does not take the saved shape: the restore reports the mismatch
+            log.debug("TrainstateCallback: %s.load_state_dict kept its shapes: %s", type(model).__name__, e)
 
     def _discard_stand_in(self, folder: str | None = None) -> None:
         if self._stand_in_cleanup is not None:
