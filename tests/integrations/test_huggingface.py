@@ -357,3 +357,28 @@ def test_a_model_whose_load_state_dict_reshapes_a_buffer_resumes(tmp_path: Path)
     assert cb.resumed_from == 5 and torch.equal(second.model.seen, first.model.seen)
     for name, value in first.model.state_dict().items():
         assert torch.equal(second.model.state_dict()[name], value), name
+
+
+def test_on_a_tie_the_trainers_best_is_kept_and_loaded(tmp_path: Path) -> None:
+    """Every evaluation ties. The Trainer records the first as best (a new best must be strictly better); keep_best
+    kept the newest of the tied ones and deleted the Trainer's, and load_best_model_at_end loaded another model
+    than the one the Trainer's state names."""
+    cb = TrainstateCallback(tmp_path / "ckpt", keep_last=1, keep_best=("eval_accuracy", "max", 1))
+    trainer = run.trainer(
+        str(tmp_path),
+        [cb],
+        num_train_epochs=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="accuracy",
+        greater_is_better=True,
+    )
+    trainer.compute_metrics = lambda pred: {"accuracy": 0.5}
+    assert cb.resume_point(trainer) is None
+    trainer.train()
+
+    assert trainer.state.best_global_step == 3 and trainer.state.best_metric == 0.5  # the first of the tie
+    assert 3 in [c.step for c in cb.manager.list()]
+    assert trainer.state.best_model_checkpoint == cb.manager.path_for(3)
+    best_model = trainstate.load(cb.manager.path_for(3), include="model.*")["model"]
+    for name, value in trainer.model.state_dict().items():
+        assert np.array_equal(value.numpy(), best_model[name]), name

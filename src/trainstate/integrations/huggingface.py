@@ -36,6 +36,7 @@ import inspect
 import logging
 import os
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from trainstate._optional import optional
@@ -46,7 +47,7 @@ with optional("transformers", extra="huggingface", needed_for="trainstate.integr
 
 from trainstate._frameworks import load_takes_strict, unwrapped
 from trainstate._manager import CheckpointManager
-from trainstate._manager.policies import KeepBest, saved_order
+from trainstate._manager.policies import CheckpointInfo, KeepBest, saved_order
 from trainstate._restore.checkpoint import open_checkpoint
 from trainstate.errors import (
     CheckpointError,
@@ -82,6 +83,21 @@ class _OnTheTrainersEvents:
 
     def __repr__(self) -> str:
         return "the Trainer's save events"
+
+
+class _TheTrainersBest:
+    """A retention policy under the callback: keep the checkpoint of the step the Trainer records as best
+    (``TrainerState.best_global_step``). The Trainer takes a new best only when it is strictly better, so on a
+    tie its best is the first; ``keep_best`` keeps the newest of a tie, and would delete the Trainer's."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None  # the Trainer's best_global_step, set before each save
+
+    def votes(self, checkpoints: Sequence[CheckpointInfo]) -> dict[str, str | None]:
+        return {c.name: "the Trainer's best (best_global_step)" for c in checkpoints if c.step == self.step}
+
+    def __repr__(self) -> str:
+        return "the Trainer's best"
 
 
 class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
@@ -144,6 +160,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._directory = directory
         self._options = options
         self._policy = _OnTheTrainersEvents()
+        self._best = _TheTrainersBest()
         # checks the options and the directory now; the manager that saves (and locks the directory) opens when
         # training begins (or at resume_point), so building the callback again in a notebook finds no lock held
         self._manager = self._new_manager(read_only=True)
@@ -454,7 +471,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         try:
             self._flush()
             if args.load_best_model_at_end:
-                self._load_best(args)
+                self._load_best(args, state)
         finally:
             self._end()
 
@@ -506,6 +523,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         args = self._args
         strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
         self._policy.due = step
+        self._best.step = getattr(self._state, "best_global_step", None)  # this step's evaluation included
         self._policy.reason = f"Trainer save_strategy={strategy!r}" + (
             f", save_steps={args.save_steps}" if strategy == "steps" else ""
         )
@@ -603,8 +621,10 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
     # -- helpers ------------------------------------------------------------------------------------
 
     def _new_manager(self, read_only: bool = False) -> CheckpointManager:
+        options = dict(self._options)
+        options["retention_policies"] = [*(options.get("retention_policies") or []), self._best]
         return CheckpointManager(
-            self._directory, save_policies=[self._policy], capture_rng=False, read_only=read_only, **self._options
+            self._directory, save_policies=[self._policy], capture_rng=False, read_only=read_only, **options
         )
 
     def _open(self) -> CheckpointManager:
@@ -645,14 +665,23 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
                     f"which retention must keep{found}: pass keep_best=({metric!r}, {mode!r}, 1) to TrainstateCallback"
                 )
 
-    def _load_best(self, args: Any) -> None:
+    def _load_best(self, args: Any, state: Any) -> None:
+        """Load the model of the checkpoint the Trainer records as best (``best_global_step``: on a tie, the
+        first), else the best by the metric; ``state.best_model_checkpoint`` then names it. Set here, after the
+        Trainer's own end-of-training load (which reads only its ``checkpoint-N`` folders) and not while
+        training, where that load would warn that it found no weights there."""
         assert self._live is not None
         metric = _eval_name(args.metric_for_best_model or "loss")
-        best = self._manager.best(metric, "max" if args.greater_is_better else "min")
+        kept = {c.step: c for c in self._manager.list()}
+        best = kept.get(getattr(state, "best_global_step", None) or -1)
+        if best is None:
+            best = self._manager.best(metric, "max" if args.greater_is_better else "min")
         if best is None:
             log.warning("TrainstateCallback: no checkpoint has the metric %r; keeping the last model", metric)
             return
+        self._reshape_model(best.step)
         self._manager.restore(best.step, {"model": self._live["model"]}, include="model.*")
+        state.best_model_checkpoint = self._manager.path_for(best.step)
         log.info("TrainstateCallback: loaded the best model, step %d (%s=%s)", best.step, metric, best.metrics[metric])
 
 
