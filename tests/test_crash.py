@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import trainstate
+from trainstate._storage.base import staged_target, staging_name
 
 CHILD = r"""
 import sys, numpy as np, trainstate
@@ -57,7 +58,7 @@ def test_sigkill_mid_save_leaves_only_complete_checkpoints(tmp_path, seed):
     assert _check_visible(tmp_path) >= 2
     assert (tmp_path / "latest").is_dir()  # the overwritten checkpoint is never missing
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
-    assert all(".tmp-" in n for n in leftovers), leftovers
+    assert all((staged_target(n) or ("", ""))[1] == "tmp" for n in leftovers), leftovers
 
 
 def test_overwrite_without_rename_exchange_and_recovery(tmp_path, monkeypatch):
@@ -69,9 +70,10 @@ def test_overwrite_without_rename_exchange_and_recovery(tmp_path, monkeypatch):
     trainstate.save(tmp_path / "c", {"v": 1}, overwrite=True)
     assert trainstate.load(tmp_path / "c") == {"v": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["c"]
-    os.rename(tmp_path / "c", tmp_path / ".c.old-123")  # as if killed between the two renames
-    assert trainstate.load(tmp_path / "c") == {"v": 1}  # a reader puts it back
-    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    for aside in (staging_name("c", "old"), ".c.old-123"):  # ours, and what earlier versions named it
+        os.rename(tmp_path / "c", tmp_path / aside)  # as if killed between the two renames
+        assert trainstate.load(tmp_path / "c") == {"v": 1}  # a reader puts it back
+        assert [p.name for p in tmp_path.iterdir()] == ["c"]
 
 
 _STARTED: list[str] = []  # processes started while a test below listens (the audit hook stays, inert, after it)

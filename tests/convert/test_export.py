@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 
 import trainstate
+from trainstate._storage.base import staged_target
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def mixed_ckpt(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
 def test_default_export_is_the_model_alone_under_its_own_names(mixed_ckpt, tmp_path):
     ckpt, model = mixed_ckpt
     result = trainstate.export(ckpt, tmp_path / "out")
-    assert result.files == ("model.safetensors",) and not list(tmp_path.glob(".out*"))
+    assert result.files == ("model.safetensors",) and not [n for n in os.listdir(tmp_path) if n.startswith(".")]
     weights = load_file(tmp_path / "out" / "model.safetensors")
     assert same_tensors(weights, model.state_dict())  # names, order, dtypes and bytes; no optimizer, no RNG
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
@@ -303,7 +304,7 @@ def test_what_a_killed_export_left_is_cleared_by_the_next_and_a_running_one_is_l
     for _ in range(2):  # the second killed export clears the first one's leftover before it starts
         proc = subprocess.run([sys.executable, "-c", killed], capture_output=True, text=True, timeout=120)
         assert proc.returncode == -9, proc.stderr
-        left.append([n for n in os.listdir(tmp_path) if n.startswith(".out.")])
+        left.append([n for n in os.listdir(tmp_path) if staged_target(n) == ("out", "tmp")])
     assert len(left[0]) == len(left[1]) == 1 and left[0] != left[1] and not out.exists()
     running = subprocess.Popen(  # an export to the same OUT that is still writing
         [
@@ -321,7 +322,7 @@ def test_what_a_killed_export_left_is_cleared_by_the_next_and_a_running_one_is_l
         live = Path(running.stdout.readline().strip())
         trainstate.export(ckpt, out)
         assert same_tensors(load_file(out / "model.safetensors"), model.state_dict())
-        assert [n for n in os.listdir(tmp_path) if n.startswith(".out.")] == [live.name]
+        assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == [live.name]
     finally:
         running.communicate("\n", timeout=60)
     assert running.returncode == 0 and not live.exists()

@@ -14,6 +14,7 @@ pytest.importorskip("torch.distributed")
 import dist_workers as workers  # noqa: E402
 import ranks  # noqa: E402
 import trainstate  # noqa: E402
+from trainstate._storage import is_staging_name  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is missing")
 
@@ -85,7 +86,7 @@ def test_a_rank_that_fails_before_writing_fails_every_rank_and_commits_nothing(t
     assert all(isinstance(r, ranks.RankError) for r in results), results
     assert "cannot be read" in results[1].message
     assert results[0].kind == "DistributedError" and "rank 1" in results[0].message
-    assert not path.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".c.tmp")]
+    assert not path.exists() and not [p for p in tmp_path.iterdir() if is_staging_name(p.name)]
 
 
 def test_a_save_on_one_rank_only_is_a_distributed_error_that_names_the_fix(tmp_path):

@@ -21,6 +21,7 @@ import dist_workers_consolidate as workers  # noqa: E402
 import ranks  # noqa: E402
 import trainstate  # noqa: E402
 from helpers import cli  # noqa: E402
+from trainstate._storage import is_staging_name  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is missing")
 WORLD = 4
@@ -161,7 +162,7 @@ def test_a_damaged_chunk_is_caught_and_nothing_is_committed(sharded, tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(trainstate.CorruptCheckpointError, match="model.0.weight"):
         trainstate.consolidate(copy, tmp_path / "out")
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if is_staging_name(p.name)]
 
 
 def test_the_command_line(sharded, tmp_path):

@@ -316,3 +316,69 @@ def test_without_transformers_the_extra_is_named(monkeypatch: pytest.MonkeyPatch
         importlib.import_module("trainstate.integrations.huggingface")
     assert "trainstate.integrations.huggingface needs transformers" in str(e.value)
     assert 'pip install "trainstate[huggingface]"' in str(e.value)
+
+
+class GrowingBuffer(torch.nn.Module):
+    """A model with a buffer whose shape changes as it trains (the first token of every sequence seen), and a
+    ``_load_from_state_dict`` that takes the saved buffer's shape, as models with such buffers have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 4)
+        self.head = torch.nn.Linear(4, 2)
+        self.register_buffer("seen", torch.zeros(0, dtype=torch.long))
+
+    def forward(self, input_ids: Any, labels: Any = None) -> dict[str, Any]:
+        if self.training:
+            self.seen = torch.cat([self.seen, input_ids[:, 0]])
+        logits = self.head(self.emb(input_ids).mean(1))
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
+        if prefix + "seen" in state_dict:
+            self.seen = torch.empty_like(state_dict[prefix + "seen"])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def test_a_model_whose_load_state_dict_reshapes_a_buffer_resumes(tmp_path: Path) -> None:
+    """The Trainer's own resume calls model.load_state_dict, so a model's _load_from_state_dict may resize its
+    buffers; the callback copied the saved tensors into the fresh model's, and the shapes differed."""
+
+    def trainer(cb: TrainstateCallback) -> Any:
+        args = run.arguments(str(tmp_path), num_train_epochs=1, eval_strategy="no")
+        return run.Trainer(model=GrowingBuffer(), args=args, train_dataset=run.NoisyTokens(), callbacks=[cb])
+
+    first = trainer(TrainstateCallback(tmp_path / "ckpt"))
+    first.train()
+    assert first.model.seen.shape == (40,)
+    cb = TrainstateCallback(tmp_path / "ckpt")
+    second = trainer(cb)
+    second.train(resume_from_checkpoint=cb.resume_point(second))
+    assert cb.resumed_from == 5 and torch.equal(second.model.seen, first.model.seen)
+    for name, value in first.model.state_dict().items():
+        assert torch.equal(second.model.state_dict()[name], value), name
+
+
+def test_on_a_tie_the_trainers_best_is_kept_and_loaded(tmp_path: Path) -> None:
+    """Every evaluation ties. The Trainer records the first as best (a new best must be strictly better); keep_best
+    kept the newest of the tied ones and deleted the Trainer's, and load_best_model_at_end loaded another model
+    than the one the Trainer's state names."""
+    cb = TrainstateCallback(tmp_path / "ckpt", keep_last=1, keep_best=("eval_accuracy", "max", 1))
+    trainer = run.trainer(
+        str(tmp_path),
+        [cb],
+        num_train_epochs=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="accuracy",
+        greater_is_better=True,
+    )
+    trainer.compute_metrics = lambda pred: {"accuracy": 0.5}
+    assert cb.resume_point(trainer) is None
+    trainer.train()
+
+    assert trainer.state.best_global_step == 3 and trainer.state.best_metric == 0.5  # the first of the tie
+    assert 3 in [c.step for c in cb.manager.list()]
+    assert trainer.state.best_model_checkpoint == cb.manager.path_for(3)
+    best_model = trainstate.load(cb.manager.path_for(3), include="model.*")["model"]
+    for name, value in trainer.model.state_dict().items():
+        assert np.array_equal(value.numpy(), best_model[name]), name

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import pathlib
 import pickle
+import shutil
 from types import ModuleType
 from typing import Any
 
@@ -394,3 +395,134 @@ def test_a_resume_amid_gradient_accumulation_does_not_save_its_step_again(run, t
     assert saves.saved == []  # step 3 was not saved again after the first batch, amid accumulation
     resumed = fit(run_dir).state_dict()
     assert_same(resumed, reference)
+
+
+def test_slurm_auto_resume_is_not_misled_by_a_killed_saves_staging_directory(run, tmp_path, monkeypatch):
+    """Lightning's SLURM auto-resume reads the number after ``hpc_ckpt_`` in every name of the run directory
+    (and ``hpc_save_path`` after ``ckpt_``). A save of hpc_ckpt_2.ckpt killed before its commit, and a delete
+    of hpc_ckpt_3.ckpt killed before it finished, left hidden siblings; their names held the target's name and
+    random hex digits, so Lightning picked a checkpoint that does not exist and the restarted job failed."""
+    plugin = run.TrainstateCheckpointIO()
+
+    def trainer(steps: int) -> Any:
+        return run.L.Trainer(
+            max_steps=steps,
+            default_root_dir=tmp_path,
+            plugins=[plugin],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+
+    run.L.seed_everything(0, verbose=False)
+    first = trainer(2)
+    first.fit(run.Tiny(), run.loader())
+    for n in (1, 2, 3):
+        first.save_checkpoint(tmp_path / f"hpc_ckpt_{n}.ckpt")
+    storage = trainstate.LocalStorage()
+    storage.hide(str(tmp_path / "hpc_ckpt_3.ckpt"))  # a delete killed between its rename and its removal
+    storage.begin(str(tmp_path / "hpc_ckpt_2.ckpt"), overwrite=True)  # a save of it killed before its commit
+    leftovers = [n for n in _names(tmp_path) if n.startswith(".")]
+    assert len(leftovers) == 2
+    assert not [n for n in leftovers if "ckpt_" in n]  # nothing a name scanner takes for a checkpoint
+
+    second = trainer(4)
+    assert second._checkpoint_connector._hpc_resume_path == str(tmp_path / "hpc_ckpt_2.ckpt")
+    assert second._checkpoint_connector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_3.ckpt")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    second.fit(run.Tiny(), run.loader(), ckpt_path="hpc")  # Lightning resolves "hpc" itself
+    assert second.global_step == 4
+
+
+def test_async_saves_in_flight_count_for_modelcheckpoints_version_names(run, tmp_path):
+    """ModelCheckpoint with a fixed file name asks the filesystem whether ``fixed.ckpt`` exists to choose
+    ``fixed-v1.ckpt``, ``fixed-v2.ckpt``...; a background save still in flight was not there yet, so the next
+    save took the same name and replaced it: 2 of 4 checkpoints were lost without a word. The name is now
+    reserved when the save is asked for, so the names are those of a run that saves in the foreground."""
+    checkpoints = tmp_path / "checkpoints"
+
+    def fit(async_save: bool) -> list[str]:
+        run.L.seed_everything(0, verbose=False)
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        run.L.Trainer(
+            max_steps=4,
+            default_root_dir=tmp_path,
+            plugins=[run.TrainstateCheckpointIO(async_save=async_save)],
+            callbacks=[
+                run.ModelCheckpoint(checkpoints, filename="fixed", save_top_k=-1, every_n_train_steps=1, monitor="step")
+            ],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(run.Tiny(), run.loader())
+        steps = []
+        for name in _names(checkpoints):
+            with trainstate.open(checkpoints / name) as ck:
+                steps.append(f"{name}:{ck.metadata['step']}")
+        return steps
+
+    expected = ["fixed-v1.ckpt:2", "fixed-v2.ckpt:3", "fixed-v3.ckpt:4", "fixed.ckpt:1"]
+    assert fit(async_save=False) == expected
+    assert fit(async_save=True) == expected
+
+
+def test_a_module_passed_as_a_hyperparameter_is_refused_by_name(run, tmp_path):
+    """A loss module passed to __init__ is a hyperparameter to save_hyperparameters() (Lightning only warns);
+    it was saved as its state_dict() and came back as ``{}``, not the loss, without a word."""
+
+    class WithLoss(run.Tiny):
+        def __init__(self, loss: Any = None) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.loss = loss
+
+    trainer = run.L.Trainer(
+        max_steps=1,
+        default_root_dir=tmp_path,
+        plugins=[run.TrainstateCheckpointIO()],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(WithLoss(loss=torch.nn.SmoothL1Loss(beta=0.5)), run.loader())
+    with pytest.raises(UnsupportedValueError, match=r"hyper_parameters\.loss.*SmoothL1Loss.*ignore=\['loss'\]"):
+        trainer.save_checkpoint(tmp_path / "a.ckpt")
+    plugin = run.TrainstateCheckpointIO()
+    with pytest.raises(UnsupportedValueError, match=r"datamodule_hyper_parameters\.net.*ignore=\['net'\]"):
+        plugin.save_checkpoint({"datamodule_hyper_parameters": {"net": torch.nn.Linear(2, 2)}}, tmp_path / "b.ckpt")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".ckpt") or p.name.startswith(".")]
+
+
+def test_omegaconf_hyperparameters_come_back_as_omegaconf(run, tmp_path):
+    """A DictConfig among the hyperparameters came back as a plain dict (and one given whole to
+    save_hyperparameters was refused for the class Lightning stores beside it)."""
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({"lr": 0.1, "model": {"layers": [4, 8], "act": "relu"}, "ref": "${lr}"})
+    plugin = run.TrainstateCheckpointIO()
+    nested = {"hyper_parameters": {"cfg": cfg, "tags": omegaconf.OmegaConf.create(["a", "b"])}, "global_step": 1}
+    plugin.save_checkpoint(nested, tmp_path / "nested.ckpt")
+    got = plugin.load_checkpoint(tmp_path / "nested.ckpt")["hyper_parameters"]
+    assert isinstance(got["cfg"], omegaconf.DictConfig) and isinstance(got["tags"], omegaconf.ListConfig)
+    assert got["cfg"] == cfg and got["cfg"].ref == 0.1 and list(got["tags"]) == ["a", "b"]
+
+    class FromConfig(run.Tiny):
+        def __init__(self, cfg: Any) -> None:
+            super().__init__()
+            self.save_hyperparameters(cfg)
+
+    trainer = run.L.Trainer(
+        max_steps=1,
+        default_root_dir=tmp_path,
+        plugins=[plugin],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(FromConfig(cfg), run.loader())
+    trainer.save_checkpoint(tmp_path / "whole.ckpt")
+    got = plugin.load_checkpoint(tmp_path / "whole.ckpt")
+    assert got["hparams_type"] is omegaconf.DictConfig  # as Lightning's own checkpoint holds it
+    assert isinstance(got["hyper_parameters"], omegaconf.DictConfig) and got["hyper_parameters"] == cfg

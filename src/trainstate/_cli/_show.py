@@ -6,7 +6,6 @@ import fnmatch
 import logging
 import os
 import posixpath
-import re
 from typing import Any
 
 from trainstate import open as open_checkpoint
@@ -18,7 +17,7 @@ from trainstate._manager import CheckpointInfo, CheckpointManager
 from trainstate._manager.naming import step_of
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import Storage, is_staging_name, resolve
-from trainstate._storage.base import DELETE_MARKER
+from trainstate._storage.base import DELETE_MARKER, staged_target
 from trainstate.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -27,7 +26,6 @@ from trainstate.errors import (
     StorageError,
 )
 
-_STAGING = re.compile(r"^\.(.+)\.(tmp|old|del)-[^/]*$")
 _STAGING_NOTE = {"tmp": "unfinished save", "old": "replaced checkpoint not yet removed", "del": "unfinished delete"}
 _STAGING_STATUS = {"tmp": "incomplete", "old": "incomplete", "del": "deleting"}
 _DELETING_NOTE = "a delete began and did not finish; a manager's sweep removes it"
@@ -97,8 +95,8 @@ def _row(info: CheckpointInfo, path: str, manifest_nbytes: int) -> dict[str, Any
 
 
 def _other_row(backend: Storage, name: str, path: str, status: str, note: str) -> dict[str, Any]:
-    m = _STAGING.match(name)
-    step = step_of(m.group(1) if m else name)
+    staged = staged_target(name)
+    step = step_of(staged[0] if staged else name)
     nbytes, modified = 0, None
     try:
         for entry in backend.list(path):
@@ -175,9 +173,9 @@ def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str
             if row is not None:
                 rows.append(row)
         else:
-            m = _STAGING.match(name)
-            status = _STAGING_STATUS[m.group(2)] if m else "incomplete"
-            rows.append(_other_row(backend, name, path, status, _STAGING_NOTE[m.group(2)] if m else "leftover"))
+            staged = staged_target(name)
+            status = _STAGING_STATUS[staged[1]] if staged else "incomplete"
+            rows.append(_other_row(backend, name, path, status, _STAGING_NOTE[staged[1]] if staged else "leftover"))
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
     return rows
 
@@ -234,9 +232,9 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
     except (IncompleteCheckpointError, CheckpointNotFoundError):  # not one checkpoint: list the directory
         backend, root = resolve(path)
         name = _parent_and_name(backend, root)[1]
-        m = _STAGING.match(name)
-        if m:
-            rows = [_other_row(backend, name, root, _STAGING_STATUS[m.group(2)], _STAGING_NOTE[m.group(2)])]
+        staged = staged_target(name)
+        if staged:
+            rows = [_other_row(backend, name, root, _STAGING_STATUS[staged[1]], _STAGING_NOTE[staged[1]])]
         elif step_of(name) is not None and _deleting(backend, root):
             rows = [_other_row(backend, name, root, "deleting", _DELETING_NOTE)]
         elif step_of(name) is not None or is_staging_name(name):

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from trainstate._convert.select import weights
 from trainstate._optional import optional
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import Source
+from trainstate._storage.base import staging_name
 from trainstate._storage.local import fsync_path
 from trainstate.errors import (
     CheckpointExistsError,
@@ -163,7 +163,7 @@ def export_onnx(
             raise OnnxExportError("torch.onnx.export returned no ONNX program")
 
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+        staging = target.parent / staging_name(target.name, "tmp")
         staging.mkdir()
         try:
             staged = staging / target.name

@@ -1,7 +1,7 @@
 """Where an export lands: written aside, flushed, then renamed into place, so OUT is whole or absent.
 
 An export is a directory (a Hugging Face folder) or one file (``model.safetensors``, ``pytorch_model.bin``).
-Either is written under a hidden sibling name (``.OUT.tmp-<random>``), every file fsynced, then renamed to
+Either is written under a hidden sibling name (``.trainstate-tmp-<OUT in hex>-<random>``, as a checkpoint is staged), every file fsynced, then renamed to
 OUT and the parent directory fsynced: a crash leaves OUT as it was, never half written. The export holds an
 ``flock`` on its staging name while it writes, so the next export to the same OUT removes what a killed one
 left (a lock it can take has no living writer) and leaves a running one alone. Replacing an
@@ -15,12 +15,12 @@ import fcntl
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._storage.base import staged_target, staging_name
 from trainstate._storage.local import fsync_path
 from trainstate.errors import (
     CheckpointError,
@@ -68,7 +68,7 @@ def staged(out: str | os.PathLike[str], *, overwrite: bool, directory: bool) -> 
     """
     final = Path(out)
     _refuse_existing(final, overwrite, directory=directory)
-    stage = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+    stage = final.parent / staging_name(final.name, "tmp")
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         sweep_leftovers(final)
@@ -82,7 +82,7 @@ def staged(out: str | os.PathLike[str], *, overwrite: bool, directory: bool) -> 
         _refuse_existing(final, overwrite, directory=directory)  # again: someone may have made it meanwhile
         old = None
         if directory and final.exists() and any(final.iterdir()):  # a directory cannot be renamed over
-            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+            old = final.parent / staging_name(final.name, "old")
             os.rename(final, old)
         try:
             os.replace(stage if directory else stage / final.name, final)  # one step
@@ -126,13 +126,14 @@ def sweep_leftovers(out: Path) -> list[str]:
     swept = []
     for name in sorted(os.listdir(out.parent)):
         leftover = out.parent / name
-        if name.startswith(f".{out.name}.old-"):
+        staged = staged_target(name)
+        if staged == (out.name, "old"):
             if out.exists() or out.is_symlink():
                 _remove(leftover)
             else:
                 os.rename(leftover, out)
             swept.append(name)
-        elif name.startswith(f".{out.name}.tmp-") and leftover.is_dir() and not leftover.is_symlink():
+        elif staged == (out.name, "tmp") and leftover.is_dir() and not leftover.is_symlink():
             try:
                 fd = _locked(leftover)
             except OSError:  # held: an export is writing there (or it is gone already)

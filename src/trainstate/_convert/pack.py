@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, overload
@@ -23,6 +22,7 @@ from trainstate import _keys
 from trainstate._format import archive, manifest
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import LocalStorage, Source, Storage
+from trainstate._storage.base import staging_name
 from trainstate.errors import CheckpointExistsError, CorruptCheckpointError, InvalidArgumentError, StorageError
 
 BLOCK = 16 << 20  # bytes copied at a time from a data file
@@ -177,7 +177,7 @@ def _write_file(path: str | os.PathLike[str], views: Iterator[memoryview], *, ov
         raise CheckpointExistsError(f"{target} is a directory; pack writes one file: name the file")
     if target.exists() and not overwrite:
         raise CheckpointExistsError(f"{target} exists; pass overwrite=True to replace it")
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp = target.parent / staging_name(target.name, "tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         LocalStorage().write(str(tmp), views, fsync=fsync)

@@ -24,8 +24,8 @@ from trainstate._keys import Key
 from trainstate._manager import naming
 from trainstate._manager.policies import CheckpointInfo
 from trainstate._restore.checkpoint import _read_manifest
-from trainstate._storage import Storage, is_staging_name
-from trainstate._storage.base import DELETE_MARKER, PROBE_PREFIX
+from trainstate._storage import Storage
+from trainstate._storage.base import DELETE_MARKER, PROBE_PREFIX, staged_target
 from trainstate.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -253,10 +253,12 @@ class Catalog:
         """
         removed = []
         for name in self.storage.list(self.root):
-            if is_staging_name(name):
-                if ".old-" in name and self.storage.recover(self.path(name[1:].split(".old-")[0])):
+            staged = staged_target(name)
+            if staged is not None:
+                target, tag = staged
+                if tag == "old" and self.storage.recover(self.path(target)):
                     continue
-                if ".del-" in name and self._put_back_pinned(name, name[1:].split(".del-")[0]):
+                if tag == "del" and self._put_back_pinned(name, target):
                     continue
             elif name.startswith(PROBE_PREFIX):
                 pass  # a check_storage() probe whose process died before deleting it

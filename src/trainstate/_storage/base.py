@@ -31,15 +31,20 @@ from __future__ import annotations
 
 import mmap
 import posixpath
+import re
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-STAGING_TAGS = (".tmp-", ".old-", ".del-")
+STAGING_TAGS = ("tmp", "old", "del")  # a save's staging; a replaced checkpoint; a delete's trash
 # Where a checkpoint cannot be renamed aside to delete it (object stores), an empty object of this name in it
 # says its delete has begun: written before the manifest goes, removed last (docs/format.md §1.1).
 DELETE_MARKER = "deleting"
 PROBE_PREFIX = ".trainstate-probe-"  # check_storage() writes and deletes one; a crash may leave it
+_NAME_MAX = 255  # bytes in one path component on every filesystem we meet
+_STAGED = re.compile(r"^\.trainstate-(tmp|old|del)-((?:[0-9a-f]{2})*)-[0-9a-z]+$")
+_STAGED_BEFORE = re.compile(r"^\.(.+)\.(tmp|old|del)-[^/]*$")  # earlier versions (and names too long for hex)
 
 
 @dataclass(frozen=True)
@@ -116,9 +121,57 @@ class Capabilities:
     rewrite: bool = False
 
 
+def staging_name(name: str, tag: str) -> str:
+    """The hidden sibling name under which ``name`` is staged (``tag`` "tmp"), moved aside while replaced
+    ("old") or while deleted ("del"): ``.trainstate-<tag>-<name as hex>-<12 random hex digits>``.
+
+    The target's name is spelled in hex so that a tool scanning a directory for names like its own
+    checkpoints' (Lightning's SLURM auto-resume takes the digits after ``hpc_ckpt_`` in *any* name) never
+    takes a leftover for a checkpoint, while the name can still be read back (:func:`staged_target`) to put
+    a replaced or pinned checkpoint back. A name too long to spell so within one path component keeps the
+    older form ``.<name>.<tag>-<random>``, which readers still understand.
+
+    Example:
+        >>> staging_name("hpc_ckpt_2.ckpt", "tmp")   # doctest: +SKIP
+        '.trainstate-tmp-6870635f636b70745f322e636b7074-1a2b3c4d5e6f'
+    """
+    if tag not in STAGING_TAGS:
+        raise ValueError(f"staging tag must be one of {STAGING_TAGS}, got {tag!r}")
+    random = uuid.uuid4().hex[:12]
+    spelled = f".trainstate-{tag}-{name.encode().hex()}-{random}"
+    return spelled if len(spelled) <= _NAME_MAX else f".{name}.{tag}-{random}"
+
+
+def staged_target(entry: str) -> tuple[str, str] | None:
+    """``(name, tag)`` for a staging entry named by :func:`staging_name` (either form), else None.
+
+    Example:
+        >>> staged_target(staging_name("step_5", "old"))
+        ('step_5', 'old')
+    """
+    m = _STAGED.match(entry)
+    if m:
+        try:
+            return bytes.fromhex(m.group(2)).decode(), m.group(1)
+        except UnicodeDecodeError:
+            return None
+    m = _STAGED_BEFORE.match(entry)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def staging_prefix(name: str, tag: str) -> str:
+    """What every entry :func:`staging_name` makes for ``name`` and ``tag`` starts with (its hex form).
+
+    Example:
+        >>> staging_name("out", "tmp").startswith(staging_prefix("out", "tmp"))
+        True
+    """
+    return f".trainstate-{tag}-{name.encode().hex()}-"
+
+
 def is_staging_name(name: str) -> bool:
     """Whether a directory entry is a leftover of an unfinished save or delete (safe to sweep)."""
-    return name.startswith(".") and any(tag in name for tag in STAGING_TAGS)
+    return staged_target(name) is not None
 
 
 class Storage(ABC):
@@ -214,7 +267,7 @@ class Storage(ABC):
         anything that is not a checkpoint.
 
         Example:
-            >>> staging = storage.begin("ckpt/step_5", overwrite=False)   # e.g. 'ckpt/.step_5.tmp-...'
+            >>> staging = storage.begin("ckpt/step_5", overwrite=False)   # e.g. 'ckpt/.trainstate-tmp-...'
             >>> storage.write(storage.join(staging, "manifest.json"), [memoryview(b"{}")], fsync=True)
             >>> storage.commit(staging, "ckpt/step_5", ["manifest.json"], overwrite=False, fsync=True)
         """
@@ -284,7 +337,7 @@ class Storage(ABC):
         flight, so it is never swept as abandoned.
 
         Example:
-            >>> storage.age("runs/exp1/.step_00000500.tmp-1a2b") > 3600   # abandoned for an hour?
+            >>> storage.age("runs/exp1/.trainstate-tmp-737465705f35-1a2b") > 3600   # abandoned for an hour?
         """
         return 0.0
 

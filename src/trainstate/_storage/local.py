@@ -1,12 +1,13 @@
 """The local filesystem, with its commit protocol: stage in a hidden sibling, fsync, rename into place.
 
-A save writes every data file and then the manifest into ``.<name>.tmp-<random>`` beside the target,
+A save writes every data file and then the manifest into a hidden sibling of the target,
+``.trainstate-tmp-<name in hex>-<random>`` (base.staging_name: no scanner of checkpoint names sees ``<name>`` there),
 fsyncs each file and the directory, and renames the directory to ``<name>``; then it fsyncs the parent
 so the rename itself is durable. Readers only ever see ``<name>`` with its manifest, or nothing.
 
 Overwriting swaps the two directories in one ``renameat2(RENAME_EXCHANGE)`` call, so there is no moment
 when ``<name>`` is missing; the old checkpoint then sits in the staging directory and is deleted. Where
-that call is unavailable (non-Linux), the old one is first renamed to ``.<name>.old-<random>``: a crash
+that call is unavailable (non-Linux), the old one is first renamed to ``.trainstate-old-<name in hex>-<random>``: a crash
 between the two renames leaves the old checkpoint there, complete, for :meth:`recover` to put back.
 
 Every primitive (create, write, fsync, rename) is a method of its own, so a fault-injecting subclass
@@ -23,13 +24,12 @@ import os
 import shutil
 import stat
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from trainstate._format.manifest import MANIFEST_NAME
-from trainstate._storage.base import Capabilities, FileInfo, Storage
+from trainstate._storage.base import Capabilities, FileInfo, Storage, staged_target, staging_name
 from trainstate.errors import CheckpointExistsError, StorageError
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -47,7 +47,7 @@ _CAPABILITIES = Capabilities(
 class LocalStorage(Storage):
     """Checkpoints on a local or shared POSIX filesystem.
 
-    Commits by rename (stage in a hidden ``.<name>.tmp-*`` sibling, fsync, rename; ``RENAME_EXCHANGE`` to
+    Commits by rename (stage in a hidden ``.trainstate-tmp-*`` sibling, fsync, rename; ``RENAME_EXCHANGE`` to
     overwrite), locks a manager's directory with ``flock`` and reads tensors through memory maps. Every
     plain path gets one without asking; its methods are :class:`Storage`'s.
 
@@ -117,14 +117,14 @@ class LocalStorage(Storage):
         if not p.is_dir() or p.is_symlink():
             p.unlink(missing_ok=True)
             return
-        trash = p.parent / f".{p.name}.del-{uuid.uuid4().hex[:12]}"
+        trash = p.parent / staging_name(p.name, "del")
         self._guard(path, "rename", lambda: self._rename(p, trash))  # out of sight first, then delete
         shutil.rmtree(trash, ignore_errors=True)
 
     def begin(self, final: str, *, overwrite: bool) -> str:
         target = Path(final)
         self._check_target(target, overwrite)
-        tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp = target.parent / staging_name(target.name, "tmp")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
@@ -202,7 +202,7 @@ class LocalStorage(Storage):
 
     def hide(self, path: str) -> str | None:
         p = Path(path)
-        hidden = p.parent / f".{p.name}.del-{uuid.uuid4().hex[:12]}"
+        hidden = p.parent / staging_name(p.name, "del")
         try:
             self._rename(p, hidden)
         except FileNotFoundError:
@@ -218,8 +218,13 @@ class LocalStorage(Storage):
         target = Path(final)
         if target.exists():
             return False
-        for old in sorted(target.parent.glob(f".{target.name}.old-*")):
-            if (old / MANIFEST_NAME).exists():
+        try:
+            entries = sorted(os.listdir(target.parent))
+        except OSError:
+            return False
+        for entry in entries:
+            old = target.parent / entry
+            if staged_target(entry) == (target.name, "old") and (old / MANIFEST_NAME).exists():
                 os.rename(old, target)
                 return True
         return False
@@ -291,7 +296,7 @@ class LocalStorage(Storage):
         """Put ``tmp`` in ``target``'s place; returns where the old checkpoint now is (to delete)."""
         if self._guard(str(target), "rename", lambda: self._exchange(tmp, target)):
             return tmp  # now holds the old checkpoint
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+        old = target.parent / staging_name(target.name, "old")
         self._guard(str(target), "rename", lambda: self._rename(target, old))
         try:
             self._guard(str(target), "rename", lambda: self._rename(tmp, target))

@@ -8,7 +8,15 @@ metadata (a list of ``[path, kind]``) so nothing is guessed when loading:
 - ``pathlib`` paths: stored as a string, come back as ``pathlib.Path`` (a ``PurePath`` of the other
   system's flavour comes back as this system's ``Path``);
 - dataclass instances: stored as a dict of their fields, come back as that dict (rebuilding the class
-  would mean importing code named by the checkpoint, which is what pickle does and trainstate does not).
+  would mean importing code named by the checkpoint, which is what pickle does and trainstate does not);
+- OmegaConf ``DictConfig`` / ``ListConfig`` (Hydra configs): stored as their plain container with
+  interpolations unresolved, come back as a DictConfig / ListConfig (``OmegaConf.create``); the class
+  Lightning stores beside OmegaConf hyperparameters (``hparams_type``) comes back as that class. Without
+  omegaconf installed where it is loaded, the plain container comes back, with a warning.
+
+A torch module among the hyperparameters (a loss passed to ``__init__``: ``save_hyperparameters()`` only
+warns) is refused, naming the key and ``save_hyperparameters(ignore=[...])``: its weights are in
+``state_dict`` already, and the module itself cannot come back without pickle.
 
 The module's ``state_dict()`` is an OrderedDict with a ``_metadata`` attribute (each submodule's version,
 which ``load_state_dict`` hands to ``_load_from_state_dict`` for migrations): kept in the metadata too.
@@ -20,7 +28,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import logging
 import pathlib
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -35,6 +46,8 @@ with optional("torch", extra="lightning", needed_for="trainstate.integrations.li
     import torch
 
 META_KEY = "lightning"  # the metadata key the plugin records its facts under
+HPARAMS_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")  # what save_hyperparameters() fills
+log = logging.getLogger("trainstate")
 _PathKey = Any  # a dict key (kept exactly: the metadata holds int and tuple keys as they are) or a list position
 
 
@@ -60,6 +73,21 @@ def _convert(value: Any, path: list[_PathKey], out: list[list[Any]], depth: int)
         out.append([list(path), "dataclass"])
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         return _convert(fields, path, out, depth + 1)
+    omegaconf = _omegaconf_class(value)
+    if omegaconf == "Container":  # a DictConfig or ListConfig: its plain container, interpolations unresolved
+        out.append([list(path), "omegaconf"])
+        return _convert(sys.modules["omegaconf"].OmegaConf.to_container(value, resolve=False), path, out, depth + 1)
+    if omegaconf == "type":  # the class Lightning stores beside OmegaConf hyperparameters (hparams_type)
+        out.append([list(path), "omegaconf-type"])
+        return f"omegaconf.{value.__name__}"
+    if isinstance(value, torch.nn.Module) and path and path[0] in HPARAMS_KEYS:
+        raise UnsupportedValueError(
+            f"{'.'.join(map(str, path))}: a {type(value).__qualname__} (a torch module) is a hyperparameter from "
+            f"save_hyperparameters(); a checkpoint keeps modules' weights in state_dict, not the modules: leave it "
+            f"out with self.save_hyperparameters(ignore=[{path[1]!r}])"
+            if len(path) > 1
+            else f"{path[0]}: a torch module cannot be the hyperparameters"
+        )
     if isinstance(value, Mapping):
         changed = False
         items = []
@@ -85,7 +113,37 @@ def from_state(state: dict[str, Any], conversions: list[Any], move: Callable[[An
     return moved
 
 
+def _omegaconf_class(value: Any) -> str | None:
+    """ "Container" for an OmegaConf DictConfig / ListConfig, "type" for one of those classes, else None; without
+    importing omegaconf (a value of its type means the user's code imported it)."""
+    omegaconf = sys.modules.get("omegaconf")
+    if omegaconf is None:
+        return None
+    if isinstance(value, type):
+        return "type" if value in (omegaconf.DictConfig, omegaconf.ListConfig) else None
+    return "Container" if isinstance(value, (omegaconf.DictConfig, omegaconf.ListConfig)) else None
+
+
+def _omegaconf(value: Any, kind: str) -> Any:
+    """Undo an OmegaConf conversion: the DictConfig / ListConfig (or its class) again; without omegaconf
+    installed, the plain container (or the class's name), with a warning."""
+    try:
+        omegaconf = importlib.import_module("omegaconf")
+    except ImportError:
+        log.warning(
+            "this Lightning checkpoint holds OmegaConf hyperparameters; without omegaconf installed they "
+            "load as plain dicts and lists (pip install omegaconf)"
+        )
+        return value
+    if kind == "omegaconf-type":
+        name = value.rsplit(".", 1)[-1] if isinstance(value, str) else ""
+        return getattr(omegaconf, name) if name in ("DictConfig", "ListConfig") else value
+    return omegaconf.OmegaConf.create(value) if isinstance(value, (dict, list)) else value
+
+
 def _restore(value: Any, kind: str) -> Any:
+    if kind in ("omegaconf", "omegaconf-type"):
+        return _omegaconf(value, kind)
     if kind == "namespace" and isinstance(value, dict):
         return argparse.Namespace(**value)
     if kind == "path" and isinstance(value, str):
@@ -187,8 +245,8 @@ def explain(error: UnsupportedValueError) -> UnsupportedValueError:
         )
     elif top in ("hparams_type", "datamodule_hparams_type"):
         hint = (
-            "Lightning stores the class of OmegaConf hyperparameters here: pass "
-            "OmegaConf.to_container(cfg, resolve=True) to save_hyperparameters() instead"
+            "Lightning stores the class of the hyperparameters here (DictConfig and ListConfig are kept): pass "
+            "a dict, or OmegaConf.to_container(cfg), to save_hyperparameters() instead"
         )
     elif top == "callbacks":
         hint = "a callback's state_dict() returned it: return tensors and plain values"

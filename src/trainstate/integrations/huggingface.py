@@ -36,6 +36,7 @@ import inspect
 import logging
 import os
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from trainstate._optional import optional
@@ -44,8 +45,9 @@ with optional("transformers", extra="huggingface", needed_for="trainstate.integr
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_callback import ExportableState
 
+from trainstate._frameworks import load_takes_strict, unwrapped
 from trainstate._manager import CheckpointManager
-from trainstate._manager.policies import KeepBest, saved_order
+from trainstate._manager.policies import CheckpointInfo, KeepBest, saved_order
 from trainstate._restore.checkpoint import open_checkpoint
 from trainstate.errors import (
     CheckpointError,
@@ -81,6 +83,21 @@ class _OnTheTrainersEvents:
 
     def __repr__(self) -> str:
         return "the Trainer's save events"
+
+
+class _TheTrainersBest:
+    """A retention policy under the callback: keep the checkpoint of the step the Trainer records as best
+    (``TrainerState.best_global_step``). The Trainer takes a new best only when it is strictly better, so on a
+    tie its best is the first; ``keep_best`` keeps the newest of a tie, and would delete the Trainer's."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None  # the Trainer's best_global_step, set before each save
+
+    def votes(self, checkpoints: Sequence[CheckpointInfo]) -> dict[str, str | None]:
+        return {c.name: "the Trainer's best (best_global_step)" for c in checkpoints if c.step == self.step}
+
+    def __repr__(self) -> str:
+        return "the Trainer's best"
 
 
 class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
@@ -143,6 +160,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._directory = directory
         self._options = options
         self._policy = _OnTheTrainersEvents()
+        self._best = _TheTrainersBest()
         # checks the options and the directory now; the manager that saves (and locks the directory) opens when
         # training begins (or at resume_point), so building the callback again in a notebook finds no lock held
         self._manager = self._new_manager(read_only=True)
@@ -453,7 +471,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         try:
             self._flush()
             if args.load_best_model_at_end:
-                self._load_best(args)
+                self._load_best(args, state)
         finally:
             self._end()
 
@@ -505,6 +523,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         args = self._args
         strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
         self._policy.due = step
+        self._best.step = getattr(self._state, "best_global_step", None)  # this step's evaluation included
         self._policy.reason = f"Trainer save_strategy={strategy!r}" + (
             f", save_steps={args.save_steps}" if strategy == "steps" else ""
         )
@@ -537,6 +556,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
                 f"resume_point() prepared step {step}, but the Trainer resumed at step {state.global_step}: pass "
                 "what resume_point returned to trainer.train(resume_from_checkpoint=...)"
             )
+        self._reshape_model(step)
         resumed = self._manager.restore_latest(self._live)
         if resumed != step + 1:
             raise CheckpointError(
@@ -563,6 +583,35 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._rng_at = "step" if saved.get("batches_into_epoch", 0) else "epoch"
         self._discard_stand_in(folder)
 
+    def _reshape_model(self, step: int) -> None:
+        """Hand the saved tensors whose shape differs from the model's to the model's own ``load_state_dict``
+        (``strict=False``), as the Trainer's resume does: a model whose ``_load_from_state_dict`` resizes a buffer
+        (one that grows as it trains) takes the saved shape, and the restore after it fills every tensor in
+        place. A model that does not resize raises nothing here; the restore then names the mismatch."""
+        assert self._live is not None
+        model = unwrapped(self._live["model"])
+        if not load_takes_strict(model):
+            return
+        own = model.state_dict()
+        with open_checkpoint(
+            self._manager.path_for(step),
+            self._manager.storage,
+            key=self._options.get("key"),
+            key_env=self._options.get("key_env"),
+        ) as ck:
+            differing = [
+                name
+                for name, value in own.items()
+                if f"model.{name}" in ck and tuple(ck.info(f"model.{name}").shape) != tuple(getattr(value, "shape", ()))
+            ]
+            if not differing:
+                return
+            saved = {name: ck.read(f"model.{name}", framework="torch") for name in differing}
+        try:
+            model.load_state_dict(saved, strict=False)
+        except RuntimeError as e:  # it does not take the saved shape: the restore reports the mismatch
+            log.debug("TrainstateCallback: %s.load_state_dict kept its shapes: %s", type(model).__name__, e)
+
     def _discard_stand_in(self, folder: str | None = None) -> None:
         if self._stand_in_cleanup is not None:
             self._stand_in_cleanup()
@@ -572,8 +621,10 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
     # -- helpers ------------------------------------------------------------------------------------
 
     def _new_manager(self, read_only: bool = False) -> CheckpointManager:
+        options = dict(self._options)
+        options["retention_policies"] = [*(options.get("retention_policies") or []), self._best]
         return CheckpointManager(
-            self._directory, save_policies=[self._policy], capture_rng=False, read_only=read_only, **self._options
+            self._directory, save_policies=[self._policy], capture_rng=False, read_only=read_only, **options
         )
 
     def _open(self) -> CheckpointManager:
@@ -614,14 +665,23 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
                     f"which retention must keep{found}: pass keep_best=({metric!r}, {mode!r}, 1) to TrainstateCallback"
                 )
 
-    def _load_best(self, args: Any) -> None:
+    def _load_best(self, args: Any, state: Any) -> None:
+        """Load the model of the checkpoint the Trainer records as best (``best_global_step``: on a tie, the
+        first), else the best by the metric; ``state.best_model_checkpoint`` then names it. Set here, after the
+        Trainer's own end-of-training load (which reads only its ``checkpoint-N`` folders) and not while
+        training, where that load would warn that it found no weights there."""
         assert self._live is not None
         metric = _eval_name(args.metric_for_best_model or "loss")
-        best = self._manager.best(metric, "max" if args.greater_is_better else "min")
+        kept = {c.step: c for c in self._manager.list()}
+        best = kept.get(getattr(state, "best_global_step", None) or -1)
+        if best is None:
+            best = self._manager.best(metric, "max" if args.greater_is_better else "min")
         if best is None:
             log.warning("TrainstateCallback: no checkpoint has the metric %r; keeping the last model", metric)
             return
+        self._reshape_model(best.step)
         self._manager.restore(best.step, {"model": self._live["model"]}, include="model.*")
+        state.best_model_checkpoint = self._manager.path_for(best.step)
         log.info("TrainstateCallback: loaded the best model, step %d (%s=%s)", best.step, metric, best.metrics[metric])
 
 

@@ -19,10 +19,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-import uuid
 import warnings
 import weakref
 from collections import OrderedDict
@@ -45,6 +45,7 @@ from trainstate._save import save as _save
 from trainstate._save.background import BackgroundSaver
 from trainstate._save.write import DEFAULT_THREADS
 from trainstate._storage import LocalStorage, resolve
+from trainstate._storage.base import staged_target, staging_name
 from trainstate.errors import (
     CheckpointExistsError,
     InvalidArgumentError,
@@ -145,6 +146,7 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
         self._pipeline = transforms.pipeline(transforms.compression(compression))  # a bad spec fails here
         self._key = _keys.resolve(key, key_env)
         self._saver: BackgroundSaver | None = BackgroundSaver() if async_save else None
+        self._reserved: set[str] = set()  # names an async save in flight holds (empty directories)
         _register_with_lightning()
 
     # -- CheckpointIO ------------------------------------------------------------------------------
@@ -180,10 +182,21 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
                 _replacing(target, write)
                 return
             local = _local(target)
-            if local is not None:  # at once, as a save in the foreground would: Lightning links into it next
-                local.parent.mkdir(parents=True, exist_ok=True)
-            around = partial(_replacing, target)
-            self._saver.save(target, state, pipeline=self._pipeline, around=around, **common)
+            reserved = local is not None and _reserve(local)
+            if reserved:
+                self._reserved.add(target)
+
+            def around(write: Callable[[], Any]) -> Any:
+                try:
+                    return _replacing(target, write)
+                finally:
+                    self._release(target)
+
+            try:
+                self._saver.save(target, state, pipeline=self._pipeline, around=around, **common)
+            except BaseException:
+                self._release(target)
+                raise
         except UnsupportedValueError as e:
             raise lightning_dict.explain(e) from None
 
@@ -252,7 +265,11 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
             >>> io.teardown()   # as Lightning does after fit: every background save committed
         """
         if self._saver is not None:
-            self._saver.close()
+            try:
+                self._saver.close()
+            finally:
+                for target in list(self._reserved):  # saves skipped after one failed: no empty name stays
+                    self._release(target)
 
     # -- beyond CheckpointIO -----------------------------------------------------------------------
 
@@ -268,9 +285,17 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
         if self._saver is not None:
             self._saver.wait()
 
+    def _release(self, target: str) -> None:
+        """Drop the reservation of ``target``: the empty directory goes unless a checkpoint committed there."""
+        if target in self._reserved:
+            self._reserved.discard(target)
+            with contextlib.suppress(OSError):  # not empty: the save committed
+                os.rmdir(target)
+
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer's plugins: the thread stays here
         state = dict(self.__dict__)
         state["_saver"] = None
+        state["_reserved"] = set()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -312,6 +337,22 @@ def _is_torch_file(path: str) -> bool:
     return any(head.startswith(m) for m in _TORCH_MAGIC)
 
 
+def _reserve(local: Path) -> bool:
+    """Make ``local`` an empty directory now, for a save that commits there later; False if something is there.
+
+    ``ModelCheckpoint`` asks the filesystem whether a name is taken to choose ``-v1``, ``-v2``: a background
+    save still in flight must count, or the next save takes its name and replaces it. The commit renames the
+    checkpoint onto the empty directory. A process killed before it leaves the empty directory, which the next
+    save of that name fills and which no reader takes for a checkpoint (no manifest).
+    """
+    local.parent.mkdir(parents=True, exist_ok=True)  # at once, as a save in the foreground would
+    try:
+        local.mkdir()
+    except FileExistsError:
+        return False
+    return True
+
+
 def _replacing(path: str, write: Callable[[], Any]) -> Any:
     """Run ``write`` (a save to ``path``) once the path is ready for it (:func:`_make_room`); a file moved
     aside for it is deleted once the save committed, and put back if the save failed."""
@@ -336,19 +377,24 @@ def _make_room(path: str) -> Path | None:
         return None
     backend = LocalStorage()
     backend.recover(str(local))  # a checkpoint a crash left mid-replace goes back first
-    prefix = f".{local.name}."
-    aside = [n for n in backend.list(str(local.parent)) if n.startswith(f"{prefix}replaced-")]
+    prefix = f".{local.name}."  # how earlier versions named them (a scanner of "hpc_ckpt_" names read them)
+    names = backend.list(str(local.parent))
+    aside = [n for n in names if staged_target(n) == (local.name, "old") and (local.parent / n).is_file()]
+    aside += [n for n in names if n.startswith(f"{prefix}replaced-")]
     if aside and not local.exists() and not local.is_symlink():  # a crash after moving a file aside: put it back
         (local.parent / aside[0]).rename(local)
     for name in backend.list(str(local.parent)):
-        if name.startswith(prefix) and name[len(prefix) :].split("-", 1)[0] in ("tmp", "del", "old", "replaced"):
+        staged = staged_target(name)
+        if (staged is not None and staged[0] == local.name) or (
+            name.startswith(prefix) and name[len(prefix) :].split("-", 1)[0] == "replaced"
+        ):
             backend.delete(str(local.parent / name))
     if local.is_symlink():
         local.unlink()
     elif local.is_file():
         if not _is_torch_file(str(local)) and local.stat().st_size:
             raise CheckpointExistsError(f"{local} exists and is not a checkpoint; refusing to replace it")
-        moved = local.parent / f"{prefix}replaced-{uuid.uuid4().hex[:12]}"
+        moved = local.parent / staging_name(local.name, "old")  # a file: recover() leaves it to us
         local.rename(moved)
         return moved
     return None
