@@ -50,6 +50,7 @@ class Catalog:
         self._cache: dict[str, tuple[float, int, CheckpointInfo]] = {}
         self.newer: dict[str, str] = {}  # checkpoints written by a newer trainstate: name -> why
         self.damaged: dict[str, str] = {}  # committed, but the manifest is unreadable: name -> why
+        self.vanished: set[str] = set()  # listed, then gone before its manifest was read (retention, elsewhere)
         self._damage_seen: dict[str, tuple[float, int]] = {}
         self.pool = PoolCollector(storage, root)  # incremental runs: the shared pool's garbage collector
         self.has_pool = True  # whether the last listing saw a pool (a run without one is never collected)
@@ -62,6 +63,7 @@ class Catalog:
         out = []
         self.newer.clear()
         self.damaged.clear()
+        self.vanished.clear()
         names = self.storage.list(self.root)
         self.has_pool = POOL_DIR in names
         for name in names:
@@ -76,6 +78,8 @@ class Catalog:
     def _info(self, name: str, step: int) -> CheckpointInfo | None:
         stamp = self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME))
         if stamp is None:
+            if not self.storage.list(self.path(name)):
+                self.vanished.add(name)  # deleted since the directory was listed
             return None  # not committed
         pin = self.pin_reason(name)
         cached = self._cache.get(name)
@@ -84,6 +88,7 @@ class Catalog:
         try:
             m = _read_manifest(self.storage, self.path(name), self.key)
         except (CheckpointNotFoundError, IncompleteCheckpointError):
+            self.vanished.add(name)
             return None  # deleted (or being deleted) since we listed the directory
         except FormatVersionError as e:
             self.newer[name] = str(e)  # not damage: the manager refuses to work beside it
@@ -127,6 +132,10 @@ class Catalog:
         )
         self._cache[name] = (stamp.mtime, stamp.size, info)
         return info
+
+    def committed(self, name: str) -> bool:
+        """Whether ``name`` is still committed (a reader beside a job's retention finds it deleted meanwhile)."""
+        return self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME)) is not None
 
     def next_seq(self) -> int:
         """The sequence number of the next commit: the highest in the directory + 1."""

@@ -66,6 +66,7 @@ from trainstate.errors import (
 )
 
 log = logging.getLogger("trainstate")
+RELISTS = 20  # restore_latest lists again at most this often when checkpoints vanish under it (retention)
 
 
 class CheckpointManager:
@@ -535,9 +536,10 @@ class CheckpointManager:
 
         That is the saved step + 1 (``save(step)`` records that ``step`` is done), or None when the
         directory has no checkpoint at all. "Newest" is the most recently committed. A checkpoint that
-        cannot be restored (damaged, deleted meanwhile, a lying manifest) is skipped with a warning for
-        the one before it, which is then restored completely, so nothing half-restored from the bad one
-        remains.
+        cannot be restored (damaged, a lying manifest) is skipped with a warning for the one before it,
+        which is then restored completely, so nothing half-restored from the bad one remains. One deleted
+        while it was being listed or read (a running job's retention, beside a read-only reader) is not
+        damage: the directory is listed again.
 
         Raises:
             CorruptCheckpointError: there are checkpoints, but none could be restored (the message lists
@@ -559,21 +561,32 @@ class CheckpointManager:
                 "immutable): put it in a dict, state = {'train': train_state}, restore that and take it back out "
                 "(state['train']), or use mgr.restore(step, train_state), which returns the restored value"
             )
-        candidates = [(info.name, info.step) for info in sorted(self.list(), key=saved_order, reverse=True)]
-        failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]
-        if self._ranks is not None:  # rank 0's list, on every rank
-            candidates, failures = self._ranks.from_leader((candidates, failures), "restore_latest (listing)")
-        for name, step in candidates:
-            why = self._try_restore(name, state, load_kwargs)
-            if why is not None:
-                log.warning("checkpoint %s cannot be restored (%s); trying the one before it", name, why)
-                failures.append((name, why))
-                continue
-            log.info("resumed from %s", name)
-            self._committer.resumed(name, [n for n, _ in failures])
-            self._writer.last_step = step
-            self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
-            return step + 1
+        # A reader beside a running job sees its retention delete checkpoints between the listing and the
+        # reading: one that vanished is neither damage nor proof that there is nothing; list again.
+        for _ in range(RELISTS):
+            candidates = [(info.name, info.step) for info in sorted(self.list(), key=saved_order, reverse=True)]
+            failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]
+            vanished = bool(self.catalog.vanished)
+            if self._ranks is not None:  # rank 0's list, on every rank; ranks do not list again on their own
+                candidates, failures = self._ranks.from_leader((candidates, failures), "restore_latest (listing)")
+                vanished = False
+            for name, step in candidates:
+                why = self._try_restore(name, state, load_kwargs)
+                if why is not None:
+                    if self._ranks is None and not self.catalog.committed(name):
+                        log.info("checkpoint %s was deleted while it was being restored; trying another", name)
+                        vanished = True
+                        continue
+                    log.warning("checkpoint %s cannot be restored (%s); trying the one before it", name, why)
+                    failures.append((name, why))
+                    continue
+                log.info("resumed from %s", name)
+                self._committer.resumed(name, [n for n, _ in failures])
+                self._writer.last_step = step
+                self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
+                return step + 1
+            if not vanished:
+                break
         if failures:
             lines = "\n".join(f"  {name}: {why}" for name, why in failures)
             raise CorruptCheckpointError(
