@@ -260,6 +260,7 @@ class CheckpointManager:
         self._closed = False
         self._preemption_saved = False
         self._seq = 0  # the highest commit sequence number this manager has handed out
+        self._warned: set[str] = set()  # keep_best metrics a save lacked, already warned about
         self.swept: builtins.list[str] = []
         self._lock: DirectoryLock | None = None
         self._preemption: PreemptionWatcher | None = None
@@ -753,6 +754,23 @@ class CheckpointManager:
         name = self._preemption.signal_name if self._preemption is not None else None
         return name or "signalled on another rank"
 
+    def _warn_missing_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Warn once per metric when a keep_best metric is missing from a save: a misspelt name (or a metric
+        logged under another) would otherwise leave keep_best keeping nothing, silently."""
+        for policy in self.retention:
+            if isinstance(policy, KeepBest) and policy.metric not in metrics and policy.metric not in self._warned:
+                self._warned.add(policy.metric)
+                log.warning(
+                    "keep_best ranks checkpoints by %r, but the save of step %d has no such metric (it has: %s). "
+                    "A checkpoint without it is neither kept nor let go by keep_best (never counted as worse "
+                    "than the best); if the name is wrong, nothing is kept as the best: pass "
+                    "metrics={%r: value} to save()",
+                    policy.metric,
+                    step,
+                    ", ".join(sorted(metrics)) or "none",
+                    policy.metric,
+                )
+
     def _save(
         self,
         step: int,
@@ -764,6 +782,7 @@ class CheckpointManager:
         background: bool,
     ) -> None:
         start = time.perf_counter()
+        self._warn_missing_metrics(step, metrics)
         self._writer.ready(background)  # a free staging buffer, or (synchronous) no save in flight
         self._seq = max(self._seq, self.catalog.next_seq() - 1) + 1
         saved, added = self._rng.wrap(state)
