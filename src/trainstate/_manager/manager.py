@@ -586,6 +586,8 @@ class CheckpointManager:
                 self._writer.last_step = step
                 self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
                 return step + 1
+            if self._ranks is None and any(not self.catalog.committed(name) for name, _ in failures):
+                vanished = True  # what looked damaged was being deleted (a remote store's delete is not atomic)
             if not vanished:
                 break
         if failures:
