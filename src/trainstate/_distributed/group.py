@@ -213,7 +213,7 @@ def _gloo_group(group: Any, timeout: float, channel: str) -> Any:
             store = _store()
             if store is not None:
                 _start_heartbeat(store)
-                _arrive(store, channel, ranks, min(timeout, _arrival_timeout()))
+                _arrive(store, channel, ranks, min(timeout, arrival_timeout()))
             try:
                 found = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
             except Exception as e:  # torch's store timeout: the other ranks never came to this call
@@ -250,7 +250,7 @@ def _store() -> Any:
         return None
 
 
-def _arrival_timeout() -> float:
+def arrival_timeout() -> float:
     raw = os.environ.get("TRAINSTATE_DIST_ARRIVAL_TIMEOUT")
     if not raw:
         return ARRIVAL_TIMEOUT
