@@ -62,3 +62,15 @@ def test_restore_latest_skips_an_old_flipped_manifest_when_the_newer_ones_are_da
     with trainstate.CheckpointManager(tmp_path, read_only=True) as reader:
         with pytest.raises(trainstate.CorruptCheckpointError, match="none of the 3"):
             reader.restore_latest({"x": np.zeros(4, dtype=np.float32)})
+
+
+def test_a_flipped_transform_name_is_damage_not_an_unknown_transform(tmp_path):
+    pytest.importorskip("zstandard")
+    trainstate.save(tmp_path / "c", {"x": np.zeros(1 << 16, dtype=np.float32)}, compression="zstd")
+    manifest = tmp_path / "c" / "manifest.json"
+    raw = bytearray(manifest.read_bytes())
+    at = raw.index(b'"name":"zstd"') + len(b'"name":"z')
+    raw[at] ^= 0x01  # "zstd" -> "zrtd": a name this trainstate does not know
+    manifest.write_bytes(bytes(raw))
+    with pytest.raises(trainstate.CorruptCheckpointError, match="checksum"):
+        trainstate.load(tmp_path / "c")
