@@ -321,7 +321,10 @@ def _gone(ranks: list[int]) -> list[int]:
         return []
     try:
         before = {r: int(store.add(f"trainstate/alive/{r}", 0)) for r in ranks}
+        beating = [r for r in ranks if before[r] > 0]
+        if not beating:
+            return []
         time.sleep(3 * HEARTBEAT)
-        return [r for r in ranks if 0 < before[r] == int(store.add(f"trainstate/alive/{r}", 0))]
+        return [r for r in beating if before[r] == int(store.add(f"trainstate/alive/{r}", 0))]
     except Exception:  # noqa: BLE001 - the store's host is gone too: nothing to tell
         return []
