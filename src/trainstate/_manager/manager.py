@@ -105,7 +105,8 @@ class CheckpointManager:
             (docs/distributed.md). That is the default there; ``collective=False`` makes this rank's
             manager its own (give each rank a directory of its own then).
         timeout: seconds a rank waits for the others under a process group before it raises
-            DistributedError (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
+            DistributedError (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable); a rank that
+            died is named sooner: at most 60 s (TRAINSTATE_DIST_ARRIVAL_TIMEOUT) when it never came.
         incremental: write only the tensors whose bytes changed since the previous save; the others are
             shared with earlier checkpoints through the run's pool ``_shared/`` (docs/incremental.md). Every
             checkpoint still loads on its own where it was saved; copy one away with ``consolidate``.
