@@ -11,17 +11,26 @@ object collectives; no tensor bytes travel through the group.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from trainstate.errors import DistributedError, InvalidArgumentError
 
 DEFAULT_TIMEOUT = 600.0  # seconds; TRAINSTATE_DIST_TIMEOUT or timeout= overrides it
+# How long the ranks wait for each other to come to a coordination group's creation (a rank that died before
+# it never comes); TRAINSTATE_DIST_ARRIVAL_TIMEOUT overrides it, a smaller timeout= shortens it.
+ARRIVAL_TIMEOUT = 60.0
+HEARTBEAT = 1.0  # seconds between a rank's heartbeats, by which the others tell which rank is gone
 _groups: dict[tuple[int, float, str], Any] = {}
+# (channel, members) -> coordination groups made on it so far: the same count on every member
+_arrivals: dict[tuple[str, str], int] = {}
 _lock = threading.Lock()
+_beating: int | None = None  # the pid whose heartbeat thread runs
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,13 @@ class GlooCoordinator(Coordinator):
                     "block, or mgr.close()) before destroying the group: an async save still in flight "
                     "commits there"
                 ) from None
+            gone = _gone([self._global(r) for r in range(self.world) if r != self.rank])
+            if gone:
+                raise DistributedError(
+                    f"{what}: {_named(gone)} of {self.world} (global numbering) gone: its process died or left "
+                    f"the process group, so rank {self.rank} cannot go on without it; "
+                    f"nothing was committed ({type(e).__name__}: {_first_line(e)})"
+                ) from None
             raise DistributedError(
                 f"{what}: rank {self.rank} of {self.world} lost contact with the other ranks ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else 'no message'}). A rank died or did not reach this "
@@ -194,6 +210,10 @@ def _gloo_group(group: Any, timeout: float, channel: str) -> Any:
         found = _groups.get(key)
         if found is None:
             ranks = sorted(dist.get_process_group_ranks(group))
+            store = _store()
+            if store is not None:
+                _start_heartbeat(store)
+                _arrive(store, channel, ranks, min(timeout, arrival_timeout()))
             try:
                 found = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
             except Exception as e:  # torch's store timeout: the other ranks never came to this call
@@ -210,3 +230,101 @@ def _gloo_group(group: Any, timeout: float, channel: str) -> Any:
 
 def _text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:2000]
+
+
+def _named(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else "no message"
+
+
+def _store() -> Any:
+    """The default process group's key-value store, or None where this torch does not expose it."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group, or a torch without it: no liveness checks
+        return None
+
+
+def arrival_timeout() -> float:
+    raw = os.environ.get("TRAINSTATE_DIST_ARRIVAL_TIMEOUT")
+    if not raw:
+        return ARRIVAL_TIMEOUT
+    try:
+        return _timeout(float(raw))
+    except ValueError:
+        raise InvalidArgumentError(f"TRAINSTATE_DIST_ARRIVAL_TIMEOUT must be seconds, got {raw!r:.40}") from None
+
+
+def _arrive(store: Any, channel: str, ranks: list[int], timeout: float) -> None:
+    """Wait until every rank of ``ranks`` came to make the coordination group on ``channel``, at most
+    ``timeout`` seconds; then raise DistributedError naming those that did not (dead, or elsewhere)."""
+    import torch.distributed as dist
+
+    members = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+    n = _arrivals[channel, members] = _arrivals.get((channel, members), 0) + 1
+    prefix = f"trainstate/arrive/{channel}/{members}/{n}"
+    me = dist.get_rank()
+    store.set(f"{prefix}/{me}", "1")
+    count = int(store.add(f"{prefix}/n", 1))
+    deadline = time.monotonic() + timeout
+    pause = 0.05
+    while count < len(ranks):
+        if time.monotonic() > deadline:
+            missing = [r for r in ranks if not store.check([f"{prefix}/{r}"])]
+            gone = _gone(missing)
+            raise DistributedError(
+                f"trainstate's coordination group ({channel}): {_named(missing)} of {len(ranks)} did not come "
+                f"within {timeout:g} s"
+                + (f" ({_named(gone)} no longer runs: died or left)" if gone else "")
+                + ". Every rank of the process group must make the same trainstate call: under a process group "
+                "trainstate.save, CheckpointManager and its save / restore_latest / prune are collective: call them "
+                "on every rank, or pass collective=False to save from one rank alone. A rank that is only late "
+                "can be waited for longer: TRAINSTATE_DIST_ARRIVAL_TIMEOUT=seconds"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+        count = int(store.add(f"{prefix}/n", 0))
+
+
+def _start_heartbeat(store: Any) -> None:
+    """Beat on the store every HEARTBEAT seconds from a daemon thread, once per process (a forked child
+    starts none until it makes a group of its own)."""
+    global _beating
+    if _beating == os.getpid():
+        return
+    _beating = os.getpid()
+    import torch.distributed as dist
+
+    key = f"trainstate/alive/{dist.get_rank()}"
+
+    def beat() -> None:
+        while True:
+            try:
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone (its host died, or the group was destroyed)
+                return
+            time.sleep(HEARTBEAT)
+
+    threading.Thread(target=beat, name="trainstate-heartbeat", daemon=True).start()
+
+
+def _gone(ranks: list[int]) -> list[int]:
+    """Those of ``ranks`` whose heartbeat stopped, watched for three beats (one that never beat, having made
+    no coordination group yet, may be alive elsewhere: it is not named)."""
+    store = _store()
+    if store is None or not ranks:
+        return []
+    try:
+        before = {r: int(store.add(f"trainstate/alive/{r}", 0)) for r in ranks}
+        beating = [r for r in ranks if before[r] > 0]
+        if not beating:
+            return []
+        time.sleep(3 * HEARTBEAT)
+        return [r for r in beating if before[r] == int(store.add(f"trainstate/alive/{r}", 0))]
+    except Exception:  # noqa: BLE001 - the store's host is gone too: nothing to tell
+        return []

@@ -23,11 +23,15 @@ as Orbax reaches it): JAX has no public key-value API.
 
 from __future__ import annotations
 
+import atexit
+import os
 import pickle
 import sys
 import threading
-from typing import Any
+import time
+from typing import Any, NoReturn
 
+from trainstate._distributed import group
 from trainstate._distributed.group import Coordinator
 from trainstate.errors import DistributedError
 
@@ -36,6 +40,9 @@ _counters: dict[str, int] = {}  # the number of each channel's next exchange, sh
 _pending: dict[str, list[int]] = {}  # rank 0: each channel's exchanges whose keys are still in the store
 _abandoned: dict[str, str] = {}  # channels on which some process gave up waiting: why (see _begin)
 _lock = threading.Lock()
+_beating: int | None = None  # the pid whose heartbeat thread runs
+_SLICE = 2.0  # seconds a wait for another process lasts before it is checked for life
+_STOPPED = 3 * group.HEARTBEAT + _SLICE  # a heartbeat unchanged this long: the process is gone
 
 
 def process_and_count() -> tuple[int, int]:
@@ -66,6 +73,39 @@ def _state() -> Any:
     return global_state if global_state.client is not None else None
 
 
+def _alive_key(rank: int) -> str:
+    return f"{_PREFIX}/alive/{rank}"
+
+
+def _start_heartbeat(client: Any, rank: int) -> None:
+    """Beat every HEARTBEAT seconds from a daemon thread, once per process, until exit (stopped before JAX's
+    own exit hook shuts the client down: exit hooks run last registered first)."""
+    global _beating
+    if _beating == os.getpid():
+        return
+    _beating = os.getpid()
+    stop = threading.Event()
+
+    def beat() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                client.key_value_set_bytes(_alive_key(rank), str(n).encode(), allow_overwrite=True)
+            except Exception:  # noqa: BLE001 - the service is gone: nobody is left to tell
+                return
+            stop.wait(group.HEARTBEAT)
+
+    thread = threading.Thread(target=beat, name="trainstate-heartbeat", daemon=True)
+    thread.start()
+
+    def halt() -> None:
+        stop.set()
+        thread.join(timeout=5)
+
+    atexit.register(halt)
+
+
 class KeyValueCoordinator(Coordinator):
     """Rank 0 and the others, exchanging small objects through the JAX coordination service's store."""
 
@@ -75,6 +115,7 @@ class KeyValueCoordinator(Coordinator):
         self.world = world
         self.timeout = timeout
         self.channel = channel
+        _start_heartbeat(client, rank)
 
     def gather(self, value: Any, what: str) -> list[Any] | None:
         n = self._begin(what)
@@ -140,10 +181,41 @@ class KeyValueCoordinator(Coordinator):
         self._call(what, lambda: self.client.key_value_set_bytes(self._key(n, rank), data))
 
     def _get(self, n: int, rank: int, what: str) -> Any:
-        box: list[bytes] = []
-        millis = max(1, int(self.timeout * 1000))
-        self._call(what, lambda: box.append(self.client.blocking_key_value_get_bytes(self._key(n, rank), millis)))
-        return pickle.loads(box[0])  # noqa: S301 - from this job's own processes (see the module's docstring)
+        """Wait for ``rank``'s value in slices, between which it is checked for life: a process whose heartbeat
+        stopped is named within seconds, one that never beat (it made no coordinator: dead before its first
+        exchange, or elsewhere) once the arrival timeout passed; a live one is waited for to the timeout."""
+        start = time.monotonic()
+        deadline = start + self.timeout
+        arrival = start + min(self.timeout, group.arrival_timeout())
+        seen: tuple[bytes | None, float] = (self._beat_of(rank), start)  # its last beat, and since when
+        while True:
+            wait = max(0.001, min(deadline - time.monotonic(), _SLICE))
+            try:
+                data = self.client.blocking_key_value_get_bytes(self._key(n, rank), max(1, int(wait * 1000)))
+            except Exception as e:  # noqa: BLE001 - the runtime's error: this slice's deadline, or the service
+                now = time.monotonic()
+                if now >= deadline or "DEADLINE_EXCEEDED" not in str(e):
+                    self._give_up(what, e)
+                beat = self._beat_of(rank)
+                if beat != seen[0]:
+                    seen = (beat, now)
+                elif beat is not None and now - seen[1] > _STOPPED:
+                    self._give_up(what, e, f"process {rank} is gone: its heartbeat stopped {now - seen[1]:.0f} s ago")
+                elif beat is None and now >= arrival:
+                    self._give_up(
+                        what,
+                        e,
+                        f"process {rank} did not come within {arrival - start:g} s (it died before its first "
+                        "exchange, or is not making this call; TRAINSTATE_DIST_ARRIVAL_TIMEOUT waits longer)",
+                    )
+                continue
+            return pickle.loads(data)  # noqa: S301 - from this job's own processes (see the module's docstring)
+
+    def _beat_of(self, rank: int) -> bytes | None:
+        try:
+            return bytes(self.client.key_value_try_get_bytes(_alive_key(rank)))
+        except Exception:  # noqa: BLE001 - NOT_FOUND: it never beat
+            return None
 
     def _heard_from_all(self, n: int) -> None:
         """Every process has passed every exchange before ``n``: their keys can go."""
@@ -164,15 +236,23 @@ class KeyValueCoordinator(Coordinator):
         try:
             op()
         except Exception as e:  # noqa: BLE001 - the runtime's error: a deadline passed, or the service is gone
-            first = str(e).splitlines()[0][:200] if str(e) else "no message"
-            given_up = f"process {self.rank} gave up waiting in {what} after {self.timeout:g} s"
-            _abandoned.setdefault(self.channel, given_up)
-            try:  # the late processes learn it when they come to their next exchange of this channel
-                self.client.key_value_set_bytes(self._abandoned_key(), given_up.encode(), allow_overwrite=True)
-            except Exception:  # noqa: BLE001 - the service itself is gone: nobody will come
-                pass
+            self._give_up(what, e)
+
+    def _give_up(self, what: str, e: Exception, gone: str | None = None) -> NoReturn:
+        """Mark the channel abandoned (see _begin) and raise: ``gone`` names a process known to be gone."""
+        first = str(e).splitlines()[0][:200] if str(e) else "no message"
+        given_up = f"process {self.rank} gave up waiting in {what} after {self.timeout:g} s"
+        _abandoned.setdefault(self.channel, given_up)
+        try:  # the late processes learn it when they come to their next exchange of this channel
+            self.client.key_value_set_bytes(self._abandoned_key(), given_up.encode(), allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the service itself is gone: nobody will come
+            pass
+        if gone is not None:
             raise DistributedError(
-                f"{what}: process {self.rank} of {self.world} lost contact with the other JAX processes "
-                f"({type(e).__name__}: {first}). A process died or did not reach this point within "
-                f"{self.timeout:g} s (timeout=, or TRAINSTATE_DIST_TIMEOUT); nothing was committed"
+                f"{what}: {gone}, so process {self.rank} of {self.world} cannot go on without it; nothing was committed"
             ) from None
+        raise DistributedError(
+            f"{what}: process {self.rank} of {self.world} lost contact with the other JAX processes "
+            f"({type(e).__name__}: {first}). A process died or did not reach this point within "
+            f"{self.timeout:g} s (timeout=, or TRAINSTATE_DIST_TIMEOUT); nothing was committed"
+        ) from None

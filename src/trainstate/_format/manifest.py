@@ -313,7 +313,25 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME, key: Key | None = N
             raise CorruptCheckpointError(f"{what} is not valid JSON ({e})") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{what} is not a trainstate manifest")
-    _check_version(body.get("format_version"), what)
+    # The version is believed only once the checksum says these are the bytes a writer wrote: a bit flip in
+    # an old checkpoint's format_version is damage (skipped like any other), not a newer trainstate's work.
+    version = body.get("format_version")
+    try:
+        _verify(raw, body, key, what)
+    except CorruptCheckpointError as e:
+        if _claims_newer(version):
+            raise CorruptCheckpointError(
+                f"{e} (it claims format_version {version}, but a manifest that fails its checksum is damaged: "
+                "a newer trainstate's manifest still passes its checksum)"
+            ) from None
+        raise
+    _check_version(version, what)
+    with malformed(what), _gc.paused():
+        return _build(body)
+
+
+def _verify(raw: bytes | bytearray, body: dict[str, Any], key: Key | None, what: str) -> None:
+    """Check the checksum (or an encrypted checkpoint's MAC) over the bytes it covers; pops it from ``body``."""
     expected = body.pop("checksum", None)
     if not isinstance(expected, str):
         raise CorruptCheckpointError(f"{what} has no checksum")
@@ -326,8 +344,14 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME, key: Key | None = N
             check(_canonical(body))
         except ValueError as e:  # non-finite floats smuggled in
             raise CorruptCheckpointError(f"{what}: {e}") from None
-    with malformed(what), _gc.paused():
-        return _build(body)
+
+
+def _claims_newer(version: object) -> bool:
+    return (
+        isinstance(version, str)
+        and re.fullmatch(r"\d{1,6}\.\d{1,6}", version) is not None
+        and int(version.split(".")[0]) > int(FORMAT_VERSION.split(".")[0])
+    )
 
 
 _MALFORMED = (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError)

@@ -51,6 +51,7 @@ class Catalog:
         self.newer: dict[str, str] = {}  # checkpoints written by a newer trainstate: name -> why
         self.damaged: dict[str, str] = {}  # committed, but the manifest is unreadable: name -> why
         self._damaged_info: dict[str, CheckpointInfo] = {}  # ... as retention sees them (damaged_list)
+        self.vanished: set[str] = set()  # listed, then gone before its manifest was read (retention, elsewhere)
         self._damage_seen: dict[str, tuple[float, int]] = {}
         self.pool = PoolCollector(storage, root)  # incremental runs: the shared pool's garbage collector
         self.has_pool = True  # whether the last listing saw a pool (a run without one is never collected)
@@ -64,6 +65,7 @@ class Catalog:
         self.newer.clear()
         self.damaged.clear()
         self._damaged_info.clear()
+        self.vanished.clear()
         names = self.storage.list(self.root)
         self.has_pool = POOL_DIR in names
         for name in names:
@@ -78,6 +80,8 @@ class Catalog:
     def _info(self, name: str, step: int) -> CheckpointInfo | None:
         stamp = self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME))
         if stamp is None:
+            if not self.storage.list(self.path(name)):
+                self.vanished.add(name)  # deleted since the directory was listed
             return None  # not committed
         pin = self.pin_reason(name)
         cached = self._cache.get(name)
@@ -86,6 +90,7 @@ class Catalog:
         try:
             m = _read_manifest(self.storage, self.path(name), self.key)
         except (CheckpointNotFoundError, IncompleteCheckpointError):
+            self.vanished.add(name)
             return None  # deleted (or being deleted) since we listed the directory
         except FormatVersionError as e:
             self.newer[name] = str(e)  # not damage: the manager refuses to work beside it
@@ -96,7 +101,7 @@ class Catalog:
                 log.warning("skipping %s: %s", self.path(name), why)
                 self._damage_seen[name] = (stamp.mtime, stamp.size)
             self.damaged[name] = why
-            self._damaged_info[name] = _damaged(name, step, stamp.mtime, pin)
+            self._damaged_info[name] = _damaged(name, step, stamp.mtime, pin, self.path(name))
             return None
         meta = tree.decode(m.metadata)
         facts = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
@@ -111,7 +116,7 @@ class Catalog:
                 log.warning("skipping %s: %s", self.path(name), why)
                 self._damage_seen[name] = (stamp.mtime, stamp.size)
             self.damaged[name] = why
-            self._damaged_info[name] = _damaged(name, step, stamp.mtime, pin)
+            self._damaged_info[name] = _damaged(name, step, stamp.mtime, pin, self.path(name))
             return None
         seq = facts.get("seq")
         metrics = facts.get("metrics")
@@ -137,6 +142,10 @@ class Catalog:
         """The checkpoints the last listing found damaged, as retention sees them: all that can be told
         without their manifest (name, step, pin, and the manifest's modification time for ``created``)."""
         return sorted(dict(self._damaged_info).values(), key=lambda c: c.step)  # a copy: list() may run meanwhile
+
+    def committed(self, name: str) -> bool:
+        """Whether ``name`` is still committed (a reader beside a job's retention finds it deleted meanwhile)."""
+        return self.storage.stat(self.storage.join(self.path(name), MANIFEST_NAME)) is not None
 
     def next_seq(self) -> int:
         """The sequence number of the next commit: the highest in the directory + 1."""
@@ -287,8 +296,8 @@ class Catalog:
         return self.pool.collect(locked=locked, min_age=REMOTE_SWEEP_AGE, keep=keep, mine=mine)
 
 
-def _damaged(name: str, step: int, mtime: float, pin: str | None) -> CheckpointInfo:
-    return CheckpointInfo(name, step, mtime, pinned=pin is not None, pin_reason=pin or "")
+def _damaged(name: str, step: int, mtime: float, pin: str | None, path: str) -> CheckpointInfo:
+    return CheckpointInfo(name, step, mtime, pinned=pin is not None, pin_reason=pin or "", path=path)
 
 
 def _with_pin(info: CheckpointInfo, reason: str | None) -> CheckpointInfo:

@@ -66,6 +66,7 @@ from trainstate.errors import (
 )
 
 log = logging.getLogger("trainstate")
+RELISTS = 20  # restore_latest lists again at most this often when checkpoints vanish under it (retention)
 
 
 class CheckpointManager:
@@ -104,7 +105,8 @@ class CheckpointManager:
             (docs/distributed.md). That is the default there; ``collective=False`` makes this rank's
             manager its own (give each rank a directory of its own then).
         timeout: seconds a rank waits for the others under a process group before it raises
-            DistributedError (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
+            DistributedError (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable); a rank that
+            died is named sooner: at most 60 s (TRAINSTATE_DIST_ARRIVAL_TIMEOUT) when it never came.
         incremental: write only the tensors whose bytes changed since the previous save; the others are
             shared with earlier checkpoints through the run's pool ``_shared/`` (docs/incremental.md). Every
             checkpoint still loads on its own where it was saved; copy one away with ``consolidate``.
@@ -259,6 +261,7 @@ class CheckpointManager:
         self._closed = False
         self._preemption_saved = False
         self._seq = 0  # the highest commit sequence number this manager has handed out
+        self._warned: set[str] = set()  # keep_best metrics a save lacked, already warned about
         self.swept: builtins.list[str] = []
         self._lock: DirectoryLock | None = None
         self._preemption: PreemptionWatcher | None = None
@@ -535,9 +538,10 @@ class CheckpointManager:
 
         That is the saved step + 1 (``save(step)`` records that ``step`` is done), or None when the
         directory has no checkpoint at all. "Newest" is the most recently committed. A checkpoint that
-        cannot be restored (damaged, deleted meanwhile, a lying manifest) is skipped with a warning for
-        the one before it, which is then restored completely, so nothing half-restored from the bad one
-        remains.
+        cannot be restored (damaged, a lying manifest) is skipped with a warning for the one before it,
+        which is then restored completely, so nothing half-restored from the bad one remains. One deleted
+        while it was being listed or read (a running job's retention, beside a read-only reader) is not
+        damage: the directory is listed again.
 
         Raises:
             CorruptCheckpointError: there are checkpoints, but none could be restored (the message lists
@@ -559,21 +563,34 @@ class CheckpointManager:
                 "immutable): put it in a dict, state = {'train': train_state}, restore that and take it back out "
                 "(state['train']), or use mgr.restore(step, train_state), which returns the restored value"
             )
-        candidates = [(info.name, info.step) for info in sorted(self.list(), key=saved_order, reverse=True)]
-        failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]
-        if self._ranks is not None:  # rank 0's list, on every rank
-            candidates, failures = self._ranks.from_leader((candidates, failures), "restore_latest (listing)")
-        for name, step in candidates:
-            why = self._try_restore(name, state, load_kwargs)
-            if why is not None:
-                log.warning("checkpoint %s cannot be restored (%s); trying the one before it", name, why)
-                failures.append((name, why))
-                continue
-            log.info("resumed from %s", name)
-            self._committer.resumed(name, [n for n, _ in failures])
-            self._writer.last_step = step
-            self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
-            return step + 1
+        # A reader beside a running job sees its retention delete checkpoints between the listing and the
+        # reading: one that vanished is neither damage nor proof that there is nothing; list again.
+        for _ in range(RELISTS):
+            candidates = [(info.name, info.step) for info in sorted(self.list(), key=saved_order, reverse=True)]
+            failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]
+            vanished = bool(self.catalog.vanished)
+            if self._ranks is not None:  # rank 0's list, on every rank; ranks do not list again on their own
+                candidates, failures = self._ranks.from_leader((candidates, failures), "restore_latest (listing)")
+                vanished = False
+            for name, step in candidates:
+                why = self._try_restore(name, state, load_kwargs)
+                if why is not None:
+                    if self._ranks is None and not self.catalog.committed(name):
+                        log.info("checkpoint %s was deleted while it was being restored; trying another", name)
+                        vanished = True
+                        continue
+                    log.warning("checkpoint %s cannot be restored (%s); trying the one before it", name, why)
+                    failures.append((name, why))
+                    continue
+                log.info("resumed from %s", name)
+                self._committer.resumed(name, [n for n, _ in failures])
+                self._writer.last_step = step
+                self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
+                return step + 1
+            if self._ranks is None and any(not self.catalog.committed(name) for name, _ in failures):
+                vanished = True  # what looked damaged was being deleted (a remote store's delete is not atomic)
+            if not vanished:
+                break
         if failures:
             lines = "\n".join(f"  {name}: {why}" for name, why in failures)
             raise CorruptCheckpointError(
@@ -740,6 +757,23 @@ class CheckpointManager:
         name = self._preemption.signal_name if self._preemption is not None else None
         return name or "signalled on another rank"
 
+    def _warn_missing_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Warn once per metric when a keep_best metric is missing from a save: a misspelt name (or a metric
+        logged under another) would otherwise leave keep_best keeping nothing, silently."""
+        for policy in self.retention:
+            if isinstance(policy, KeepBest) and policy.metric not in metrics and policy.metric not in self._warned:
+                self._warned.add(policy.metric)
+                log.warning(
+                    "keep_best ranks checkpoints by %r, but the save of step %d has no such metric (it has: %s). "
+                    "A checkpoint without it is neither kept nor let go by keep_best (never counted as worse "
+                    "than the best); if the name is wrong, nothing is kept as the best: pass "
+                    "metrics={%r: value} to save()",
+                    policy.metric,
+                    step,
+                    ", ".join(sorted(metrics)) or "none",
+                    policy.metric,
+                )
+
     def _save(
         self,
         step: int,
@@ -751,6 +785,7 @@ class CheckpointManager:
         background: bool,
     ) -> None:
         start = time.perf_counter()
+        self._warn_missing_metrics(step, metrics)
         self._writer.ready(background)  # a free staging buffer, or (synchronous) no save in flight
         self._seq = max(self._seq, self.catalog.next_seq() - 1) + 1
         saved, added = self._rng.wrap(state)

@@ -60,7 +60,8 @@ def save(
             (docs/distributed.md). That is the default there; ``collective=False`` saves this process's
             state alone, as outside a process group.
         timeout: seconds a collective save waits for the other ranks before it raises DistributedError
-            (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable).
+            (default 600, or the TRAINSTATE_DIST_TIMEOUT environment variable); a rank that died is named
+            sooner: at most 60 s (TRAINSTATE_DIST_ARRIVAL_TIMEOUT) when it never came to the coordination.
         compression: ``"zstd"`` or ``"zstd:LEVEL"`` (LEVEL -7 to 22, default 3) compresses each tensor in
             chunks of 4 MiB, each stored raw where compressing it does not pay (needs
             ``pip install "trainstate[zstd]"``; docs/format.md §5b). Loading needs no argument.

@@ -12,6 +12,7 @@ Nothing here refers to its owner: the exit hook and a manager's finalizer must w
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -47,6 +48,8 @@ _LIVE: weakref.WeakSet[_Jobs] = weakref.WeakSet()
 def _finish_at_exit() -> None:
     """At interpreter exit, let the jobs in flight finish. Runs before concurrent.futures stops accepting
     work, which the queues need."""
+    if os.getpid() != _OWNER:  # a forked child (a DataLoader worker) exits without waiting: see _forked
+        return
     for jobs in list(_LIVE):
         for job in list(jobs):
             try:
@@ -54,6 +57,22 @@ def _finish_at_exit() -> None:
             except Exception as e:  # noqa: BLE001 - nobody is left to raise it to
                 log.error("%s failed at exit: %r", job.what, e)
 
+
+def _forked() -> None:
+    """In a forked child, forget the parent's jobs: their thread was not forked, so they never end here.
+
+    A DataLoader worker forked while an async save is in flight inherits the exit hook and the jobs; waiting
+    for them at its exit hung it forever (torch gives up on it after 5 s at the end of an epoch; after a
+    SIGKILL of the trainer it lived on, holding the trainer's stdout). The parent still writes the save.
+    """
+    global _OWNER
+    _OWNER = os.getpid()
+    for jobs in list(_LIVE):
+        jobs.clear()
+
+
+_OWNER = os.getpid()  # the process whose jobs _LIVE holds
+os.register_at_fork(after_in_child=_forked)
 
 if hasattr(threading, "_register_atexit"):  # runs before concurrent.futures' own exit hook (LIFO)
     threading._register_atexit(_finish_at_exit)
@@ -76,6 +95,7 @@ class BackgroundQueue:
         _LIVE.add(self.jobs)
         self._name = name
         self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()  # the process that started the pool's thread
 
     def free_buffer(self) -> StagingBuffer | None:
         """A buffer no job in the queue holds, or None if every one is held. A job that ended still holds its
@@ -85,8 +105,9 @@ class BackgroundQueue:
 
     def submit(self, run: Callable[[], Any], buffer: StagingBuffer | None, what: str, info: Any = None) -> Job:
         """Queue ``run`` behind every job submitted before it; ``buffer`` stays busy until it ends."""
-        if self._pool is None:
+        if self._pool is None or self._pid != os.getpid():  # a forked copy's pool has no thread: start one
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=self._name)
+            self._pid = os.getpid()
         job = Job(self._pool.submit(run), buffer, what, info)
         self.jobs.append(job)
         return job
@@ -113,5 +134,6 @@ class BackgroundQueue:
     def shutdown(self) -> None:
         """Let the jobs in flight finish and stop the thread; a later job starts a new one."""
         if self._pool is not None:
-            self._pool.shutdown(wait=not self.on_own_thread())
+            if self._pid == os.getpid():  # a forked copy's pool has no thread to stop
+                self._pool.shutdown(wait=not self.on_own_thread())
             self._pool = None
