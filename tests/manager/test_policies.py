@@ -58,6 +58,14 @@ def names(plan_list):
             ["4"],
         ),
         ([ck(1, acc=0.5), ck(2, acc=0.9), ck(3, acc=0.1)], [KeepBest("acc", "max", 1)], ["1"]),
+        # a tie: the first to reach the value is the best, as Lightning's top-k and the HF Trainer take it (a new
+        # best must be strictly better); the later one of the tie goes
+        (
+            [ck(1, loss=0.5), ck(2, loss=0.2), ck(3, loss=0.2), ck(4, loss=0.9)],
+            [KeepBest("loss", "min", 1)],
+            ["1", "3"],
+        ),
+        ([ck(1, acc=0.9), ck(2, acc=0.9), ck(3, acc=0.1)], [KeepBest("acc", "max", 1)], ["2"]),
         # ... but another policy may release them
         ([ck(1), ck(2, loss=0.1), ck(3), ck(4)], [KeepBest("loss", "min", 1), KeepLast(1)], ["1", "3"]),
         # pinned and newest are always kept

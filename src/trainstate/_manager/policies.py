@@ -315,6 +315,9 @@ class KeepEveryMinutes:
 class KeepBest:
     """The best ``k`` by a metric; checkpoints without the metric get no vote from this policy.
 
+    On a tie the earlier checkpoint ranks first, as in Lightning's top-k and the HF Trainer (a new best must be
+    strictly better), and ``CheckpointManager.best`` picks the same one.
+
     Attributes:
         metric: the name of a metric passed to ``CheckpointManager.save(..., metrics=...)``.
         mode: ``"min"`` (lower is better) or ``"max"``.
@@ -346,7 +349,7 @@ class KeepBest:
             {'step_00000002': 'best 1 loss (min)', 'step_00000001': None}
         """
         scored = [c for c in checkpoints if finite(c.metrics.get(self.metric))]
-        scored.sort(key=lambda c: (c.metrics[self.metric] if self.mode == "min" else -c.metrics[self.metric], -c.step))
+        scored.sort(key=lambda c: (c.metrics[self.metric] if self.mode == "min" else -c.metrics[self.metric], c.step))
         return {
             c.name: (f"best {self.k} {self.metric} ({self.mode})" if i < self.k else None) for i, c in enumerate(scored)
         }
