@@ -499,6 +499,7 @@ def test_omegaconf_hyperparameters_come_back_as_omegaconf(run, tmp_path):
     """A DictConfig among the hyperparameters came back as a plain dict (and one given whole to
     save_hyperparameters was refused for the class Lightning stores beside it)."""
     import omegaconf  # a test dependency: this test never skips
+
     cfg = omegaconf.OmegaConf.create({"lr": 0.1, "model": {"layers": [4, 8], "act": "relu"}, "ref": "${lr}"})
     plugin = run.TrainstateCheckpointIO()
     nested = {"hyper_parameters": {"cfg": cfg, "tags": omegaconf.OmegaConf.create(["a", "b"])}, "global_step": 1}
