@@ -35,3 +35,17 @@ def test_the_best_survives_saves_without_the_metric(tmp_path):
         assert [c.step for c in mgr.list()] == [2, 8]
         best = mgr.best()
         assert best is not None and best.step == 2
+
+
+def test_a_run_that_passes_the_metric_is_not_warned_about_its_final_save(tmp_path, caplog):
+    """close(step, state) saves without metrics; a run whose saves pass the metric is not told it lacks it,
+    nor is a resumed run whose first save comes before its next evaluation."""
+    with caplog.at_level(logging.WARNING, logger="trainstate"):
+        with trainstate.CheckpointManager(tmp_path, every_steps=2, keep_best=("val_loss", "min", 1)) as mgr:
+            for step in range(5):
+                mgr.save(step, _state(step), metrics={"val_loss": 1.0 / (step + 1)})
+            mgr.close(4, _state(4))
+        with trainstate.CheckpointManager(tmp_path, keep_best=("val_loss", "min", 1)) as mgr:
+            mgr.restore_latest(_state(0))
+            mgr.save(5, _state(5), force=True)  # before the resumed run's first evaluation
+    assert [r.getMessage() for r in caplog.records if "val_loss" in r.getMessage()] == []

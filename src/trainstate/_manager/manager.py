@@ -261,7 +261,7 @@ class CheckpointManager:
         self._closed = False
         self._preemption_saved = False
         self._seq = 0  # the highest commit sequence number this manager has handed out
-        self._warned: set[str] = set()  # keep_best metrics a save lacked, already warned about
+        self._warned: set[str] = set()  # keep_best metrics warned about, or seen in a save: never warned about
         self.swept: builtins.list[str] = []
         self._lock: DirectoryLock | None = None
         self._preemption: PreemptionWatcher | None = None
@@ -758,21 +758,33 @@ class CheckpointManager:
         return name or "signalled on another rank"
 
     def _warn_missing_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Warn once per metric when a keep_best metric is missing from a save: a misspelt name (or a metric
-        logged under another) would otherwise leave keep_best keeping nothing, silently."""
+        """Warn once per metric when a keep_best metric is missing from a save and no save of the run has passed
+        it: a misspelt name (or a metric logged under another) would otherwise leave keep_best keeping nothing,
+        silently. A save without it in a run that passes it elsewhere (evaluation less often than saves, the
+        final save of ``close(step, state)``) is normal and says nothing."""
         for policy in self.retention:
-            if isinstance(policy, KeepBest) and policy.metric not in metrics and policy.metric not in self._warned:
-                self._warned.add(policy.metric)
-                log.warning(
-                    "keep_best ranks checkpoints by %r, but the save of step %d has no such metric (it has: %s). "
-                    "A checkpoint without it is neither kept nor let go by keep_best (never counted as worse "
-                    "than the best); if the name is wrong, nothing is kept as the best: pass "
-                    "metrics={%r: value} to save()",
-                    policy.metric,
-                    step,
-                    ", ".join(sorted(metrics)) or "none",
-                    policy.metric,
-                )
+            if not isinstance(policy, KeepBest) or policy.metric in self._warned:
+                continue
+            if policy.metric in metrics or self._run_has_metric(policy.metric):
+                self._warned.add(policy.metric)  # the run passes it: never a warning for it
+                continue
+            self._warned.add(policy.metric)
+            log.warning(
+                "keep_best ranks checkpoints by %r, but the save of step %d has no such metric (it has: %s), nor "
+                "has any checkpoint of the run. A checkpoint without it is neither kept nor let go by keep_best "
+                "(never counted as worse than the best); if the name is wrong, nothing is kept as the best: pass "
+                "metrics={%r: value} to save() (or to close(step, state, metrics=...))",
+                policy.metric,
+                step,
+                ", ".join(sorted(metrics)) or "none",
+                policy.metric,
+            )
+
+    def _run_has_metric(self, metric: str) -> bool:
+        try:
+            return any(metric in c.metrics for c in self.catalog.list())
+        except CheckpointError:  # a listing that fails here fails where it matters too; warn meanwhile
+            return False
 
     def _save(
         self,
