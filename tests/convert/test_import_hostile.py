@@ -384,3 +384,20 @@ def test_a_tensor_beside_a_view_of_it_and_tied_names_still_import(tmp_path):
     trainstate.import_checkpoint(src, tmp_path / "out")
     with trainstate.open(tmp_path / "out") as ck:
         assert ck.read("row", framework="torch").tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# -- a torch.save file damaged after it was written: its zip's CRC-32 says so ---------------------------------
+
+
+def test_a_torch_save_file_with_a_flipped_tensor_byte_is_refused_not_checksummed_anew(tmp_path):
+    """torch.load does not check the zip's CRC-32s: one flipped byte of tensor data imported, was checksummed
+    by trainstate as if it were the tensor, and verified."""
+    src = tmp_path / "w.pt"
+    torch.save({"w": torch.arange(4096, dtype=torch.float32)}, src)
+    data = bytearray(src.read_bytes())
+    at = data.index(torch.arange(4096, dtype=torch.float32).numpy().tobytes()[4000:4016])
+    data[at] ^= 0x01
+    src.write_bytes(bytes(data))
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"w\.pt.*CRC"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
