@@ -166,9 +166,12 @@ def test_what_is_not_a_source_is_a_clear_error(tmp_path):
     trainstate.save(tmp_path / "already", {"w": torch.ones(1)})
     with pytest.raises(trainstate.InvalidArgumentError, match="is a trainstate checkpoint already"):
         trainstate.import_checkpoint(tmp_path / "already", tmp_path / "ck")
-    (tmp_path / "noise.bin").write_bytes(os.urandom(300))
-    with pytest.raises(trainstate.CorruptCheckpointError, match="not a torch.save file"):
+    (tmp_path / "noise.bin").write_bytes(b"\x01" + os.urandom(299))  # neither a zip nor a pickle: no checkpoint
+    with pytest.raises(trainstate.InvalidArgumentError, match="not a file trainstate can import"):
         trainstate.import_checkpoint(tmp_path / "noise.bin", tmp_path / "ck")
+    (tmp_path / "noise.pt").write_bytes(b"\x80" + os.urandom(299))  # a pickle's start, then noise: damage
+    with pytest.raises(trainstate.CorruptCheckpointError, match="not a torch.save file"):
+        trainstate.import_checkpoint(tmp_path / "noise.pt", tmp_path / "ck")
     torch.save({"w": torch.randn(100, 100)}, tmp_path / "whole.pt")  # cut in half: damage, not a disk error
     whole = (tmp_path / "whole.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(whole[: len(whole) // 2])
@@ -224,5 +227,8 @@ def test_cli_import(tmp_path):
     assert "pass --overwrite" in cli("import", str(tmp_path / "w.safetensors"), str(tmp_path / "ck"), code=8).stderr
     assert "imported" in cli("import", str(tmp_path / "w.safetensors"), str(tmp_path / "ck"), "--overwrite").stdout
     assert cli("import", str(tmp_path / "missing"), str(tmp_path / "x"), code=3)
-    (tmp_path / "noise.pt").write_bytes(b"\x00" * 64)
+    (tmp_path / "noise.pt").write_bytes(b"\x80" + b"\x00" * 63)
     assert "not a torch.save file" in cli("import", str(tmp_path / "noise.pt"), str(tmp_path / "x"), code=5).stderr
+    (tmp_path / "notes.txt").write_text("not weights")
+    said = cli("import", str(tmp_path / "notes.txt"), str(tmp_path / "x"), code=2).stderr
+    assert "not a file trainstate can import" in said and len(said.strip().splitlines()) == 1

@@ -401,3 +401,12 @@ def test_a_torch_save_file_with_a_flipped_tensor_byte_is_refused_not_checksummed
     with pytest.raises(trainstate.CorruptCheckpointError, match=r"w\.pt.*CRC"):
         trainstate.import_checkpoint(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, these are notes\n", b'{"hidden_size": 8}', b"\x00" * 64])
+def test_a_file_that_was_never_a_checkpoint_is_an_argument_error_saying_what_imports(tmp_path, content):
+    """A config or a text file was reported as a damaged torch.save file ("Unsupported operand 123"), exit 5."""
+    src = tmp_path / "config.bin"
+    src.write_bytes(content)
+    with pytest.raises(trainstate.InvalidArgumentError, match=r"config\.bin is not a file trainstate can import"):
+        trainstate.import_checkpoint(src, tmp_path / "out")

@@ -127,7 +127,23 @@ def _read_file(path: Path, name: str) -> tuple[str, Any, dict[str, str]]:
         return "safetensors", _tie(tensors, meta, path), meta
     if name.endswith(".index.json"):
         return "hf", _sharded(path), {}
+    if not _may_be_torch_save(path):
+        raise InvalidArgumentError(
+            f"{path} is not a file trainstate can import: expected a safetensors file, a torch.save file (a zip, "
+            "or torch's legacy pickle format), a Hugging Face folder or a torch.distributed.checkpoint directory"
+        )
     return "torch", torch_file.read(path), {}
+
+
+def _may_be_torch_save(path: Path) -> bool:
+    """Whether a file starts as a torch.save file does: a zip (the format since torch 1.6), or a pickle's
+    protocol opcode (the legacy format). Anything else (a config, a text file) was never a checkpoint."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
 def _is_safetensors(path: Path, name: str) -> bool:
