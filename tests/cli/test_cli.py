@@ -405,6 +405,10 @@ def test_ls_inspect_and_history_agree_on_an_incremental_checkpoints_sizes(tmp_pa
     assert f"this save wrote {wrote}" in inspect_text and whole in inspect_text
     history_text = cli("history", str(tmp_path)).stdout
     assert "wrote" in history_text and wrote in history_text
+    # the manager's CheckpointInfo and prune say the same size as ls
+    infos = {c.step: c for c in trainstate.CheckpointManager(tmp_path, read_only=True).list()}
+    assert all(infos[s].nbytes + infos[s].manifest_nbytes == rows[s]["size_nbytes"] for s in range(3))
+    assert whole in cli("prune", str(tmp_path), "--keep-last", "1", "--dry-run").stdout
 
 
 def test_ls_shows_a_checkpoint_a_delete_moved_aside_as_deleting(run_dir: Path) -> None:

@@ -68,7 +68,7 @@ def prune(
             swept = list(mgr.swept)
     by_name: dict[str, CheckpointInfo] = {i.name: i for i in infos}
     # an incremental checkpoint's bytes are in the shared pool: deleting it frees only what no kept one uses
-    freed = sum(by_name[n].nbytes - by_name[n].pooled for n in plan.delete if n in by_name)
+    freed = sum(_size(by_name[n]) - by_name[n].pooled for n in plan.delete if n in by_name)
     if not dry_run:
         freed += pool_before - _pool_bytes(directory)
     if out.json_mode:
@@ -97,7 +97,7 @@ def prune(
             info.name,
             info.step,
             local_time(info.created),
-            size(info.nbytes),
+            size(_size(info)),
             metrics_text(info.metrics),
             action,
             why,
@@ -143,3 +143,8 @@ def unpin(out: Printer, directory: str, step: int, *, key_env: str | None = None
         return OK
     out.line(f"unpinned {info.name}" if info.pinned else f"{info.name} was not pinned")
     return OK
+
+
+def _size(info: CheckpointInfo) -> int:
+    """A checkpoint's size as ``ls`` and ``inspect`` show it: its manifest and every data file it reads."""
+    return info.nbytes + info.manifest_nbytes

@@ -134,6 +134,7 @@ class Catalog:
             pooled=sum(f.size for f in m.files if f.pool),
             seq=seq if type(seq) is int and seq >= 0 else None,
             path=self.path(name),
+            manifest_nbytes=stamp.size,
         )
         self._cache[name] = (stamp.mtime, stamp.size, info)
         return info

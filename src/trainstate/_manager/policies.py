@@ -41,7 +41,9 @@ class CheckpointInfo:
         metrics: the metrics passed to ``save(..., metrics=...)``.
         epoch: the epoch passed to ``save(..., epoch=...)``, if any.
         pinned: kept whatever the retention policies say (``mgr.pin(step)``).
-        nbytes: bytes the checkpoint's files take.
+        nbytes: bytes the checkpoint's data files take (shared pool files included), without its manifest.
+        manifest_nbytes: bytes of its ``manifest.json``; ``nbytes + manifest_nbytes`` is the "size" that
+            ``trainstate ls``, ``inspect`` and ``prune`` show.
         seq: the commit sequence number: what "newest" means (None for checkpoints written without a manager).
         pin_reason: the reason given to ``pin``.
         shared: of ``nbytes``, bytes in shared pool files an earlier save wrote (incremental checkpoints).
@@ -71,6 +73,7 @@ class CheckpointInfo:
     shared: int = 0  # of nbytes, in shared pool files an earlier save wrote (incremental checkpoints)
     pooled: int = 0  # of nbytes, in the run's shared pool (shared or not): what deleting it does not free
     path: str = ""  # the checkpoint's directory, as the manager's storage names it (mgr.path_for(step))
+    manifest_nbytes: int = 0  # bytes of its manifest.json (nbytes counts the data files only)
 
 
 # -- when to save -----------------------------------------------------------------------------------
