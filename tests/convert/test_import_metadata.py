@@ -24,6 +24,17 @@ def test_import_then_export_keeps_the_safetensors_metadata(tmp_path):
             assert f.metadata() == meta, layout
 
 
+def test_a_hugging_face_folder_of_one_weights_file_keeps_its_metadata(tmp_path):
+    """A one-file Hugging Face folder is that file: its __metadata__ (a license) was dropped in silence."""
+    meta = {"format": "pt", "license": "mit"}
+    (tmp_path / "hf").mkdir()
+    save_file({"fc.weight": torch.ones(2, 3)}, tmp_path / "hf" / "model.safetensors", metadata=meta)
+    trainstate.import_checkpoint(tmp_path / "hf", tmp_path / "ckpt")
+    trainstate.export(tmp_path / "ckpt", tmp_path / "again.safetensors", format="safetensors")
+    with safe_open(tmp_path / "again.safetensors", "pt") as f:
+        assert f.metadata() == meta
+
+
 def test_metadata_trainstate_writes_itself_is_not_copied_from_the_source(tmp_path):
     # the source's list of tied names describes the source's tensors: an export writes its own
     meta = {"format": "pt", "trainstate.tied": '{"head.weight": "embed.weight"}'}

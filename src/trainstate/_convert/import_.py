@@ -110,7 +110,10 @@ def read_source(path: Path) -> tuple[str, Any, dict[str, str]]:
     for name in _HF_FILES:
         if (path / name).is_file():
             real = confined(path / name, path)  # the index is read through its name: its shards are beside it
-            return "hf", _sharded(path / name) if name.endswith(".index.json") else _read_file(real, name)[1], {}
+            if name.endswith(".index.json"):
+                return "hf", _sharded(path / name), {}
+            _, state, meta = _read_file(real, name)  # one weights file: its __metadata__ too, as for a file
+            return "hf", state, meta
     if (path / MANIFEST_NAME).is_file():
         raise InvalidArgumentError(f"{path} is a trainstate checkpoint already: load it, or consolidate it to copy it")
     raise InvalidArgumentError(
