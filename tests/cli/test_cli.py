@@ -380,6 +380,16 @@ def test_ls_lists_the_checkpoints_no_manager_wrote(tmp_path):
     assert "no checkpoints" not in out and "last.ckpt" in out and "3 complete" in out
 
 
+def test_ls_of_a_lightning_folder_shows_an_unfinished_save_and_orders_names_by_their_numbers(tmp_path):
+    """A kill during a name's first async save leaves its reserved, empty folder: ls hid it; and epoch=10 was
+    listed before epoch=2."""
+    for name in ("epoch=2.ckpt", "epoch=10.ckpt"):
+        trainstate.save(tmp_path / name, state())
+    (tmp_path / "epoch=11.ckpt").mkdir()  # reserved by an async save that never committed
+    rows = [(r["name"], r["status"]) for r in cli_json("ls", str(tmp_path))["checkpoints"]]
+    assert rows == [("epoch=2.ckpt", "complete"), ("epoch=10.ckpt", "complete"), ("epoch=11.ckpt", "incomplete")]
+
+
 def test_ls_inspect_and_history_agree_on_an_incremental_checkpoints_sizes(tmp_path):
     """Three numbers, each named: a checkpoint's size (its manifest and every data file it reads, shared ones
     included), what its save wrote (new data files and the manifest), and nothing else under those names."""

@@ -6,6 +6,7 @@ import fnmatch
 import logging
 import os
 import posixpath
+import re
 from typing import Any
 
 from trainstate import open as open_checkpoint
@@ -165,9 +166,12 @@ def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str
         if name in listed or not _is_dir(backend, path):
             continue
         if step_of(name) is None and not is_staging_name(name):  # a checkpoint no manager wrote, or no checkpoint
-            row = _probe(backend, name, path, key_env) if _has_manifest(backend, path) else None
-            if row is not None:
-                rows.append(row)
+            if _has_manifest(backend, path):
+                row = _probe(backend, name, path, key_env)
+                if row is not None:
+                    rows.append(row)
+            elif name.endswith(".ckpt"):  # Lightning's name for a checkpoint: one whose save did not finish
+                rows.append(_other_row(backend, name, path, "incomplete", "no manifest (a save that did not finish)"))
         elif step_of(name) is not None:
             row = _probe(backend, name, path, key_env)
             if row is not None:
@@ -176,8 +180,13 @@ def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str
             staged = staged_target(name)
             status = _STAGING_STATUS[staged[1]] if staged else "incomplete"
             rows.append(_other_row(backend, name, path, status, _STAGING_NOTE[staged[1]] if staged else "leftover"))
-    rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
+    rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, _natural(r["name"])))
     return rows
+
+
+def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
+    """``epoch=2`` before ``epoch=10``: the numbers in a name compared as numbers."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part)
 
 
 def _has_manifest(backend: Storage, path: str) -> bool:
