@@ -235,6 +235,8 @@ def explain(error: UnsupportedValueError) -> UnsupportedValueError:
     """The save's error, with what to do about it in Lightning terms (which part of Lightning put it there
     follows from the key)."""
     message = str(error)
+    if "save_hyperparameters(ignore=[" in message:  # says what to do in Lightning's terms already
+        return error
     top = message.split(":", 1)[0].split(".", 1)[0]
     if top in ("hyper_parameters", "datamodule_hyper_parameters"):
         hint = (
