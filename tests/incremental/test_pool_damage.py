@@ -164,3 +164,18 @@ def test_damage_the_stat_cannot_see_is_found_when_the_check_is_due_again(
         mgr.save(3, state(3))
     assert base_chunk(tmp_path, 3)[0] != path
     assert_restores(tmp_path, 3)
+
+
+def test_when_every_checkpoint_shares_one_damaged_pool_file_the_error_says_the_way_out(tmp_path: Path) -> None:
+    """Damage the hourly check has not yet seen reaches every kept checkpoint: restore_latest said only that
+    none restores, and told the user to start over; excluding the shared tensor restores the rest."""
+    with manager(tmp_path) as mgr:
+        for step in range(3):
+            mgr.save(step, state(step))
+    damage(tmp_path, 0, "flip")  # base is in one pool file every checkpoint names
+    target = state(0)
+    with manager(tmp_path) as mgr:
+        with pytest.raises(trainstate.CorruptCheckpointError, match=r"exclude=") as e:
+            mgr.restore_latest(target)
+        assert "share the pool's files" in str(e.value)
+        assert mgr.restore_latest(target, exclude="base") == 3 and target["w"][0] == 2

@@ -593,10 +593,17 @@ class CheckpointManager:
                 break
         if failures:
             lines = "\n".join(f"  {name}: {why}" for name, why in failures)
+            shared = (
+                " In an incremental run the checkpoints share the pool's files, so one damaged pool file damages "
+                "every checkpoint that names it: restore_latest(state, exclude=[the tensors named above]) "
+                "restores the rest (keep the live values of those), and the next save writes them again."
+                if any("pool-" in why for _, why in failures)
+                else ""
+            )
             raise CorruptCheckpointError(
                 f"none of the {len(failures)} checkpoint(s) in {self.directory} could be restored:\n{lines}\n"
                 "The state may be partly overwritten by the attempts; do not train from it. Restore a copy, "
-                "or move the damaged checkpoints away to start over."
+                f"or move the damaged checkpoints away to start over.{shared}"
             )
         self.prepare(state)
         return None
