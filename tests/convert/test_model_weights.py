@@ -35,7 +35,8 @@ def test_the_first_module_is_found_past_rng_scheduler_and_optimizer(tmp_path: Pa
 
 
 def test_no_module_and_a_select_that_matches_nothing_are_argument_errors(tmp_path: Path) -> None:
-    with pytest.raises(trainstate.InvalidArgumentError, match="holds no module"):
-        weights(tmp_path, {"weights": {"w": torch.zeros(2)}, "step": 1})
+    with pytest.raises(trainstate.InvalidArgumentError, match="holds no module") as e:
+        weights(tmp_path, {"step": 1, "state_dict": {"w": torch.zeros(2)}})  # as a Lightning checkpoint holds it
+    assert "select='state_dict.*'" in str(e.value)  # the key the tensors are under, not 'model'
     with pytest.raises(trainstate.InvalidArgumentError, match="match no key"):
         weights(tmp_path / "b", {"model": torch.nn.Linear(2, 3)}, select="model.weights")

@@ -44,10 +44,11 @@ def weights(ck: Checkpoint, select: str | Sequence[str] | None = None, strip_pre
     if select is None:
         found = first_module(ck.manifest.tree)
         if found is None:
+            top = _first_key_with_tensors(ck.manifest.tree)
             raise InvalidArgumentError(
                 f"{ck.path} holds no module (an object saved through state_dict() whose state maps names to "
                 f"tensors); its top-level keys are {_top_keys(ck.manifest.tree)}. Pick the weights with "
-                "select='model.*' (--select) and strip_prefix='model.' (--strip-prefix)"
+                f"select='{top}.*' (--select) and strip_prefix='{top}.' (--strip-prefix)"
             )
         path, node = found
         picked = [Weight(str(k), v.name) for k, v in node.items() if isinstance(v, tree.TensorNode)]
@@ -127,3 +128,12 @@ def _top_keys(root: tree.Node) -> list[str]:
     while isinstance(root, tree.StatefulNode):
         root = root.state
     return [str(k) for k in root.keys][:10] if isinstance(root, tree.DictNode) else []
+
+
+def _first_key_with_tensors(root: tree.Node) -> str:
+    """The first top-level key with tensors under it (a Lightning checkpoint's ``state_dict``), for a hint;
+    ``model`` where there is none."""
+    for path, node in tree.leaves(root):
+        if isinstance(node, tree.TensorNode) and path:
+            return str(path[0])
+    return "model"
