@@ -239,6 +239,37 @@ def test_a_malformed_safetensors_file_is_a_checkpoint_error_naming_it(tmp_path, 
 
 
 @pytest.mark.parametrize(
+    "ranges",
+    [
+        [(0, 1024)] * 3,  # many names over one range: each would be imported in full
+        [(0, 1024), (512, 1536)],  # a range starting inside another
+        [(0, 2048), (1024, 2048)],  # a range inside another
+    ],
+)
+def test_safetensors_tensors_over_the_same_bytes_are_refused_not_each_imported(tmp_path, ranges):
+    src = tmp_path / "evil.safetensors"
+    header = {f"t{i}": {"dtype": "U8", "shape": [e - b], "data_offsets": [b, e]} for i, (b, e) in enumerate(ranges)}
+    _safetensors(src, header, b"\1" * 2048)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"evil.safetensors.*overlap"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_safetensors_tensors_beside_others_still_import(tmp_path):
+    src = tmp_path / "ok.safetensors"
+    header = {
+        "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+        "e": {"dtype": "F32", "shape": [0], "data_offsets": [2, 2]},
+        "b": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]},
+    }
+    _safetensors(src, header, bytes(range(8)))
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    loaded = trainstate.load(tmp_path / "out")
+    assert bytes(loaded["a"]) + bytes(loaded["b"]) == bytes(range(8))
+    assert loaded["e"].shape == (0,)
+
+
+@pytest.mark.parametrize(
     "index",
     [
         b"\xff\xfe",
