@@ -201,6 +201,34 @@ def test_a_sparse_tensor_is_refused_with_the_file_named(tmp_path):
         trainstate.import_checkpoint(src, tmp_path / "out")
 
 
+def test_a_pickle_referring_to_one_value_many_times_is_refused_not_imported_each_time(tmp_path):
+    src = tmp_path / "refs.pt"
+    big = b"x" * (1 << 20)
+    torch.save({"w": torch.zeros(4), "extra": [big] * 200}, src)  # 1 MiB file: each reference is 2 bytes
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"refs.pt: extra\.\d+: .*same values over and over"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_nested_repeated_lists_are_refused_before_they_are_walked(tmp_path):
+    x: Any = [0] * 10
+    for _ in range(11):  # 10**12 values in a pickle of under 2 KB
+        x = [x] * 10
+    src = tmp_path / "laughs.pt"
+    torch.save({"x": x}, src)
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"laughs.pt: x\..*same values over and over"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_values_a_pickle_shares_a_few_times_still_import(tmp_path):
+    betas = (0.9, 0.999)
+    groups = [{"lr": 0.1, "betas": betas, "params": [i]} for i in range(100)]
+    src = tmp_path / "optim.pt"
+    torch.save({"model": {"w": torch.ones(3)}, "param_groups": groups}, src)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    assert trainstate.load(tmp_path / "out")["param_groups"] == groups
+
+
 # -- safetensors files -----------------------------------------------------------------------------------
 
 

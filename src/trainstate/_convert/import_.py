@@ -38,6 +38,7 @@ from trainstate.errors import (
 )
 
 TIED_KEY = "trainstate.tied"  # export.py writes it: JSON {alias: name written}
+REPEAT_SLACK = 64 << 20  # bytes repeated references in a source may import beyond twice its size
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -88,7 +89,9 @@ def import_checkpoint(
         else None  # safetensors: no torch
     )
     try:
-        snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
+        snapshot = source.build(
+            state, prefix or None, {"imported_from": record}, torch_tensors, budget=2 * _size(path) + REPEAT_SLACK
+        )
     except UnsupportedValueError as e:  # it names the value's place in the source; the source is named here
         raise e if str(path) in str(e) else UnsupportedValueError(f"{path}: {e}") from None
     backend, root = resolve(ckpt, None)
@@ -96,6 +99,16 @@ def import_checkpoint(
         return write_checkpoint(
             root, snapshot, storage=backend, overwrite=overwrite, threads=1, start=start, workers=1, key=resolved
         )
+
+
+def _size(path: Path) -> int:
+    """The bytes of the source: the file's, or those of the folder's files (what a pickle in it can be)."""
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
 
 
 def read_source(path: Path) -> tuple[str, Any, dict[str, str]]:
