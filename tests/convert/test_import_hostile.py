@@ -229,6 +229,13 @@ def test_values_a_pickle_shares_a_few_times_still_import(tmp_path):
     assert trainstate.load(tmp_path / "out")["param_groups"] == groups
 
 
+def test_a_source_that_is_neither_file_nor_folder_is_an_invalid_argument(tmp_path):
+    fifo = tmp_path / "weights.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(trainstate.InvalidArgumentError, match=r"weights.pt is neither a file nor a folder"):
+        trainstate.import_checkpoint(fifo, tmp_path / "out")
+
+
 # -- safetensors files -----------------------------------------------------------------------------------
 
 

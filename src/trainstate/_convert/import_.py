@@ -118,6 +118,8 @@ def read_source(path: Path) -> tuple[str, Any, dict[str, str]]:
         raise CheckpointNotFoundError(f"{path}: no such file or directory to import")
     if path.is_file():
         return _read_file(path, path.name)
+    if not path.is_dir():  # a pipe, a socket, a device: no weights to read (and a pipe's read would wait)
+        raise InvalidArgumentError(f"{path} is neither a file nor a folder: nothing trainstate can import")
     if (path / dcp.METADATA).is_file():
         return "dcp", dcp.read(path), {}
     for name in _HF_FILES:
