@@ -164,7 +164,7 @@ def _tie(tensors: dict[str, Any], meta: dict[str, str], path: Path) -> dict[str,
     try:
         aliases = json.loads(meta[TIED_KEY])
         ok = isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors for v in aliases.values())
-    except ValueError:
+    except (ValueError, RecursionError):
         ok = False
     if not ok:
         raise CorruptCheckpointError(f"{path}: __metadata__ {TIED_KEY} does not map names to tensors of the file")
@@ -198,7 +198,7 @@ def _sharded(index: Path) -> dict[str, Any]:
     """The tensors of a sharded Hugging Face folder, shard by shard, as its index maps them."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{index} is not a Hugging Face weight index ({e!s:.80})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise CorruptCheckpointError(f"{index}: weight_map is not a mapping of tensor names to shard files")
