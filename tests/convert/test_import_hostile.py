@@ -236,6 +236,19 @@ def test_a_source_that_is_neither_file_nor_folder_is_an_invalid_argument(tmp_pat
         trainstate.import_checkpoint(fifo, tmp_path / "out")
 
 
+def test_a_re_zipped_torch_file_is_refused_saying_its_records_are_compressed(tmp_path):
+    import zipfile
+
+    original = tmp_path / "orig.pt"
+    torch.save({"w": torch.arange(1 << 12, dtype=torch.float32)}, original)
+    src = tmp_path / "rezipped.pt"
+    with zipfile.ZipFile(original) as zin, zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info))
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"rezipped.pt: its zip records are compressed"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
 # -- safetensors files -----------------------------------------------------------------------------------
 
 
