@@ -65,3 +65,13 @@ def test_wrong_arguments_get_a_clear_error_before_anything_is_touched(tmp_path, 
     with pytest.raises(trainstate.InvalidArgumentError):
         call(tmp_path)
     assert not (tmp_path / "new").exists()
+
+
+def test_an_int_too_long_for_json_is_an_unsupported_value(tmp_path):
+    # Python converts at most sys.get_int_max_str_digits() digits: such an int could be written by no writer
+    # and parsed by no reader, so the save refuses it instead of raising a bare ValueError.
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"an int of \d+ bits cannot be stored"):
+        trainstate.save(tmp_path / "ck", {"n": 10**5000})
+    assert not (tmp_path / "ck").exists()
+    trainstate.save(tmp_path / "ok", {"n": 10**4000})
+    assert trainstate.load(tmp_path / "ok")["n"] == 10**4000

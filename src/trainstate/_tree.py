@@ -31,6 +31,7 @@ import base64
 import binascii
 import json
 import math
+import sys
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
@@ -615,7 +616,13 @@ def _text_plain(value: Scalar) -> str:
     if value is None or value is True or value is False:
         return "null" if value is None else "true" if value else "false"
     if isinstance(value, int):
-        return _int_text(value)
+        try:
+            return _int_text(value)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits): no reader parses it
+            raise UnsupportedValueError(
+                f"an int of {value.bit_length()} bits cannot be stored: Python reads no more than "
+                f"{sys.get_int_max_str_digits()} digits of JSON (store it as bytes, or as a string)"
+            ) from None
     if isinstance(value, float):
         return _float_text(value) if math.isfinite(value) else '{"t":"float","v":"' + str(value) + '"}'
     return '{"t":"bytes","v":"' + base64.b64encode(value).decode() + '"}'

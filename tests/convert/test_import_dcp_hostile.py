@@ -13,6 +13,7 @@ import pickle
 import random
 import shutil
 import struct
+import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -113,6 +114,38 @@ def test_the_overlap_check_agrees_with_comparing_every_pair():
             for _ in range(rng.randint(0, 6))
         ]
         assert _overlap(boxes) == pairwise(boxes), boxes
+
+
+def _staircase(k: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Chunks that tile a k x k tensor exactly once: column j from row j down, row j right of column j."""
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for j in range(k):
+        boxes.append(((j, j), (k - j, 1)))
+        if j + 1 < k:
+            boxes.append(((j, j + 1), (1, k - j - 1)))
+    return boxes
+
+
+def test_an_irregular_chunk_layout_is_refused_in_bounded_time_not_checked_for_hours():
+    from trainstate._convert.dcp_metadata import _overlap
+
+    assert not _overlap(_staircase(300))  # small: checked, and it tiles
+    start = time.perf_counter()
+    assert _overlap(_staircase(50_000))  # n²/8 = 1.25e9 comparisons: refused once the budget is spent
+    assert time.perf_counter() - start < 30
+
+
+def test_grid_layouts_are_checked_whatever_their_size():
+    from trainstate._convert.dcp_metadata import _overlap
+
+    rows, cols = 1024, 64  # FSDP x tensor parallel, the last row and column of blocks smaller
+    grid = [
+        ((r * 7, c * 5), (7 if r < rows - 1 else 3, 5 if c < cols - 1 else 2)) for r in range(rows) for c in range(cols)
+    ]
+    assert not _overlap(grid)
+    assert _overlap([*grid, grid[100]])
+    bricks = [((r, (r % 2) * 2 + 4 * c), (1, 4)) for r in range(400) for c in range(50)]  # no grid: rows offset
+    assert not _overlap(bricks)
 
 
 def test_chunks_that_tile_the_tensor_are_read(tmp_path):

@@ -201,6 +201,54 @@ def test_a_sparse_tensor_is_refused_with_the_file_named(tmp_path):
         trainstate.import_checkpoint(src, tmp_path / "out")
 
 
+def test_a_pickle_referring_to_one_value_many_times_is_refused_not_imported_each_time(tmp_path):
+    src = tmp_path / "refs.pt"
+    big = b"x" * (1 << 20)
+    torch.save({"w": torch.zeros(4), "extra": [big] * 200}, src)  # 1 MiB file: each reference is 2 bytes
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"refs.pt: extra\.\d+: .*same values over and over"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_nested_repeated_lists_are_refused_before_they_are_walked(tmp_path):
+    x: Any = [0] * 10
+    for _ in range(11):  # 10**12 values in a pickle of under 2 KB
+        x = [x] * 10
+    src = tmp_path / "laughs.pt"
+    torch.save({"x": x}, src)
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"laughs.pt: x\..*same values over and over"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_values_a_pickle_shares_a_few_times_still_import(tmp_path):
+    betas = (0.9, 0.999)
+    groups = [{"lr": 0.1, "betas": betas, "params": [i]} for i in range(100)]
+    src = tmp_path / "optim.pt"
+    torch.save({"model": {"w": torch.ones(3)}, "param_groups": groups}, src)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    assert trainstate.load(tmp_path / "out")["param_groups"] == groups
+
+
+def test_a_source_that_is_neither_file_nor_folder_is_an_invalid_argument(tmp_path):
+    fifo = tmp_path / "weights.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(trainstate.InvalidArgumentError, match=r"weights.pt is neither a file nor a folder"):
+        trainstate.import_checkpoint(fifo, tmp_path / "out")
+
+
+def test_a_re_zipped_torch_file_is_refused_saying_its_records_are_compressed(tmp_path):
+    import zipfile
+
+    original = tmp_path / "orig.pt"
+    torch.save({"w": torch.arange(1 << 12, dtype=torch.float32)}, original)
+    src = tmp_path / "rezipped.pt"
+    with zipfile.ZipFile(original) as zin, zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info))
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"rezipped.pt: its zip records are compressed"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
 # -- safetensors files -----------------------------------------------------------------------------------
 
 
@@ -236,6 +284,37 @@ def test_a_malformed_safetensors_file_is_a_checkpoint_error_naming_it(tmp_path, 
     _safetensors(src, header, b"\0" * 4)
     with pytest.raises(trainstate.CheckpointError, match=r"bad.safetensors"):
         trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "ranges",
+    [
+        [(0, 1024)] * 3,  # many names over one range: each would be imported in full
+        [(0, 1024), (512, 1536)],  # a range starting inside another
+        [(0, 2048), (1024, 2048)],  # a range inside another
+    ],
+)
+def test_safetensors_tensors_over_the_same_bytes_are_refused_not_each_imported(tmp_path, ranges):
+    src = tmp_path / "evil.safetensors"
+    header = {f"t{i}": {"dtype": "U8", "shape": [e - b], "data_offsets": [b, e]} for i, (b, e) in enumerate(ranges)}
+    _safetensors(src, header, b"\1" * 2048)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"evil.safetensors.*overlap"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_safetensors_tensors_beside_others_still_import(tmp_path):
+    src = tmp_path / "ok.safetensors"
+    header = {
+        "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+        "e": {"dtype": "F32", "shape": [0], "data_offsets": [2, 2]},
+        "b": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]},
+    }
+    _safetensors(src, header, bytes(range(8)))
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    loaded = trainstate.load(tmp_path / "out")
+    assert bytes(loaded["a"]) + bytes(loaded["b"]) == bytes(range(8))
+    assert loaded["e"].shape == (0,)
 
 
 @pytest.mark.parametrize(

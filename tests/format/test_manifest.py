@@ -29,7 +29,38 @@ def test_many_disjoint_chunks_validate_without_quadratic_blowup(monkeypatch):
 
     monkeypatch.setattr(manifest, "_overlap", counting)
     manifest._check_disjoint("t", _grid(200, 100))
+    assert compared == 0  # a grid: each box one cell, told apart by its corner
+    bricks = tuple(  # no grid: odd rows offset by half a brick, so the sweep compares within each row
+        manifest.Chunk("d", (0, 4), (r, (r % 2) * 2 + 4 * c), (1, 4), "x") for r in range(200) for c in range(100)
+    )
+    manifest._check_disjoint("t", bricks)
     assert 0 < compared <= 200 * 100 * 100
+
+
+def _staircase(k: int) -> tuple[manifest.Chunk, ...]:
+    """Chunks that tile a k x k tensor exactly once: column j from row j down, row j right of column j."""
+    boxes = []
+    for j in range(k):
+        boxes.append(manifest.Chunk("d", (0, 4), (j, j), (k - j, 1), "x"))
+        if j + 1 < k:
+            boxes.append(manifest.Chunk("d", (0, 4), (j, j + 1), (1, k - j - 1), "x"))
+    return tuple(boxes)
+
+
+def test_an_irregular_layout_is_refused_in_bounded_time_not_swept_for_hours(monkeypatch):
+    manifest._check_disjoint("t", _staircase(300))  # small: swept, and it tiles
+    compared = 0
+    overlap = manifest._overlap
+
+    def counting(a, b):
+        nonlocal compared
+        compared += 1
+        return overlap(a, b)
+
+    monkeypatch.setattr(manifest, "_overlap", counting)
+    with pytest.raises(trainstate.CorruptCheckpointError, match="too irregularly to check"):
+        manifest._check_disjoint("t", _staircase(50_000))  # n²/8 = 1.25e9 comparisons in full
+    assert compared <= manifest.DISJOINT_COMPARISONS
 
 
 @pytest.mark.parametrize("rows, cols", [(50, 1), (1, 50), (7, 9)])

@@ -89,3 +89,25 @@ def test_a_pinned_damaged_manifest_keeps_only_what_it_may_name(tmp_path: Path) -
     assert (tmp_path / "step_00000002" / "pinned.json").exists()
     truncated = (tmp_path / "step_00000002" / "manifest.json").read_bytes()
     assert set(pool(tmp_path)) == named(tmp_path, 8) | named(tmp_path, 9) | {n for n in kept if n.encode() in truncated}
+
+
+@pytest.mark.parametrize("field", [b'"files"', b'"pool"'])
+def test_a_pinned_manifest_flipped_into_json_of_another_shape_does_not_stop_collection(
+    tmp_path: Path, field: bytes
+) -> None:
+    """A bit flip can leave a manifest JSON of another shape ("files" -> "fines"): that fails its checksum,
+    so it is damage, not a newer format the collector cannot read; the pool is collected around it (it
+    stopped collecting altogether, and with a pin keeping that checkpoint the pool grew with every save)."""
+    with manager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step))
+        mgr.pin(1, "best")
+    kept = named(tmp_path, 1)
+    path = tmp_path / "step_00000001" / "manifest.json"
+    raw = path.read_bytes()
+    at = raw.index(field) + 3
+    path.write_bytes(raw[:at] + bytes([raw[at] ^ 0x02]) + raw[at + 1 :])  # one bit: still JSON
+    with manager(tmp_path) as mgr:  # a new process: nothing remembered of the manifest before the flip
+        for step in range(3, 12):
+            mgr.save(step, state(step))
+    assert set(pool(tmp_path)) == kept | named(tmp_path, 10) | named(tmp_path, 11)

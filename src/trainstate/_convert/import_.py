@@ -38,6 +38,7 @@ from trainstate.errors import (
 )
 
 TIED_KEY = "trainstate.tied"  # export.py writes it: JSON {alias: name written}
+REPEAT_SLACK = 64 << 20  # bytes repeated references in a source may import beyond twice its size
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -88,7 +89,9 @@ def import_checkpoint(
         else None  # safetensors: no torch
     )
     try:
-        snapshot = source.build(state, prefix or None, {"imported_from": record}, torch_tensors)
+        snapshot = source.build(
+            state, prefix or None, {"imported_from": record}, torch_tensors, budget=2 * _size(path) + REPEAT_SLACK
+        )
     except UnsupportedValueError as e:  # it names the value's place in the source; the source is named here
         raise e if str(path) in str(e) else UnsupportedValueError(f"{path}: {e}") from None
     backend, root = resolve(ckpt, None)
@@ -98,6 +101,16 @@ def import_checkpoint(
         )
 
 
+def _size(path: Path) -> int:
+    """The bytes of the source: the file's, or those of the folder's files (what a pickle in it can be)."""
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
+
+
 def read_source(path: Path) -> tuple[str, Any, dict[str, str]]:
     """What ``path`` is (``"safetensors"``, ``"torch"``, ``"hf"`` or ``"dcp"``), the state it holds (tensors
     as :class:`source.SourceTensor` or torch tensors), and a safetensors file's ``__metadata__``."""
@@ -105,6 +118,8 @@ def read_source(path: Path) -> tuple[str, Any, dict[str, str]]:
         raise CheckpointNotFoundError(f"{path}: no such file or directory to import")
     if path.is_file():
         return _read_file(path, path.name)
+    if not path.is_dir():  # a pipe, a socket, a device: no weights to read (and a pipe's read would wait)
+        raise InvalidArgumentError(f"{path} is neither a file nor a folder: nothing trainstate can import")
     if (path / dcp.METADATA).is_file():
         return "dcp", dcp.read(path), {}
     for name in _HF_FILES:
@@ -168,7 +183,7 @@ def _tie(tensors: dict[str, Any], meta: dict[str, str], path: Path) -> dict[str,
     try:
         aliases = json.loads(meta[TIED_KEY])
         ok = isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors for v in aliases.values())
-    except ValueError:
+    except (ValueError, RecursionError):
         ok = False
     if not ok:
         raise CorruptCheckpointError(f"{path}: __metadata__ {TIED_KEY} does not map names to tensors of the file")
@@ -202,7 +217,7 @@ def _sharded(index: Path) -> dict[str, Any]:
     """The tensors of a sharded Hugging Face folder, shard by shard, as its index maps them."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{index} is not a Hugging Face weight index ({e!s:.80})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise CorruptCheckpointError(f"{index}: weight_map is not a mapping of tensor names to shard files")

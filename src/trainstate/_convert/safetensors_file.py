@@ -97,7 +97,23 @@ def read(path: Path) -> tuple[dict[str, SourceTensor], dict[str, str]]:
             )
         found.append((begin, name, SourceTensor(code, shape, nbytes, partial(_view, mapped, path, n + begin, nbytes))))
     found.sort(key=lambda x: x[0])
+    _refuse_overlaps([(begin, t.nbytes, name) for begin, name, t in found], what)
     return {name: t for _, name, t in found}, meta
+
+
+def _refuse_overlaps(ranges: list[tuple[int, int, str]], what: str) -> None:
+    """Refuse two tensors over one byte (``ranges``: begin, size, name; sorted by begin). Each name is imported
+    in full, so a header mapping many names onto one range would make a small file a checkpoint many times its
+    size; safetensors itself refuses such a file (its tensors' ranges follow one another)."""
+    end, last = 0, ""
+    for begin, nbytes, name in ranges:
+        if nbytes and begin < end:
+            raise CorruptCheckpointError(
+                f"{what}: the bytes of tensor {name!r:.80} (from {begin}) overlap those of {last!r:.80} (to {end}); "
+                "a safetensors file stores each tensor's bytes once"
+            )
+        if nbytes:
+            end, last = begin + nbytes, name
 
 
 def _entry(entry: object, name: str, what: str) -> tuple[str, tuple[int, ...], tuple[int, int]]:

@@ -42,17 +42,24 @@ class SourceTensor(NamedTuple):
 
 _Item = tuple[Any, tuple[str, ...]]
 
+REPEAT_COST = 64  # bytes a repeated container is counted per item: about what a tree node of it takes
+
 
 def build(
     source: Any,
     prefix: str | None,
     metadata: Any = None,
     tensor_of: Callable[[Any, str], SourceTensor | None] | None = None,
+    *,
+    budget: int | None = None,
 ) -> Snapshot:
     """The snapshot of ``source`` placed under ``prefix`` (dotted: ``"a.b"`` nests twice; None: the root).
 
     ``tensor_of`` turns a source's own tensor type (a torch tensor) into a :class:`SourceTensor`; it is given
     the tensor's dotted name in the source, for its errors.
+
+    ``budget`` bounds what the source's repeated references cost (see :data:`REPEAT_COST`): a pickle refers
+    to an object it already holds in two bytes, and every reference is imported as a value of its own.
 
     Raises:
         UnsupportedValueError: a value trainstate cannot store (named by its path), or a dict key that is
@@ -62,9 +69,24 @@ def build(
     entries: list[Entry] = []
     names: dict[object, str] = {}  # identity -> table name
     taken: set[str] = set()
+    seen: set[int] = set()  # ids of the containers, strings and bytes visited (all alive in ``source``)
+    repeated = 0  # what the references to them after the first have cost
 
     def visit(item: _Item) -> Any:
+        nonlocal repeated
         value, path = item
+        counted = isinstance(value, (str, bytes, Mapping, list, tuple)) and not isinstance(value, SourceTensor)
+        if budget is not None and counted and len(value):  # an empty one costs nothing (and may be a singleton)
+            if id(value) not in seen:
+                seen.add(id(value))
+            else:
+                repeated += len(value) * (1 if isinstance(value, (str, bytes)) else REPEAT_COST)
+                if repeated > budget:
+                    raise UnsupportedValueError(
+                        f"{tree.join(path) or 'the source'}: the source refers to the same values over and over: "
+                        f"imported, its repeated references would take more than {budget} bytes beside what the "
+                        "source itself holds (each reference is imported as a value of its own)"
+                    )
         if tensor_of is not None and not isinstance(value, (SourceTensor, Mapping, list, tuple)):
             value = tensor_of(value, tree.join(path[len(at) :])) or value
         if isinstance(value, SourceTensor):

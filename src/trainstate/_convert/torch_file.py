@@ -154,6 +154,7 @@ def _check_storages(torch: Any, path: Path) -> None:
         return
     if reader.get_record_size("data.pkl") > path.stat().st_size:  # compressed past its file: a zip bomb
         raise CorruptCheckpointError(f"{path}: its pickle (data.pkl) claims more bytes than the whole file")
+    _refuse_compressed(path)
     from torch._weights_only_unpickler import Unpickler
 
     def persistent_load(pid: Any) -> Any:
@@ -209,6 +210,23 @@ def _check_crcs(path: Path) -> None:
         raise CorruptCheckpointError(
             f"{path}: record {bad!r:.80} fails its CRC-32 (the zip's own checksum): the file was damaged after "
             "it was written"
+        )
+
+
+def _refuse_compressed(path: Path) -> None:
+    """Refuse a zip whose records are compressed (a torch.save file re-zipped by ``zip`` or ``zipfile``):
+    torch.save stores them, and a mapped load cannot read a compressed record (torch fails on it with
+    "Trying to resize storage that is not resizable", which says nothing of why)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            packed = next((i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return  # torch's own reader opened it: its verdict on the bytes stands
+    if packed is not None:
+        raise UnsupportedValueError(
+            f"{path}: its zip records are compressed ({packed!r:.80}), as re-zipping a torch.save file makes them; "
+            "torch.save stores them as they are, and trainstate maps them from the file. Load it with torch.load "
+            "and torch.save it again (or re-zip it without compression: zip -0)"
         )
 
 

@@ -112,7 +112,10 @@ def _int(value: Any, what: str) -> int:
 
 def decode(raw: bytes, name: str) -> Record:
     """A record from its file's bytes; ValueError if they are not one (torn by a kill, or not ours)."""
-    doc = json.loads(raw)
+    try:
+        doc = json.loads(raw)
+    except RecursionError:  # nested deeper than the parser goes: no record either
+        raise ValueError("not a trainstate history record (nested too deep)") from None
     if not isinstance(doc, dict) or type(doc.get("trainstate_history")) is not int:
         raise ValueError("not a trainstate history record")
     metrics = doc.get("metrics") or {}

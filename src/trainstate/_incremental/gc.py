@@ -8,7 +8,10 @@ is kept while it is there (it may be mended by hand; retention deletes it in its
 the pool is collected -- one damaged manifest used to stop every collection, and the pool grew with every
 save. JSON of a shape this version does not know (perhaps a newer format's, naming its files otherwise),
 and an entry that changed between the listing and the end of the mark (a leftover put back meanwhile),
-may name what the mark missed: then the round deletes nothing. **Sweep**: the pool was listed *before* the mark, so a save that commits meanwhile
+may name what the mark missed: then the round deletes nothing. JSON of another shape that fails its own
+checksum is no newer format but damage (a bit flip turning ``"files"`` into ``"fines"``), and JSON that
+fails it is read as damaged bytes are, by the names in them: a pinned checkpoint so damaged used to stop
+every collection for good, or lose the pool files a flipped ``"pool"`` no longer marked. **Sweep**: the pool was listed *before* the mark, so a save that commits meanwhile
 cannot lose a file it just wrote; a listed file goes unless marked or protected (the manager's save in
 flight and the files its next save may refer to). Where no lock keeps other writers out (object stores)
 a file also needs to be untouched for an hour, unless this process wrote it itself, as for any leftover.
@@ -28,7 +31,7 @@ from collections.abc import Collection
 from trainstate._format import manifest
 from trainstate._incremental.pool import POOL_DIR, is_pool_file
 from trainstate._storage import Storage
-from trainstate.errors import StorageError
+from trainstate.errors import CheckpointError, CorruptCheckpointError, StorageError
 
 log = logging.getLogger("trainstate")
 
@@ -129,17 +132,44 @@ class PoolCollector:
                 len(names),
             )
             return names
-        try:
-            files = body["files"]
-            names = frozenset(
-                f["path"] for f in files if type(f) is dict and f.get("pool") is True and isinstance(f.get("path"), str)
+        if _damaged(raw[:got], body, path):  # a bit flip may leave JSON ("files" -> "fines", "pool" -> "pomm")
+            names = frozenset(m.decode() for m in _POOL_NAME.findall(bytes(raw[:got])))
+            log.warning(
+                "%s fails its checksum: keeping the %d pool file(s) whose names are in its bytes while it is there",
+                path,
+                len(names),
             )
-        except (KeyError, TypeError) as e:  # JSON of another shape: perhaps a newer format's, naming files otherwise
-            log.warning("not collecting the pool: %s cannot be read (%s), so what it uses is unknown", path, e)
-            return None
+        else:
+            try:
+                files = body["files"]
+                names = frozenset(
+                    f["path"]
+                    for f in files
+                    if type(f) is dict and f.get("pool") is True and isinstance(f.get("path"), str)
+                )
+            except (
+                KeyError,
+                TypeError,
+            ) as e:  # JSON of another shape: perhaps a newer format's, naming files otherwise
+                log.warning("not collecting the pool: %s cannot be read (%s), so what it uses is unknown", path, e)
+                return None
         if key is not None:
             self._named[path] = (key, names)
         return names
+
+
+def _damaged(raw: bytes | bytearray, body: object, path: str) -> bool:
+    """Whether a manifest's bytes fail their own checksum: damaged, not a newer format's. An encrypted
+    manifest's MAC needs the key, which the collector does not have: not known to be damaged."""
+    if not isinstance(body, dict) or not isinstance(body.get("checksum"), str):
+        return False  # no checksum to fail: JSON of some other shape, not known to be damaged
+    try:
+        manifest._verify(raw, dict(body), None, path)
+    except CorruptCheckpointError:
+        return True
+    except CheckpointError:  # an encrypted checkpoint's: the MAC cannot be checked here
+        return False
+    return False
 
 
 _HEAD = 128  # enough for '{"checksum":"hmac-sha256:<64 hex digits>"' (docs/format.md §3: the first member)

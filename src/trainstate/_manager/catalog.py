@@ -192,8 +192,8 @@ class Catalog:
         try:
             got = self.storage.read_into(path, 0, memoryview(raw))
             reason = json.loads(bytes(raw[:got])).get("reason", "")
-        except (StorageError, ValueError, AttributeError):
-            reason = ""  # unpinned meanwhile, or a pin file written by hand: still a pin
+        except (StorageError, ValueError, AttributeError, RecursionError):
+            reason = ""  # unpinned meanwhile, or a pin file written by hand (or damaged): still a pin
         return reason if isinstance(reason, str) else ""
 
     def unpin(self, name: str) -> None:
