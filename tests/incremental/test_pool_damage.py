@@ -179,3 +179,21 @@ def test_when_every_checkpoint_shares_one_damaged_pool_file_the_error_says_the_w
             mgr.restore_latest(target)
         assert "share the pool's files" in str(e.value)
         assert mgr.restore_latest(target, exclude="base") == 3 and target["w"][0] == 2
+
+
+def test_a_run_whose_pool_links_to_another_runs_pool_is_refused_and_collects_nothing(tmp_path: Path) -> None:
+    """Run b's _shared linked to run a's (to keep a frozen base once): each run's collection deleted the
+    other's pool files, so a's checkpoints lost their bytes to b's retention."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    with manager(a) as mgr:
+        for step in range(2):
+            mgr.save(step, state(step))
+    b.mkdir()
+    (b / "_shared").symlink_to(a / "_shared")
+    with pytest.raises(trainstate.InvalidArgumentError, match="symbolic link"):
+        manager(b)
+    with trainstate.CheckpointManager(b, every_steps=1, keep_last=1, capture_rng=False) as plain:
+        for step in range(3):  # a plain run with retention beside the link: its collection leaves the pool alone
+            plain.save(step, {"w": np.full(10, step, np.float32)})
+    assert_restores(a, 1)
+    assert_restores(a, 0)

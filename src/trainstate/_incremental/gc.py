@@ -29,7 +29,7 @@ import re
 from collections.abc import Collection
 
 from trainstate._format import manifest
-from trainstate._incremental.pool import POOL_DIR, is_pool_file
+from trainstate._incremental.pool import POOL_DIR, foreign, is_pool_file
 from trainstate._storage import Storage
 from trainstate.errors import CheckpointError, CorruptCheckpointError, StorageError
 
@@ -54,6 +54,10 @@ class PoolCollector:
         ``min_age`` seconds old (``mine``: files this process wrote need not). ``keep``: files to keep
         whatever the manifests say.
         """
+        target = foreign(self.storage, self.pool)
+        if target is not None:  # another run's pool, or one several runs share: its files are not all ours
+            log.warning("not collecting %s: it is a symbolic link to %s, not this run's own pool", self.pool, target)
+            return []
         candidates = [n for n in self.storage.list(self.pool) if is_pool_file(n) and n not in keep]
         if not candidates:
             return []

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from trainstate._format.manifest import FileEntry
 from trainstate._storage import Storage
-from trainstate.errors import CorruptCheckpointError
+from trainstate.errors import CorruptCheckpointError, InvalidArgumentError
 
 POOL_DIR = "_shared"  # a name the manager never gives a checkpoint (step_...), never a staging name
 PREFIX = "pool"  # pool files are pool-<12 hex digits, new per save>-NNNNN.safetensors
@@ -37,6 +37,31 @@ def run_directory(storage: Storage, checkpoint: str) -> str:
 def pool_directory(storage: Storage, checkpoint: str) -> str:
     """The pool a checkpoint's ``"pool": true`` files live in."""
     return storage.join(run_directory(storage, checkpoint), POOL_DIR)
+
+
+def foreign(storage: Storage, pool: str) -> str | None:
+    """Where a run's pool really is, when it is not the run's own directory (``_shared`` a symbolic link to
+    another run's pool), else None. Collection deletes every pool file the run's own manifests do not name,
+    so a pool two runs write into would lose each run's files to the other's collection."""
+    if storage.capabilities.symlinks and os.path.islink(pool):
+        return os.path.realpath(pool)
+    return None
+
+
+def refuse_foreign(storage: Storage, pool: str) -> None:
+    """Raise when an incremental save would write into a pool that is not the run's own (:func:`foreign`).
+
+    Raises:
+        InvalidArgumentError: ``pool`` is a symbolic link.
+    """
+    target = foreign(storage, pool)
+    if target is not None:
+        raise InvalidArgumentError(
+            f"the shared pool {pool} is a symbolic link to {target}: a run's pool must be its own directory, "
+            "since each run's collection deletes the pool files its own checkpoints do not name (another run's "
+            "among them). Remove the link; to keep a frozen part once for several runs, load it from one "
+            "checkpoint into each run instead"
+        )
 
 
 def save_prefix(storage: Storage) -> str:

@@ -28,7 +28,7 @@ from trainstate import _transforms as transforms
 from trainstate._format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from trainstate._incremental.check import PoolCheck
 from trainstate._incremental.index import Index
-from trainstate._incremental.pool import POOL_DIR, save_prefix
+from trainstate._incremental.pool import POOL_DIR, refuse_foreign, save_prefix
 from trainstate._keys import Key
 from trainstate._save.encode import Entry, Snapshot
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_checkpoint, write_data
@@ -50,6 +50,7 @@ class IncrementalSaver:
     def __init__(self, storage: Storage, root: str, base: Callable[[], Manifest | None]) -> None:
         self.storage = storage
         self.pool = storage.join(root, POOL_DIR)
+        refuse_foreign(storage, self.pool)  # at the manager's start, not at its first (perhaps background) save
         self._base = base
         self._index: Index | None = None  # None until the first save looks for one
         self._busy: frozenset[str] = frozenset()  # pool files of the save in flight (written or used)
@@ -151,6 +152,7 @@ class IncrementalSaver:
         """Write the new tensors into the pool and commit the manifest: its tensors and files, the bytes
         written, and the clock when the manifest was written."""
         storage = self.storage
+        refuse_foreign(storage, self.pool)
         if storage.capabilities.makedirs:  # real directories (object stores have prefixes instead)
             ensure_directory(self.pool, "the shared pool")
         tmp = storage.begin(final, overwrite=overwrite)
