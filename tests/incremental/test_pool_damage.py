@@ -47,7 +47,11 @@ def damage(root: Path, step: int, how: str) -> None:
             f.write(b"\0")
         return
     raw = bytearray(path.read_bytes())
-    raw[begin + 1000] ^= 0x04
+    if how == "header":  # the tensor bytes intact, the header's dtype F32 -> F16 (a reader checks the header)
+        at = raw.index(b'"F32"', 0, begin)
+        raw[at + 2 : at + 4] = b"16"
+    else:
+        raw[begin + 1000] ^= 0x04
     path.write_bytes(bytes(raw))
 
 
@@ -57,7 +61,7 @@ def assert_restores(root: Path, step: int) -> None:
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["same-manager", "restarted"])
-@pytest.mark.parametrize("how", ["flip", "delete", "append"])
+@pytest.mark.parametrize("how", ["flip", "delete", "append", "header"])
 def test_a_save_after_pool_damage_writes_the_damaged_bytes_again(tmp_path: Path, how: str, restart: bool) -> None:
     mgr = manager(tmp_path)
     mgr.save(1, state(1))

@@ -7,8 +7,9 @@ run's later checkpoints with it. So before a save shares a chunk, it checks the 
 
 - **stat**, every save: a file that is gone, not a plain file, or not of the size the manifest lists
   (a reader refuses it) is not shared.
-- **its bytes**, read back and hashed against the chunk's stored checksum, where the stat cannot vouch
-  for them: the first time this process shares the chunk (after a restart nothing is known), and again
+- **its bytes**, read back and hashed against the chunk's stored checksum (and the file's safetensors
+  header against the header checksum the manifest lists: a reader checks both), where the stat cannot
+  vouch for them: the first time this process shares the chunk (after a restart nothing is known), and again
   whenever the file's size or modification time is not what it was when its bytes were last checked.
 - A file whose modification time was less than :data:`RACY_SECONDS` before that check is read again the
   next time too: a write in the same tick of the file system's clock (some keep it to a few milliseconds,
@@ -31,8 +32,8 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from trainstate._format import checksum
-from trainstate._format.manifest import Chunk
+from trainstate._format import checksum, datafile
+from trainstate._format.manifest import Chunk, FileEntry
 from trainstate._storage import Storage
 from trainstate.errors import CorruptCheckpointError, StorageError
 
@@ -42,6 +43,7 @@ RACY_SECONDS = 2.0  # a modification time this close to when the bytes were chec
 RECHECK_SECONDS = 3600.0  # bytes checked longer ago are read again: bounds how long unseen damage is shared
 _BLOCK = 4 << 20  # read back in blocks this large (one buffer per thread)
 _PARALLEL_BYTES = 64 << 20  # below this, checking on one thread costs less than starting more
+_HEADER = (0, 0)  # stands for the file's header among the byte ranges found intact
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,9 @@ class PoolCheck:
         self.pool = pool
         self._checked: dict[str, _Checked] = {}
 
-    def damaged(self, shared: Iterable[Chunk], sizes: Mapping[str, int], threads: int) -> set[str]:
-        """The names of the pool files under ``shared`` that are gone, not of the size ``sizes`` lists (a
-        reader refuses those), or no longer hold the chunks' bytes."""
+    def damaged(self, shared: Iterable[Chunk], files: Mapping[str, FileEntry], threads: int) -> set[str]:
+        """The names of the pool files under ``shared`` that are gone, not of the size ``files`` lists (a
+        reader refuses those), or no longer hold the header or the chunks' bytes the manifest names."""
         by_file: dict[str, dict[tuple[int, int], Chunk]] = {}
         for c in shared:
             by_file.setdefault(c.file, {})[c.byte_range] = c
@@ -78,20 +80,45 @@ class PoolCheck:
         todo: dict[str, tuple[float, int, float, list[Chunk]]] = {}  # file -> (its stat time, size, mtime, chunks)
         for name, chunks in by_file.items():
             at = time.time()
+            entry = files.get(name)
             info = self.storage.stat(self.storage.join(self.pool, name))
-            if info is None or info.is_dir or not info.regular or info.size != sizes.get(name):
+            if entry is None or info is None or info.is_dir or not info.regular or info.size != entry.size:
                 bad.add(name)
                 continue
             known = self._checked.get(name)
             vouched = known.ranges if known is not None and known.vouches(info.size, info.mtime, at) else frozenset()
             unread = [c for r, c in chunks.items() if r not in vouched]
-            if unread:
+            if unread or _HEADER not in vouched:
+                if _HEADER not in vouched and not self._header_intact(name, entry):
+                    bad.add(name)
+                    continue
                 todo[name] = (at, info.size, info.mtime, unread)
         if todo:
             bad |= self._read_back(todo, threads)
         for name in bad:
             self._checked.pop(name, None)
         return bad
+
+    def _header_intact(self, name: str, entry: FileEntry) -> bool:
+        """Whether the file's safetensors header is the one the manifest's header checksum names."""
+        path = self.storage.join(self.pool, name)
+        try:
+            prefix = bytearray(8)
+            if self.storage.read_into(path, 0, memoryview(prefix)) != 8:
+                return False
+            n = datafile.header_length(bytes(prefix))
+            if n > entry.size:
+                return False
+            blob = bytearray(n)
+            if self.storage.read_into(path, 0, memoryview(blob)) != n:
+                return False
+            return checksum.value_of(memoryview(blob)) == checksum.expected_value(entry.header_checksum, path)
+        except StorageError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+        except CorruptCheckpointError:
+            return False  # a malformed length prefix, or a checksum this version cannot check
 
     def _read_back(self, todo: Mapping[str, tuple[float, int, float, list[Chunk]]], threads: int) -> set[str]:
         """Read the chunks of ``todo`` back; returns the files with a chunk that does not hash as named."""
@@ -108,7 +135,7 @@ class PoolCheck:
                 continue
             known = self._checked.get(name)
             kept = known.ranges if known is not None and known.vouches(size, mtime, at) else frozenset()
-            self._checked[name] = _Checked(size, mtime, at, kept | {c.byte_range for c in chunks})
+            self._checked[name] = _Checked(size, mtime, at, kept | {c.byte_range for c in chunks} | {_HEADER})
         return bad
 
     def _intact(self, name: str, chunk: Chunk) -> bool:

@@ -97,9 +97,7 @@ class IncrementalSaver:
             return result
         index = self._index if self._index is not None else self._load_base()
         reused = _unchanged(index, snapshot.entries, threads)
-        damaged = self._check.damaged(
-            (c for chunks in reused.values() for c in chunks), {n: f.size for n, f in index.files.items()}, threads
-        )
+        damaged = self._check.damaged((c for chunks in reused.values() for c in chunks), index.files, threads)
         if damaged:  # never name bytes that are gone or wrong: those tensors are written again
             log.warning(
                 "pool files %s of %s are missing or damaged: the tensors stored there are written again",
