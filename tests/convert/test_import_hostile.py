@@ -566,3 +566,15 @@ def test_a_torch_file_of_the_tar_format_is_refused_naming_it(tmp_path):
             tar.addfile(info, io.BytesIO(data))
     with pytest.raises(trainstate.CheckpointError, match=r"ancient\.pt"):
         trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_torch_save_zip_after_another_is_refused_not_read_two_ways(tmp_path):
+    """torch's zip reader and Python's zipfile (which checks the CRC-32s) each read one of two zips laid end to
+    end: torch imported the first, whose bytes no check had read."""
+    first, second = io.BytesIO(), io.BytesIO()
+    torch.save({"w": torch.full((4,), 7.0)}, first)
+    torch.save({"w": torch.arange(4.0)}, second)
+    src = tmp_path / "two.pt"
+    src.write_bytes(first.getvalue() + second.getvalue())
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"two\.pt.*before its zip"):
+        trainstate.import_checkpoint(src, tmp_path / "out")

@@ -283,10 +283,16 @@ def _check_crcs(path: Path) -> None:
     a byte flipped after the file was written would be imported, checksummed anew and verify. One read of
     the stored records (and of ``data.pkl``, already bounded by the file's size), a MiB at a time; the
     import then reads them from the page cache. Other compressed records, which torch never reads, are not
-    inflated."""
+    inflated. The zip must start at the file's first byte: zipfile reads the last zip of the file, torch's
+    reader may read another."""
     bad = None
     try:
         with zipfile.ZipFile(path) as zf:
+            if min((info.header_offset for info in zf.infolist()), default=-1) != 0:
+                raise CorruptCheckpointError(
+                    f"{path}: it has bytes before its zip (another zip, say), which torch.save never writes; torch "
+                    "and the zip's checksums would each read a different archive"
+                )
             for info in zf.infolist():
                 if info.compress_type != zipfile.ZIP_STORED and not info.filename.endswith("data.pkl"):
                     continue
