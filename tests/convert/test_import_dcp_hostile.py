@@ -4,6 +4,7 @@ would; the import refuses it with a CheckpointError naming the file, and changes
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copyreg
 import io
@@ -459,3 +460,62 @@ def test_the_command_line_says_one_line(tmp_path):
     err = cli("import", str(src), str(tmp_path / "ck"), code=5).stderr
     assert err.startswith("trainstate: error: ") and err.count("\n") == 1 and str(src) in err, err
     assert os.listdir(tmp_path) == ["dcp"] or "ck" not in os.listdir(tmp_path)
+
+
+# 6. an entry torch.load would read otherwise than the entry check: a zip from its first byte, nothing before it
+
+
+class _Storage:
+    pass
+
+
+_STORAGE = _Storage()
+
+
+class _Tensor:
+    """Pickles as torch.save's legacy format pickles a float32 tensor of 64 elements over ``_STORAGE``."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return torch._utils._rebuild_tensor_v2, (_STORAGE, 0, (64,), (1,), False, collections.OrderedDict())
+
+
+class _LegacyPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return ("storage", torch.FloatStorage, "0", "cpu", 64, None) if obj is _STORAGE else None
+
+
+def legacy_then_zip(entry: bytes) -> bytes:
+    """A legacy torch.save file that never stores its storage (torch leaves it uninitialized), then a zip:
+    Python's zipfile finds the zip at the end, torch.load sees no zip at the start and reads the pickle."""
+    out = io.BytesIO()
+    for head in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True}):
+        pickle.dump(head, out, protocol=2)
+    _LegacyPickler(out, protocol=2).dump(_Tensor())
+    pickle.dump([], out, protocol=2)
+    return out.getvalue() + entry
+
+
+def zip_then_zip(entry: bytes) -> bytes:
+    """Another torch.save zip before the entry: a prefix the two zip readers may each resolve their own way."""
+    other = io.BytesIO()
+    torch.save(torch.full((4,), 7.0), other)
+    return other.getvalue() + entry
+
+
+@pytest.mark.parametrize("fqn", ["w", "step"], ids=["tensor", "bytes"])
+@pytest.mark.parametrize("forge", [legacy_then_zip, zip_then_zip])
+def test_an_entry_with_bytes_before_its_zip_is_refused(forge, fqn, tmp_path):
+    src = saved(tmp_path, {"w": torch.arange(64.0), "step": 9})
+    md = pickle.loads((src / ".metadata").read_bytes())
+    where = info(md, fqn)
+    with open(src / where.relative_path, "rb") as f:
+        f.seek(where.offset)
+        entry = forge(f.read(where.length))
+    (src / "forged.distcp").write_bytes(entry)
+
+    def change(md: Metadata) -> None:
+        stored = info(md, fqn)
+        stored.relative_path, stored.offset, stored.length = "forged.distcp", 0, len(entry)
+
+    rewrite(src, change)
+    refused(src, tmp_path, r"forged\.distcp")

@@ -489,3 +489,92 @@ def test_a_file_that_was_never_a_checkpoint_is_an_argument_error_saying_what_imp
     src.write_bytes(content)
     with pytest.raises(trainstate.InvalidArgumentError, match=r"config\.bin is not a file trainstate can import"):
         trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+# -- the legacy format (torch.save before 1.6, old Hugging Face .bin files): every storage read from the file --
+
+
+class _LegacyPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Storage):
+            return ("storage", torch.FloatStorage, "0", "cpu", obj.declared, None)
+        return None
+
+
+def _legacy_file(path: Path, declared: int, keys: list[str], data: bytes) -> None:
+    """A legacy torch.save file of one float32 tensor over a storage of ``declared`` floats; its storage-keys
+    list is ``keys``, and ``data`` follows it (each storage's 8-byte count, then its bytes)."""
+    out = io.BytesIO()
+    for head in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True}):
+        pickle.dump(head, out, protocol=2)
+    _LegacyPickler(out, protocol=2).dump({"w": _View(_Storage(declared), 0, (declared,), (1,))})
+    pickle.dump(keys, out, protocol=2)
+    path.write_bytes(out.getvalue() + data)
+
+
+@pytest.mark.parametrize(
+    ("declared", "keys", "data"),
+    [
+        (1 << 26, [], b""),  # never filled: torch leaves 256 MB of this process's memory in the tensor
+        (64, [], b""),
+        (64, ["0"], struct.pack("<q", 64) + b"\0" * 16),  # filled from bytes the file does not hold
+        (64, ["0"], struct.pack("<q", 63) + b"\0" * 256),  # its count is not the declared one
+        (64, ["0"], b"\0" * 4),  # no count
+    ],
+)
+def test_a_legacy_torch_file_whose_storage_is_not_in_the_file_is_refused(tmp_path, declared, keys, data):
+    """torch's legacy loader allocates each declared storage uninitialized and fills only those the keys list
+    names: the tensor imported the importing process's heap (pointers), checksummed as if it were weights."""
+    src = tmp_path / "legacy.pt"
+    _legacy_file(src, declared, keys, data)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"legacy\.pt"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_hand_built_legacy_torch_file_that_holds_its_storage_imports(tmp_path):
+    src = tmp_path / "legacy.pt"
+    values = torch.arange(64, dtype=torch.float32)
+    _legacy_file(src, 64, ["0"], struct.pack("<q", 64) + values.numpy().tobytes())
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    with trainstate.open(tmp_path / "out") as ck:
+        assert torch.equal(ck.read("w", framework="torch"), values)
+
+
+def test_a_legacy_torch_save_file_imports_bit_exactly(tmp_path):
+    w = torch.randn(5, 7)
+    state = {"w": w, "row": w[1], "b": torch.arange(6, dtype=torch.int64), "h": torch.randn(3).half(), "n": 3}
+    src = tmp_path / "pytorch_model.bin"
+    torch.save(state, src, _use_new_zipfile_serialization=False)
+    assert not src.read_bytes().startswith(b"PK")
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    with trainstate.open(tmp_path / "out") as ck:
+        for name in ("w", "row", "b", "h"):
+            got = ck.read(name, framework="torch")
+            assert got.dtype == state[name].dtype and got.numpy().tobytes() == state[name].numpy().tobytes()
+
+
+def test_a_torch_file_of_the_tar_format_is_refused_naming_it(tmp_path):
+    """torch 0.3 and older saved a tar archive, which torch.load reads only by running its pickles."""
+    import tarfile
+
+    src = tmp_path / "ancient.pt"
+    with tarfile.open(src, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in (("storages", pickle.dumps(0, protocol=2)), ("tensors", pickle.dumps(0, protocol=2))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(trainstate.CheckpointError, match=r"ancient\.pt"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_torch_save_zip_after_another_is_refused_not_read_two_ways(tmp_path):
+    """torch's zip reader and Python's zipfile (which checks the CRC-32s) each read one of two zips laid end to
+    end: torch imported the first, whose bytes no check had read."""
+    first, second = io.BytesIO(), io.BytesIO()
+    torch.save({"w": torch.full((4,), 7.0)}, first)
+    torch.save({"w": torch.arange(4.0)}, second)
+    src = tmp_path / "two.pt"
+    src.write_bytes(first.getvalue() + second.getvalue())
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"two\.pt.*before its zip"):
+        trainstate.import_checkpoint(src, tmp_path / "out")

@@ -188,7 +188,10 @@ class _Window(io.RawIOBase):
 
 
 def _entry(f: BinaryIO, where: Stored, what: str) -> BinaryIO:
-    """The bytes of one storage entry (a torch.save file), decompressed no further than its limit."""
+    """The bytes of one storage entry (a torch.save file), decompressed no further than its limit: a zip from
+    its first byte. Python's zipfile finds a zip at the end of its bytes, whatever precedes it; torch.load
+    reads bytes that do not start as a zip as its legacy format, whose unnamed storages it leaves
+    uninitialized: an entry torch.load would read otherwise than it was checked is refused."""
     window: BinaryIO = _Window(f, where.offset, where.length)  # type: ignore[assignment]
     if where.compressed:
         with optional("zstandard", extra="zstd", needed_for="importing a zstd-compressed DCP directory"):
@@ -206,8 +209,18 @@ def _entry(f: BinaryIO, where: Stored, what: str) -> BinaryIO:
                 "metadata declares"
             )
         window = io.BytesIO(out)
+    if window.read(4) != b"PK\x03\x04":  # torch.load reads anything else as its legacy format, unchecked
+        raise CorruptCheckpointError(
+            f"{where.file}: the entry of {what} does not start as a zip, as torch.save writes it"
+        )
+    window.seek(0)
     with zipfile.ZipFile(window) as z:  # torch.load would inflate a deflated record to the size it claims
-        if any(i.compress_type != zipfile.ZIP_STORED or i.file_size > where.limit for i in z.infolist()):
+        records = z.infolist()
+        if min((i.header_offset for i in records), default=-1) != 0:  # bytes before the zip zipfile read
+            raise CorruptCheckpointError(
+                f"{where.file}: the entry of {what} has bytes before its zip, which torch.save never writes"
+            )
+        if any(i.compress_type != zipfile.ZIP_STORED or i.file_size > where.limit for i in records):
             raise CorruptCheckpointError(
                 f"{where.file}: the entry of {what} holds compressed or oversized records; torch.save writes neither"
             )

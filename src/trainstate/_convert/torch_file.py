@@ -3,7 +3,8 @@
 Reading uses ``torch.load(weights_only=True, mmap=True)``: torch's restricted unpickler builds only
 tensors, containers and plain values (a pickled class is refused, never run), and ``mmap`` leaves the
 tensors' bytes in the file until the writer reads them. A file in torch's legacy (pre-1.6, non-zip)
-format cannot be mapped and is loaded whole, still restricted.
+format cannot be mapped and is loaded whole, still restricted, once every storage its pickle declares is
+found in the file (torch would leave one it does not find uninitialized).
 
 Writing produces exactly what ``torch.save(state_dict, path)`` writes (a zip of ``data.pkl`` naming each
 tensor's storage, then one record per storage), but streams: the pickle only *names* the storages, so it
@@ -21,6 +22,7 @@ import math
 import os
 import pickle
 import re
+import struct
 import sys
 import warnings
 import zipfile
@@ -143,12 +145,17 @@ def _check_storages(torch: Any, path: Path) -> None:
     ``torch.load(mmap=True)`` slices the mapped file by the *declared* size, unchecked: a storage declared
     larger than its record reads the bytes after it (other tensors, the zip's directory) as its own. The
     pickle is run once more here by torch's restricted unpickler with storages on the meta device (no
-    bytes), each declared size compared with its record's. Files in the legacy format are left to torch.
+    bytes), each declared size compared with its record's. Files in the legacy format are checked by
+    :func:`_check_legacy_storages`.
     """
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":  # torch.load's own test of the format
+            _check_legacy_storages(torch, path, f)
+            return
     try:
         reader = torch._C.PyTorchFileReader(str(path))
     except RuntimeError:
-        return  # not a zip: the legacy format, or not a torch file (torch.load says which)
+        return  # not a torch file (torch.load says so)
     records = set(reader.get_all_records())
     if "data.pkl" not in records:
         return
@@ -185,15 +192,107 @@ def _check_storages(torch: Any, path: Path) -> None:
     _check_crcs(path)
 
 
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy torch.save file
+
+
+def _check_legacy_storages(torch: Any, path: Path, f: io.BufferedReader) -> None:
+    """Refuse a legacy-format file (torch.save before 1.6, old Hugging Face ``.bin`` files) any storage of
+    whose pickle is not read from the file.
+
+    The format is five pickles (a magic number, a protocol version, the system's sizes, the object, the
+    list of its storages' keys), then, for each key in that list, the storage's element count (8 bytes)
+    and its bytes. torch's loader allocates every storage the object's pickle declares, *uninitialized*,
+    and fills only those the keys list names: a storage left out imports whatever the importing process's
+    memory held there (heap pointers, other data), and a huge declared size makes a tiny file a huge
+    checkpoint. The pickles are read here by torch's restricted unpickler, storages on the meta device (no
+    bytes); every declared storage must be named, each name's count must be the declared one, and its
+    bytes must be in the file.
+    """
+    from torch._weights_only_unpickler import Unpickler
+
+    def unpickle(load: Callable[[Any], Any] | None = None) -> Any:
+        unpickler = Unpickler(f, encoding="utf-8")
+        if load is not None:
+            unpickler.persistent_load = load  # type: ignore[method-assign]
+        with warnings.catch_warnings():  # torch.load, which reads these pickles next, warns of them itself
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return unpickler.load()  # type: ignore[no-untyped-call]
+
+    f.seek(0)
+    try:
+        magic = unpickle()
+    except Exception:  # noqa: BLE001 - not a pickle: not a torch file (torch.load says so)
+        magic = None
+    if magic != LEGACY_MAGIC:
+        return
+    unpickle()  # the protocol version and the system's sizes: torch.load checks them
+    unpickle()
+    declared: dict[str, tuple[int, int]] = {}  # key -> its element count and bytes
+
+    def persistent_load(pid: Any) -> Any:
+        if not isinstance(pid, tuple) or len(pid) != 6:
+            raise CorruptCheckpointError(f"{path}: the pickle names a storage as {pid!r:.80}")
+        _, kind, key, _, numel, _ = pid
+        dtype = getattr(kind, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0 or type(key) is not str:
+            raise CorruptCheckpointError(f"{path}: the pickle names a storage as {pid!r:.80}")
+        nbytes = numel * torch._utils._element_size(dtype)
+        declared.setdefault(key, (numel, nbytes))  # torch allocates a key at its first declaration
+        return torch.storage.TypedStorage(
+            wrap_storage=torch.UntypedStorage(nbytes, device="meta"), dtype=dtype, _internal=True
+        )
+
+    unpickle(persistent_load)
+    keys = unpickle()
+    if type(keys) is not list or any(type(key) is not str for key in keys):
+        raise CorruptCheckpointError(f"{path}: its list of storages is a {type(keys).__name__}, not a list of names")
+    missing = declared.keys() - set(keys)
+    if missing:
+        key = min(missing)
+        raise CorruptCheckpointError(
+            f"{path}: storage {key!r:.40} ({declared[key][1]} bytes) is declared by the pickle but never stored in "
+            "the file (its list of storages leaves it out), so torch would leave its memory uninitialized: the "
+            "file is damaged or forged"
+        )
+    at, size = f.tell(), os.fstat(f.fileno()).st_size
+    for key in keys:
+        if key not in declared:
+            raise CorruptCheckpointError(
+                f"{path}: its list of storages names {key!r:.40}, which the pickle never declares"
+            )
+        numel, nbytes = declared[key]
+        f.seek(at)
+        head = f.read(8)
+        count = struct.unpack("<q", head)[0] if len(head) == 8 else None
+        if count is None or at + 8 + nbytes > size:
+            raise CorruptCheckpointError(
+                f"{path}: storage {key!r:.40} is declared as {nbytes} bytes, but the file ends before them: it is "
+                "truncated, damaged or forged"
+            )
+        if count != numel:
+            raise CorruptCheckpointError(
+                f"{path}: storage {key!r:.40} is declared as {numel} elements, but the file counts {count} "
+                "for it: the file is damaged or forged"
+            )
+        at += 8 + nbytes
+
+
 def _check_crcs(path: Path) -> None:
     """Refuse a zip-format file any of whose records fails its CRC-32: ``torch.load`` never checks them, so
     a byte flipped after the file was written would be imported, checksummed anew and verify. One read of
     the stored records (and of ``data.pkl``, already bounded by the file's size), a MiB at a time; the
     import then reads them from the page cache. Other compressed records, which torch never reads, are not
-    inflated."""
+    inflated. The zip must start at the file's first byte: zipfile reads the last zip of the file, torch's
+    reader may read another."""
     bad = None
     try:
         with zipfile.ZipFile(path) as zf:
+            if min((info.header_offset for info in zf.infolist()), default=-1) != 0:
+                raise CorruptCheckpointError(
+                    f"{path}: it has bytes before its zip (another zip, say), which torch.save never writes; torch "
+                    "and the zip's checksums would each read a different archive"
+                )
             for info in zf.infolist():
                 if info.compress_type != zipfile.ZIP_STORED and not info.filename.endswith("data.pkl"):
                     continue
