@@ -19,22 +19,35 @@ from typing import Any
 MAX_SHARING = 8  # distinct values of one hash a dict may hold
 
 
-def crowded(values: Iterable[Any]) -> Any | None:
-    """A value whose hash more than :data:`MAX_SHARING` distinct ``values`` share, or None where none does.
+class Tally:
+    """The distinct values seen so far per hash, for a dict filled a few items at a time (an unpickler's)."""
 
-    Raises TypeError for an unhashable value (as building the dict would).
-    """
-    seen: dict[int, list[Any]] = {}  # hash -> its distinct values so far (at most MAX_SHARING + 1)
-    for value in values:
-        kind = type(value)
-        if kind is str or kind is bytes:
-            continue
-        same = seen.setdefault(hash(value), [])
-        if value not in same:  # equal values (1, 1.0, True) are one key of a dict: counted once
-            same.append(value)
-            if len(same) > MAX_SHARING:
-                return value
-    return None
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[int, list[Any]] = {}  # hash -> its distinct values so far (at most MAX_SHARING + 1)
+
+    def crowded(self, values: Iterable[Any]) -> Any | None:
+        """The first of ``values`` whose hash more than :data:`MAX_SHARING` distinct values seen share, or None.
+
+        Raises TypeError for an unhashable value (as building the dict would).
+        """
+        seen = self._seen
+        for value in values:
+            kind = type(value)
+            if kind is str or kind is bytes:
+                continue
+            same = seen.setdefault(hash(value), [])
+            if value not in same:  # equal values (1, 1.0, True) are one key of a dict: counted once
+                same.append(value)
+                if len(same) > MAX_SHARING:
+                    return value
+        return None
+
+
+def crowded(values: Iterable[Any]) -> Any | None:
+    """A value whose hash more than :data:`MAX_SHARING` distinct ``values`` share, or None where none does."""
+    return Tally().crowded(values)
 
 
 def describe(value: Any) -> str:
