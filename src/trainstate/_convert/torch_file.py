@@ -18,8 +18,10 @@ import collections
 import errno
 import io
 import math
+import mmap
 import os
 import pickle
+import pickletools
 import re
 import sys
 import warnings
@@ -31,6 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from trainstate import _hashes
 from trainstate._convert.source import SourceTensor
 from trainstate._format import dtypes
 from trainstate._optional import optional
@@ -148,6 +151,7 @@ def _check_storages(torch: Any, path: Path) -> None:
     try:
         reader = torch._C.PyTorchFileReader(str(path))
     except RuntimeError:
+        _refuse_crowded_legacy(path)
         return  # not a zip: the legacy format, or not a torch file (torch.load says which)
     records = set(reader.get_all_records())
     if "data.pkl" not in records:
@@ -155,6 +159,8 @@ def _check_storages(torch: Any, path: Path) -> None:
     if reader.get_record_size("data.pkl") > path.stat().st_size:  # compressed past its file: a zip bomb
         raise CorruptCheckpointError(f"{path}: its pickle (data.pkl) claims more bytes than the whole file")
     _refuse_compressed(path)
+    data = reader.get_record("data.pkl")
+    _refuse_crowded_numbers(path, data)
     from torch._weights_only_unpickler import Unpickler
 
     def persistent_load(pid: Any) -> Any:
@@ -177,12 +183,41 @@ def _check_storages(torch: Any, path: Path) -> None:
             wrap_storage=torch.UntypedStorage(nbytes, device="meta"), dtype=dtype, _internal=True
         )
 
-    unpickler = Unpickler(io.BytesIO(reader.get_record("data.pkl")), encoding="utf-8")
+    unpickler = Unpickler(io.BytesIO(data), encoding="utf-8")
     unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
     with warnings.catch_warnings():  # torch's own rebuild of a quantized tensor touches TypedStorage
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         unpickler.load()  # type: ignore[no-untyped-call]
     _check_crcs(path)
+
+
+_NUMBERS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
+
+
+def _refuse_crowded_numbers(path: Path, pickled: Any) -> None:
+    """Refuse a pickle holding more than a few distinct numbers of one hash (:mod:`trainstate._hashes`), before
+    torch's unpickler builds a dict of them in time quadratic in their number. One pass of ``pickletools`` over
+    the opcodes, running nothing; ``pickled`` is bytes or a file, read up to the pickle's STOP. A pickle the
+    scan cannot read is left to torch's unpickler, which says what is wrong with it."""
+    numbers = (arg for op, arg, _ in pickletools.genops(pickled) if op.name in _NUMBERS)
+    try:
+        crowded = _hashes.crowded(numbers)
+    except Exception:  # noqa: BLE001 - not a pickle: torch's unpickler refuses it with its own words
+        return
+    if crowded is not None:
+        raise CorruptCheckpointError(f"{path}: its pickle is refused: {_hashes.describe(crowded)}")
+
+
+def _refuse_crowded_legacy(path: Path) -> None:
+    """:func:`_refuse_crowded_numbers` for a file in torch's legacy format: its first four pickles (the magic
+    number, the protocol, the system's sizes, the object). The file is mapped, not read: a length in the
+    pickle then never sizes an allocation."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            for _ in range(4):
+                _refuse_crowded_numbers(path, mapped)
+    except (OSError, ValueError):  # empty, or not a file mmap can map: torch.load says what it is
+        return
 
 
 def _check_crcs(path: Path) -> None:
