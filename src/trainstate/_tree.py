@@ -213,7 +213,10 @@ def _parsed_dict(keys: list[Any], tagged: list[int], what: str | None, results: 
 
 def _refuse_crowded(at: tuple[str, ...], keys: Iterable[Any]) -> None:
     """The save side of :func:`_parsed_dict`'s rule: a state is never saved that its load would refuse."""
-    crowded = _hashes.crowded(keys)
+    try:
+        crowded = _hashes.crowded(keys)
+    except TypeError:  # an unhashable key: the walk refuses it, naming it
+        return
     if crowded is not None:
         raise UnsupportedValueError(f"{join(at) or 'the state'}: {_hashes.describe(crowded)}")
 
