@@ -551,3 +551,46 @@ def test_a_model_and_optimizer_state_saved_by_torch_still_import(tmp_path):
     trainstate.import_checkpoint(src, tmp_path / "out")
     back = trainstate.load(tmp_path / "out", framework="torch")
     assert sorted(back["optim"]["state"]) == list(range(4)) and len(back["ints"]) == 10_000
+
+
+_P1, _P2, _P5, _W = 11400714785074694791, 14029467366897019727, 2870177450012600261, (1 << 64) - 1
+
+
+def _colliding_pairs(n: int) -> list[tuple[int, int]]:
+    """``n`` pairs of ints of distinct hashes whose tuples all share one hash: CPython's tuple hash (xxHash's
+    round, the same since 3.8) solved for the second item."""
+    acc2 = (12345 - (2 ^ (_P5 ^ 3527539))) & _W
+    lanes = (acc2 * pow(_P1, -1, 1 << 64)) & _W
+    lanes = ((lanes >> 31) | (lanes << 33)) & _W
+    pairs = []
+    for k in range(1, 100 * n):
+        acc1 = (_P5 + k * _P2) & _W
+        acc1 = (((acc1 << 31) | (acc1 >> 33)) & _W) * _P1 & _W
+        second = ((lanes - acc1) * pow(_P2, -1, 1 << 64)) & _W
+        second -= (second >> 63) << 64
+        if abs(second) < (1 << 61) - 1 and second != -1:
+            pairs.append((k, second))
+            if len(pairs) == n:
+                break
+    return pairs
+
+
+def test_tuple_keys_of_one_hash_built_from_numbers_of_distinct_hashes_are_refused(tmp_path):
+    pairs = _colliding_pairs(9)
+    assert len({hash(p) for p in pairs}) == 1 and len({hash(x) for p in pairs for x in p}) == 18
+    src = tmp_path / "pairs.pt"
+    torch.save({"w": torch.zeros(2), "x": dict.fromkeys(pairs, 0)}, src)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"pairs.pt: .*share one hash"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("depth", [50, 100_000])
+def test_deeply_nested_tuples_are_hashed_no_deeper_than_a_limit(tmp_path, depth):
+    data = pickle.PROTO + b"\x02" + pickle.BININT1 + b"\x01" + pickle.TUPLE1 * depth + pickle.STOP
+    src = tmp_path / "deep.pt"
+    _zip_of(src, data)
+    if depth > 100:
+        with pytest.raises(trainstate.CorruptCheckpointError, match=r"deep.pt: .*nest deeper than 100 levels"):
+            trainstate.import_checkpoint(src, tmp_path / "out")
+    else:
+        trainstate.import_checkpoint(src, tmp_path / "out")
