@@ -32,11 +32,12 @@ import binascii
 import json
 import math
 import sys
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, Generic, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checkable
 
+from trainstate import _hashes
 from trainstate._frameworks import (
     adapter_for,
     jax_tree,
@@ -195,14 +196,29 @@ def _dict_node(pairs: list[Any]) -> DictNode:
     return _new_dict(tuple(pairs[::2]), tuple(pairs[1::2]))  # the children alternate: key, value, key, ...
 
 
-def _parsed_dict(keys: list[Any], tagged: list[int], results: list[Any]) -> DictNode:
-    """The dict node from a parse: ``results`` holds the values, then the walked keys at ``tagged``."""
+def _parsed_dict(keys: list[Any], tagged: list[int], what: str | None, results: list[Any]) -> DictNode:
+    """The dict node from a parse: ``results`` holds the values, then the walked keys at ``tagged``. With
+    ``what`` (some key is not a string), keys that share one hash are refused (:mod:`trainstate._hashes`)."""
     if tagged:
         n = len(keys)
         for i, key in zip(tagged, results[n:]):
             keys[i] = key
         del results[n:]
+    if what is not None:
+        crowded = _hashes.crowded(keys)
+        if crowded is not None:
+            raise CorruptCheckpointError(f"{what}: a dict in which {_hashes.describe(crowded)}")
     return _new_dict(tuple(keys), tuple(results))
+
+
+def _refuse_crowded(at: tuple[str, ...], keys: Iterable[Any]) -> None:
+    """The save side of :func:`_parsed_dict`'s rule: a state is never saved that its load would refuse."""
+    try:
+        crowded = _hashes.crowded(keys)
+    except TypeError:  # an unhashable key: the walk refuses it, naming it
+        return
+    if crowded is not None:
+        raise UnsupportedValueError(f"{join(at) or 'the state'}: {_hashes.describe(crowded)}")
 
 
 def _stateful_node(type_name: str, state: list[Any]) -> StatefulNode:
@@ -366,6 +382,7 @@ def encode(
             source = bound.get(id(value), value)
             return Branch([(source.state_dict(), at, False)], partial(_stateful_node, type_label(value)))
         if isinstance(value, Mapping):
+            _refuse_crowded(at, value.keys())
             children: list[_Live] = []
             for k, v in value.items():
                 children.append((k, at, True))
@@ -379,6 +396,7 @@ def encode(
             kids, _ = node
             if jax_tree.is_single(value, kids):
                 return Branch([(kids[0][1], at, False)], _first)
+            _refuse_crowded(at, (k for k, _ in kids))
             children = []
             for k, v in kids:
                 children.append((k, at, True))
@@ -500,17 +518,20 @@ def parse(raw: Any, tensors: Collection[str] | None, what: str = "tree") -> Node
                 keys: list[Any] = []
                 children: list[Any] = []
                 walked: list[int] = []
+                odd = False  # a key that is not a string, whose hash the file can choose
                 for pair in v:
                     if type(pair) is not list or len(pair) != 2:
                         raise CorruptCheckpointError(f"{what}: malformed dict item")
                     k = pair[0]
-                    if type(k) not in _BARE:  # a bare key is final, and no deeper than its value
-                        walked.append(len(keys))
+                    if type(k) is not str:
+                        odd = True
+                        if type(k) not in _BARE:  # a bare key is final, and no deeper than its value
+                            walked.append(len(keys))
                     keys.append(k)
                     children.append(pair[1])
                 if walked:
                     children.extend((keys[i],) for i in walked)  # walked after the values
-                return Branch(children, partial(_parsed_dict, keys, walked))
+                return Branch(children, partial(_parsed_dict, keys, walked, what if odd else None))
             if (tag == "list" or tag == "tuple") and type(v) is list:
                 return Branch(v, _seq_node if tag == "list" else _tuple_node)
             if tag == "stateful" and type(item.get("type")) is str and "v" in item:

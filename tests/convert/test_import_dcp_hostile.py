@@ -519,3 +519,28 @@ def test_an_entry_with_bytes_before_its_zip_is_refused(forge, fqn, tmp_path):
 
     rewrite(src, change)
     refused(src, tmp_path, r"forged\.distcp")
+
+
+def _colliding_dict(n: int, one_at_a_time: bool = False) -> bytes:
+    """A pickled dict of ``n`` int keys that all hash to 0 (``k * (2**61 - 1)``): each insertion probes every
+    earlier key, so building it takes time quadratic in ``n``. Filled by one SETITEMS, or a SETITEM per key."""
+    items = b""
+    for k in range(1, n + 1):
+        key = (k * ((1 << 61) - 1)).to_bytes(10, "little", signed=True)
+        items += pickle.LONG1 + b"\x0a" + key + pickle.BININT1 + b"\x00" + (pickle.SETITEM if one_at_a_time else b"")
+    if one_at_a_time:
+        return pickle.EMPTY_DICT + items
+    return pickle.EMPTY_DICT + pickle.MARK + items + pickle.SETITEMS
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True], ids=["setitems", "setitem"])
+def test_a_dict_of_keys_sharing_one_hash_is_refused_before_it_is_built(tmp_path, one_at_a_time):
+    src = saved(tmp_path)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.planner_data = "FLOODMARK"
+    raw = pickle.dumps(md, protocol=2)
+    at = raw.index(b"FLOODMARK") - 5  # BINUNICODE, its 4-byte length, the text
+    (src / ".metadata").write_bytes(raw[:at] + _colliding_dict(20_000, one_at_a_time) + raw[at + 14 :])
+    started = time.perf_counter()
+    refused(src, tmp_path, "share one hash")
+    assert time.perf_counter() - started < 2  # the quadratic build takes several seconds

@@ -11,6 +11,7 @@ import os
 import pickle
 import struct
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -577,4 +578,108 @@ def test_a_torch_save_zip_after_another_is_refused_not_read_two_ways(tmp_path):
     src = tmp_path / "two.pt"
     src.write_bytes(first.getvalue() + second.getvalue())
     with pytest.raises(trainstate.CorruptCheckpointError, match=r"two\.pt.*before its zip"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def _colliding_dict(n: int) -> bytes:
+    """A protocol-2 pickle of a dict of ``n`` int keys that all hash to 0 (``k * (2**61 - 1)``): each
+    insertion probes every earlier key, so unpickling it takes time quadratic in ``n``."""
+    items = b""
+    for k in range(1, n + 1):
+        key = (k * ((1 << 61) - 1)).to_bytes(10, "little", signed=True)
+        items += pickle.LONG1 + b"\x0a" + key + pickle.BININT1 + b"\x00"
+    return pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + pickle.MARK + items + pickle.SETITEMS + pickle.STOP
+
+
+def _zip_of(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        writer = torch._C.PyTorchFileWriter(f, True, 64)
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record(".format_version", "1", 1)
+        writer.write_record(".storage_alignment", "64", 2)
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        writer.write_end_of_file()
+        del writer
+
+
+def _legacy_of(path: Path, data: bytes) -> None:
+    out = io.BytesIO()
+    pickle.dump(0x1950A86A20F9469CFC6C, out, protocol=2)  # torch's legacy magic number
+    pickle.dump(1001, out, protocol=2)
+    pickle.dump({"protocol_version": 1001, "little_endian": True, "type_sizes": {"int": 4, "long": 4}}, out, protocol=2)
+    out.write(data)
+    pickle.dump([], out, protocol=2)  # the storage keys: none
+    path.write_bytes(out.getvalue())
+
+
+@pytest.mark.parametrize("layout", [_zip_of, _legacy_of], ids=["zip", "legacy"])
+def test_a_pickle_of_many_numbers_sharing_one_hash_is_refused_before_it_is_unpickled(tmp_path, layout):
+    src = tmp_path / "flood.pt"
+    layout(src, _colliding_dict(20_000))
+    started = time.perf_counter()
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"flood.pt: .*share one hash"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert time.perf_counter() - started < 2  # unpickling it takes several seconds
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_and_optimizer_state_saved_by_torch_still_import(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    group = {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0,
+        "amsgrad": False,
+        "params": [0, 1, 2, 3],
+    }
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": p.detach() * 0.1} for i, p in enumerate(model.parameters())}
+    optim = {"state": state, "param_groups": [group]}  # Adam's state_dict(), without a slow torch.optim import
+    src = tmp_path / "both.pt"
+    torch.save({"model": model.state_dict(), "optim": optim, "ints": {k: -k for k in range(-5000, 5000)}}, src)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    back = trainstate.load(tmp_path / "out", framework="torch")
+    assert sorted(back["optim"]["state"]) == list(range(4)) and len(back["ints"]) == 10_000
+
+
+_P1, _P2, _P5, _W = 11400714785074694791, 14029467366897019727, 2870177450012600261, (1 << 64) - 1
+
+
+def _colliding_pairs(n: int) -> list[tuple[int, int]]:
+    """``n`` pairs of ints of distinct hashes whose tuples all share one hash: CPython's tuple hash (xxHash's
+    round, the same since 3.8) solved for the second item."""
+    acc2 = (12345 - (2 ^ (_P5 ^ 3527539))) & _W
+    lanes = (acc2 * pow(_P1, -1, 1 << 64)) & _W
+    lanes = ((lanes >> 31) | (lanes << 33)) & _W
+    pairs = []
+    for k in range(1, 100 * n):
+        acc1 = (_P5 + k * _P2) & _W
+        acc1 = (((acc1 << 31) | (acc1 >> 33)) & _W) * _P1 & _W
+        second = ((lanes - acc1) * pow(_P2, -1, 1 << 64)) & _W
+        second -= (second >> 63) << 64
+        if abs(second) < (1 << 61) - 1 and second != -1:
+            pairs.append((k, second))
+            if len(pairs) == n:
+                break
+    return pairs
+
+
+def test_tuple_keys_of_one_hash_built_from_numbers_of_distinct_hashes_are_refused(tmp_path):
+    pairs = _colliding_pairs(9)
+    assert len({hash(p) for p in pairs}) == 1 and len({hash(x) for p in pairs for x in p}) == 18
+    src = tmp_path / "pairs.pt"
+    torch.save({"w": torch.zeros(2), "x": dict.fromkeys(pairs, 0)}, src)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"pairs.pt: .*share one hash"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("depth", [50, 100_000])
+def test_deeply_nested_tuples_are_hashed_no_deeper_than_a_limit(tmp_path, depth):
+    data = pickle.PROTO + b"\x02" + pickle.BININT1 + b"\x01" + pickle.TUPLE1 * depth + pickle.STOP
+    src = tmp_path / "deep.pt"
+    _zip_of(src, data)
+    if depth > 100:
+        with pytest.raises(trainstate.CorruptCheckpointError, match=r"deep.pt: .*nest deeper than 100 levels"):
+            trainstate.import_checkpoint(src, tmp_path / "out")
+    else:
         trainstate.import_checkpoint(src, tmp_path / "out")

@@ -24,6 +24,7 @@ import pickle
 from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 from typing import Any, NamedTuple
 
+from trainstate import _hashes
 from trainstate._format import dtypes
 from trainstate._optional import optional
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
@@ -104,6 +105,7 @@ class _Unpickler(_PythonUnpickler):  # type: ignore[misc]
 
     def __init__(self, file: Any) -> None:
         super().__init__(file)
+        self.tallies: dict[int, tuple[dict[Any, Any], _hashes.Tally]] = {}  # each filled dict's keys per hash
         torch = _torch()
         from torch.distributed.checkpoint import filesystem, metadata
         from torch.serialization import _get_layout
@@ -171,6 +173,12 @@ class _Unpickler(_PythonUnpickler):  # type: ignore[misc]
     def _set(self, target: Any, items: list[tuple[Any, Any]]) -> None:
         if type(target) is not dict:
             raise _Refused(f"it sets items of {_name(target)}, which is not a dict")
+        held = self.tallies.get(id(target))
+        if held is None:  # the dict is held with its tally: its id names no other dict while unpickling
+            held = self.tallies[id(target)] = (target, _hashes.Tally())
+        crowded = held[1].crowded(key for key, _ in items)
+        if crowded is not None:  # before the items go in: building such a dict takes quadratic time
+            raise _Refused(_hashes.describe(crowded))
         for key, value in items:
             if key in target:
                 raise _Refused(f"{_described(key)} is given twice")

@@ -19,20 +19,23 @@ import collections
 import errno
 import io
 import math
+import mmap
 import os
 import pickle
+import pickletools
 import re
 import struct
 import sys
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from trainstate import _hashes
 from trainstate._convert.source import SourceTensor
 from trainstate._format import dtypes
 from trainstate._optional import optional
@@ -150,6 +153,7 @@ def _check_storages(torch: Any, path: Path) -> None:
     """
     with open(path, "rb") as f:
         if f.read(4) != b"PK\x03\x04":  # torch.load's own test of the format
+            _refuse_crowded_legacy(path)  # before any unpickler builds its dictionaries
             _check_legacy_storages(torch, path, f)
             return
     try:
@@ -162,6 +166,8 @@ def _check_storages(torch: Any, path: Path) -> None:
     if reader.get_record_size("data.pkl") > path.stat().st_size:  # compressed past its file: a zip bomb
         raise CorruptCheckpointError(f"{path}: its pickle (data.pkl) claims more bytes than the whole file")
     _refuse_compressed(path)
+    data = reader.get_record("data.pkl")
+    _refuse_crowded_numbers(path, data)
     from torch._weights_only_unpickler import Unpickler
 
     def persistent_load(pid: Any) -> Any:
@@ -184,7 +190,7 @@ def _check_storages(torch: Any, path: Path) -> None:
             wrap_storage=torch.UntypedStorage(nbytes, device="meta"), dtype=dtype, _internal=True
         )
 
-    unpickler = Unpickler(io.BytesIO(reader.get_record("data.pkl")), encoding="utf-8")
+    unpickler = Unpickler(io.BytesIO(data), encoding="utf-8")
     unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
     with warnings.catch_warnings():  # torch's own rebuild of a quantized tensor touches TypedStorage
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
@@ -276,6 +282,95 @@ def _check_legacy_storages(torch: Any, path: Path, f: io.BufferedReader) -> None
                 "for it: the file is damaged or forged"
             )
         at += 8 + nbytes
+
+
+_NUMBERS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
+_CONSTANTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}
+_TUPLES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
+_TUPLE_DEPTH = 100  # a tuple's hash and equality recurse into its items (torch's own: a Size, a stride)
+_OTHER = object()  # a value the scan does not follow: its hash is randomized, by identity, or it has none
+
+
+def _values(pickled: Any, path: Path) -> Iterator[Any]:
+    """The numbers a pickle holds and the tuples it builds of them, in order: the values whose hashes a file
+    can choose (a tuple's hash comes from its items', so tuples of numbers of distinct hashes can share one).
+    Its stack and memo are followed by each opcode's stack effect (``pickletools``); anything else is one
+    opaque value. Hashing every tuple built costs at most 8 times the pickle's size: a pickle whose tuples
+    refer to each other's items over and over, or nest deeper than :data:`_TUPLE_DEPTH`, is refused."""
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[Any, Any] = {}
+    sizes: dict[int, tuple[int, int]] = {}  # id of a tuple built -> its items counted in full, its depth
+    budget = 8 * (len(pickled) if isinstance(pickled, (bytes, bytearray)) else pickled.size()) + 1_000_000
+    for op, arg, _ in pickletools.genops(pickled):
+        name = op.name
+        if name in _NUMBERS or name in _CONSTANTS:
+            stack.append(arg if name in _NUMBERS else _CONSTANTS[name])
+        elif name == "MARK":
+            marks.append(len(stack))
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
+        elif name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
+            stack.append(stack[-1] if name == "DUP" else memo.get(arg, _OTHER))
+        elif name == "TUPLE" or name in _TUPLES:
+            at = marks.pop() if name == "TUPLE" else len(stack) - _TUPLES[name]
+            items = tuple(stack[at:])
+            del stack[at:]
+            if any(item is _OTHER for item in items):
+                stack.append(_OTHER)
+                continue
+            inner = [sizes.get(id(item), (1, 1)) for item in items if type(item) is tuple]
+            size = len(items) + sum(n for n, _ in inner)
+            depth = 1 + max((d for _, d in inner), default=0)
+            budget -= size
+            if budget < 0 or depth > _TUPLE_DEPTH:
+                raise CorruptCheckpointError(
+                    f"{path}: its pickle's tuples refer to the same values over and over, or nest deeper than "
+                    f"{_TUPLE_DEPTH} levels: no torch.save of a state holds them"
+                )
+            sizes[id(items)] = (size, depth)
+            stack.append(items)
+        else:
+            before = op.stack_before
+            if pickletools.markobject in before:
+                del stack[marks.pop() :]
+                count = before.index(pickletools.markobject)
+            else:
+                count = len(before)
+            if count:
+                del stack[-count:]
+            stack.extend(_OTHER for _ in op.stack_after)
+            continue
+        if name in _NUMBERS or name.startswith("TUPLE"):
+            yield stack[-1]
+
+
+def _refuse_crowded_numbers(path: Path, pickled: Any) -> None:
+    """Refuse a pickle holding more than a few distinct numbers, or tuples of them, of one hash
+    (:mod:`trainstate._hashes`), before torch's unpickler builds a dict of them in time quadratic in their
+    number. One pass of ``pickletools`` over the opcodes, running nothing; ``pickled`` is bytes or a mapped
+    file, read up to the pickle's STOP. A pickle the scan cannot read is left to torch's unpickler, which says
+    what is wrong with it."""
+    try:
+        crowded = _hashes.crowded(_values(pickled, path))
+    except CorruptCheckpointError:
+        raise
+    except Exception:  # noqa: BLE001 - not a pickle: torch's unpickler refuses it with its own words
+        return
+    if crowded is not None:
+        raise CorruptCheckpointError(f"{path}: its pickle is refused: {_hashes.describe(crowded)}")
+
+
+def _refuse_crowded_legacy(path: Path) -> None:
+    """:func:`_refuse_crowded_numbers` for a file in torch's legacy format: its first four pickles (the magic
+    number, the protocol, the system's sizes, the object). The file is mapped, not read: a length in the
+    pickle then never sizes an allocation."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            for _ in range(4):
+                _refuse_crowded_numbers(path, mapped)
+    except (OSError, ValueError):  # empty, or not a file mmap can map: torch.load says what it is
+        return
 
 
 def _check_crcs(path: Path) -> None:

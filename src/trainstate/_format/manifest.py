@@ -327,7 +327,7 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME, key: Key | None = N
         raise
     _check_version(version, what)
     with malformed(what), _gc.paused():
-        return _build(body)
+        return _build(body, what)
 
 
 def _verify(raw: bytes | bytearray, body: dict[str, Any], key: Key | None, what: str) -> None:
@@ -385,7 +385,7 @@ _KNOWN_FIELDS = {"format", "format_version", "created", "writer", "metadata", "f
 _KNOWN_FIELDS.add(manifest_mac.FIELD)  # checked with the checksum, before _build
 
 
-def _build(body: dict[str, Any]) -> Manifest:
+def _build(body: dict[str, Any], what: str = "manifest") -> Manifest:
     files = tuple(_file_entry(f) for f in _typed(body["files"], list, "files"))
     sizes = {f.path: f.size for f in files}
     if len(sizes) != len(files):
@@ -397,10 +397,10 @@ def _build(body: dict[str, Any]) -> Manifest:
     if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
         raise CorruptCheckpointError(f"manifest 'created' is not a finite number: {created!r:.40}")
     return Manifest(
-        tree=_tree.parse(body["tree"], raw_tensors),
+        tree=_tree.parse(body["tree"], raw_tensors, f"{what} tree"),
         tensors=tensors,
         files=files,
-        metadata=_tree.parse(body["metadata"], None, "metadata"),
+        metadata=_tree.parse(body["metadata"], None, f"{what} metadata"),
         created=float(created),
         writer=_typed(body["writer"], str, "writer"),
         format_version=body["format_version"],

@@ -1,0 +1,58 @@
+"""Dict keys that share one hash value: the check that keeps building a dict from a file linear.
+
+Python's hashes of ints, floats (and so of tuples of them) are not randomized: an int hashes to itself modulo
+``2**61 - 1``, so the keys ``k * (2**61 - 1)`` all hash to 0. Every insertion of such a key into a dict
+compares it with each earlier one, and a dict of n of them takes n**2 / 2 comparisons: a file of a few MB,
+hours. No real state has more than two distinct keys of one hash (-1 and -2 are the one pair of small ints),
+so a dict, or a pickle's numbers, with more than :data:`MAX_SHARING` distinct values of one hash is refused
+before the dict is built: one pass, a hash and at most :data:`MAX_SHARING` comparisons per value.
+
+Strings and bytes are skipped: their hashes are randomized per process (``PYTHONHASHSEED``), so a file cannot
+choose collisions among them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+MAX_SHARING = 8  # distinct values of one hash a dict may hold
+
+
+class Tally:
+    """The distinct values seen so far per hash, for a dict filled a few items at a time (an unpickler's)."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[int, list[Any]] = {}  # hash -> its distinct values so far (at most MAX_SHARING + 1)
+
+    def crowded(self, values: Iterable[Any]) -> Any | None:
+        """The first of ``values`` whose hash more than :data:`MAX_SHARING` distinct values seen share, or None.
+
+        Raises TypeError for an unhashable value (as building the dict would).
+        """
+        seen = self._seen
+        for value in values:
+            kind = type(value)
+            if kind is str or kind is bytes:
+                continue
+            same = seen.setdefault(hash(value), [])
+            if value not in same:  # equal values (1, 1.0, True) are one key of a dict: counted once
+                same.append(value)
+                if len(same) > MAX_SHARING:
+                    return value
+        return None
+
+
+def crowded(values: Iterable[Any]) -> Any | None:
+    """A value whose hash more than :data:`MAX_SHARING` distinct ``values`` share, or None where none does."""
+    return Tally().crowded(values)
+
+
+def describe(value: Any) -> str:
+    """The refusal's reason, for a value :func:`crowded` returned."""
+    return (
+        f"more than {MAX_SHARING} distinct keys share one hash (such as {value!r:.40}); building a dict of "
+        "them takes time quadratic in their number, and no real state holds them"
+    )
