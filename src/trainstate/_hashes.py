@@ -45,6 +45,32 @@ class Tally:
         return None
 
 
+MAX_KEY_ITEMS = 10_000  # items a tuple key may hold, counted in full (hashing visits each, uncached)
+MAX_KEY_DEPTH = 100  # tuples a key may nest (hashing recurses in C, and overflows its stack far deeper)
+
+
+def costly(value: Any) -> bool:
+    """Whether hashing ``value`` would visit more than :data:`MAX_KEY_ITEMS` items or nest deeper than
+    :data:`MAX_KEY_DEPTH` tuples: a tuple shared by reference (``t = (t, t)`` over and over, from a pickle's
+    memo) costs 2**depth to hash, and one nested a million deep crashes the interpreter. Walked without
+    recursion, and stopped as soon as either limit is passed."""
+    if type(value) is not tuple:
+        return False
+    seen = 0
+    todo: list[tuple[Any, int]] = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if depth > MAX_KEY_DEPTH:
+            return True
+        for inner in item:
+            seen += 1
+            if seen > MAX_KEY_ITEMS:
+                return True
+            if type(inner) is tuple:
+                todo.append((inner, depth + 1))
+    return False
+
+
 def crowded(values: Iterable[Any]) -> Any | None:
     """A value whose hash more than :data:`MAX_SHARING` distinct ``values`` share, or None where none does."""
     return Tally().crowded(values)

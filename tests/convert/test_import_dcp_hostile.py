@@ -544,3 +544,25 @@ def test_a_dict_of_keys_sharing_one_hash_is_refused_before_it_is_built(tmp_path,
     started = time.perf_counter()
     refused(src, tmp_path, "share one hash")
     assert time.perf_counter() - started < 2  # the quadratic build takes several seconds
+
+
+@pytest.mark.parametrize("key", ["deep", "shared"])
+def test_a_key_whose_hash_would_crash_or_take_hours_is_refused_before_it_is_hashed(tmp_path, key):
+    """The unpickler hashed every key to count those of one hash: a key nested a million tuples deep crashed
+    the process, one shared 40 levels deep (t = (t, t)) took hours."""
+    src = saved(tmp_path)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.planner_data = "FLOODMARK"
+    raw = pickle.dumps(md, protocol=2)
+    at = raw.index(b"FLOODMARK") - 5  # BINUNICODE, its 4-byte length, the text
+    if key == "deep":
+        value = pickle.EMPTY_DICT + pickle.BINUNICODE + b"\x01\x00\x00\x00x" + pickle.TUPLE1 * 5000
+    else:
+        put = pickle.BINPUT + b"\xf0" + pickle.POP
+        value = pickle.EMPTY_DICT + pickle.BINUNICODE + b"\x01\x00\x00\x00x" + pickle.TUPLE1 + put
+        for _ in range(40):
+            value += pickle.BINGET + b"\xf0" + pickle.BINGET + b"\xf0" + pickle.TUPLE2 + put
+        value += pickle.BINGET + b"\xf0"
+    value += pickle.BININT1 + b"\x00" + pickle.SETITEM
+    (src / ".metadata").write_bytes(raw[:at] + value + raw[at + 14 :])
+    refused(src, tmp_path, "nests tuples deeper than 100")

@@ -683,3 +683,40 @@ def test_deeply_nested_tuples_are_hashed_no_deeper_than_a_limit(tmp_path, depth)
             trainstate.import_checkpoint(src, tmp_path / "out")
     else:
         trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def _deep_key(depth: int) -> bytes:
+    """A dict whose one key is a string in ``depth`` nested one-tuples: hashing it recurses ``depth`` deep in C
+    (a million levels crash the interpreter)."""
+    key = pickle.BINUNICODE + b"\x01\x00\x00\x00x" + pickle.TUPLE1 * depth
+    return pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + key + pickle.BININT1 + b"\x00" + pickle.SETITEM + pickle.STOP
+
+
+def _shared_key(levels: int) -> bytes:
+    """A dict whose key is ``(t_0, ..., t_n)`` with ``t_0 = ('x',)`` and ``t_k = (t_k-1, t_k-1)`` through the
+    memo: a few bytes a level, and 2**levels items to hash (tuples cache no hash)."""
+    body = pickle.MARK + pickle.BINUNICODE + b"\x01\x00\x00\x00x" + pickle.TUPLE1 + pickle.BINPUT + b"\x00"
+    for k in range(levels):
+        body += pickle.BINGET + bytes([k]) + pickle.BINGET + bytes([k]) + pickle.TUPLE2 + pickle.BINPUT + bytes([k + 1])
+    body += pickle.TUPLE
+    return pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + body + pickle.BININT1 + b"\x00" + pickle.SETITEM + pickle.STOP
+
+
+@pytest.mark.parametrize("layout", ["zip", "legacy"])
+@pytest.mark.parametrize("key", ["deep", "shared"])
+def test_a_key_whose_hash_would_crash_or_take_hours_is_refused_before_it_is_hashed(tmp_path, key, layout):
+    """A string in 5,000 nested tuples crashed the importing process (hashing recursed past the C stack at a
+    million levels; 5,000 keeps the test's own pickle small); a tuple shared 40 levels deep took hours."""
+    src = tmp_path / "key.pt"
+    (_zip_of if layout == "zip" else _legacy_of)(src, _deep_key(5000) if key == "deep" else _shared_key(40))
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"key\.pt: .*nest deeper than 100"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_complex_keys_of_one_hash_built_by_reduce_are_refused(tmp_path):
+    """complex(2**52 - 1000003*i, i) all hash to 2**52 while their parts do not: the scan followed plain
+    numbers only, so a dict of them unpickled in quadratic time (30 s for 40,000)."""
+    src = tmp_path / "complex.pt"
+    _zip_of(src, pickle.dumps({complex(2**52 - 1000003 * i, i): 0 for i in range(20)}, protocol=2))
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"complex\.pt: .*share one hash"):
+        trainstate.import_checkpoint(src, tmp_path / "out")

@@ -176,6 +176,12 @@ class _Unpickler(_PythonUnpickler):  # type: ignore[misc]
         held = self.tallies.get(id(target))
         if held is None:  # the dict is held with its tally: its id names no other dict while unpickling
             held = self.tallies[id(target)] = (target, _hashes.Tally())
+        for key, _ in items:
+            if _hashes.costly(key):  # before any hash of it: a shared or deep tuple costs hours, or the stack
+                raise _Refused(
+                    f"a dict key nests tuples deeper than {_hashes.MAX_KEY_DEPTH} or holds more than "
+                    f"{_hashes.MAX_KEY_ITEMS} items counted in full: a DCP save holds no such key"
+                )
         crowded = held[1].crowded(key for key, _ in items)
         if crowded is not None:  # before the items go in: building such a dict takes quadratic time
             raise _Refused(_hashes.describe(crowded))

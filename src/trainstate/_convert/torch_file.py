@@ -285,51 +285,106 @@ def _check_legacy_storages(torch: Any, path: Path, f: io.BufferedReader) -> None
 
 
 _NUMBERS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
+_STRINGS = frozenset(
+    {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+)
 _CONSTANTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}
 _TUPLES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
 _TUPLE_DEPTH = 100  # a tuple's hash and equality recurse into its items (torch's own: a Size, a stride)
 _OTHER = object()  # a value the scan does not follow: its hash is randomized, by identity, or it has none
+_NUMBER_TYPES = {"complex": complex, "int": int, "float": float}  # builtins whose values hash as numbers do
+_BUILTINS = ("builtins", "__builtin__")  # the module as protocols 3+ and 0-2 name it
+
+
+class _Global(NamedTuple):
+    """A class or function the pickle names (GLOBAL, STACK_GLOBAL)."""
+
+    module: str
+    name: str
+
+
+class _Built:
+    """A value the scan does not compute (an object REDUCE or NEWOBJ builds, a tuple holding one): its hash
+    is not followed, but what hashing it may cost is (its arguments' size and depth, counted as a tuple's)."""
+
+    __slots__ = ()
 
 
 def _values(pickled: Any, path: Path) -> Iterator[Any]:
     """The numbers a pickle holds and the tuples it builds of them, in order: the values whose hashes a file
-    can choose (a tuple's hash comes from its items', so tuples of numbers of distinct hashes can share one).
-    Its stack and memo are followed by each opcode's stack effect (``pickletools``); anything else is one
-    opaque value. Hashing every tuple built costs at most 8 times the pickle's size: a pickle whose tuples
-    refer to each other's items over and over, or nest deeper than :data:`_TUPLE_DEPTH`, is refused."""
+    can choose (a tuple's hash comes from its items', so tuples of numbers of distinct hashes can share one;
+    ``complex``, ``int`` and ``float`` built by REDUCE are numbers too). Its stack and memo are followed by
+    each opcode's stack effect (``pickletools``); anything else is one opaque value.
+
+    Hashing a tuple hashes its items, recursively and without caching: every tuple built, and every object
+    built from arguments (a ``torch.Size``), is counted at the size of everything under it, shared references
+    counted each time. The whole may cost at most 8 times the pickle's size, and nest at most
+    :data:`_TUPLE_DEPTH` deep (deeper, hashing it overflows the C stack); else the pickle is refused."""
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[Any, Any] = {}
-    sizes: dict[int, tuple[int, int]] = {}  # id of a tuple built -> its items counted in full, its depth
+    sizes: dict[int, tuple[int, int]] = {}  # id of a tuple or built value -> its items counted in full, depth
+    alive: list[Any] = []  # every value in sizes, kept so that no id is reused while the scan runs
     budget = 8 * (len(pickled) if isinstance(pickled, (bytes, bytearray)) else pickled.size()) + 1_000_000
+
+    def counted(items: tuple[Any, ...], value: Any) -> Any:
+        nonlocal budget
+        inner = [sizes.get(id(item), (1, 1)) for item in items if type(item) in (tuple, _Built)]
+        size = len(items) + sum(n for n, _ in inner)
+        depth = 1 + max((d for _, d in inner), default=0)
+        budget -= size
+        if budget < 0 or depth > _TUPLE_DEPTH:
+            raise CorruptCheckpointError(
+                f"{path}: its pickle's tuples refer to the same values over and over, or nest deeper than "
+                f"{_TUPLE_DEPTH} levels: no torch.save of a state holds them"
+            )
+        sizes[id(value)] = (size, depth)
+        alive.append(value)
+        return value
+
     for op, arg, _ in pickletools.genops(pickled):
         name = op.name
         if name in _NUMBERS or name in _CONSTANTS:
             stack.append(arg if name in _NUMBERS else _CONSTANTS[name])
+        elif name in _STRINGS:
+            stack.append(arg if isinstance(arg, str) else _OTHER)
         elif name == "MARK":
             marks.append(len(stack))
         elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
             memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
         elif name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
             stack.append(stack[-1] if name == "DUP" else memo.get(arg, _OTHER))
+        elif name == "GLOBAL":
+            module, _, attr = str(arg).partition(" ")
+            stack.append(_Global(module, attr))
+        elif name == "STACK_GLOBAL":
+            module, attr = stack[-2], stack[-1]
+            del stack[-2:]
+            stack.append(_Global(module, attr) if type(module) is str and type(attr) is str else _OTHER)
+        elif name in ("REDUCE", "NEWOBJ"):
+            made, args = stack[-2], stack[-1]
+            del stack[-2:]
+            number = _NUMBER_TYPES.get(made.name) if type(made) is _Global and made.module in _BUILTINS else None
+            if number is not None and type(args) is tuple and all(type(a) in (int, float, str) for a in args):
+                try:
+                    stack.append(number(*args))
+                except (TypeError, ValueError, OverflowError):
+                    stack.append(_OTHER)
+                else:
+                    yield stack[-1]
+                continue
+            if type(args) in (tuple, _Built):  # what hashing the object may cost: its arguments'
+                stack.append(counted(args if type(args) is tuple else (args,), _Built()))
+            else:
+                stack.append(_OTHER)
         elif name == "TUPLE" or name in _TUPLES:
             at = marks.pop() if name == "TUPLE" else len(stack) - _TUPLES[name]
             items = tuple(stack[at:])
             del stack[at:]
-            if any(item is _OTHER for item in items):
-                stack.append(_OTHER)
-                continue
-            inner = [sizes.get(id(item), (1, 1)) for item in items if type(item) is tuple]
-            size = len(items) + sum(n for n, _ in inner)
-            depth = 1 + max((d for _, d in inner), default=0)
-            budget -= size
-            if budget < 0 or depth > _TUPLE_DEPTH:
-                raise CorruptCheckpointError(
-                    f"{path}: its pickle's tuples refer to the same values over and over, or nest deeper than "
-                    f"{_TUPLE_DEPTH} levels: no torch.save of a state holds them"
-                )
-            sizes[id(items)] = (size, depth)
-            stack.append(items)
+            follows = not any(item is _OTHER or type(item) in (_Built, _Global) for item in items)
+            stack.append(counted(items, items if follows else _Built()))
+            if follows:
+                yield items
         else:
             before = op.stack_before
             if pickletools.markobject in before:
@@ -341,7 +396,7 @@ def _values(pickled: Any, path: Path) -> Iterator[Any]:
                 del stack[-count:]
             stack.extend(_OTHER for _ in op.stack_after)
             continue
-        if name in _NUMBERS or name.startswith("TUPLE"):
+        if name in _NUMBERS:
             yield stack[-1]
 
 
