@@ -404,14 +404,17 @@ def _refuse_crowded_numbers(path: Path, pickled: Any) -> None:
     """Refuse a pickle holding more than a few distinct numbers, or tuples of them, of one hash
     (:mod:`trainstate._hashes`), before torch's unpickler builds a dict of them in time quadratic in their
     number. One pass of ``pickletools`` over the opcodes, running nothing; ``pickled`` is bytes or a mapped
-    file, read up to the pickle's STOP. A pickle the scan cannot read is left to torch's unpickler, which says
-    what is wrong with it."""
+    file, read up to the pickle's STOP. A pickle the scan cannot read is refused too: torch's unpickler must
+    never read what the scan did not (a scan that gave up would let any pickle through)."""
     try:
         crowded = _hashes.crowded(_values(pickled, path))
     except CorruptCheckpointError:
         raise
-    except Exception:  # noqa: BLE001 - not a pickle: torch's unpickler refuses it with its own words
-        return
+    except Exception as e:  # noqa: BLE001 - pickletools on bytes that are no pickle, or a stack that runs out
+        said = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CorruptCheckpointError(
+            f"{path} is not a torch.save file (its pickle cannot be read: {said:.120})"
+        ) from None
     if crowded is not None:
         raise CorruptCheckpointError(f"{path}: its pickle is refused: {_hashes.describe(crowded)}")
 
