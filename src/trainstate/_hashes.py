@@ -13,6 +13,7 @@ choose collisions among them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -51,24 +52,32 @@ MAX_KEY_DEPTH = 100  # tuples a key may nest (hashing recurses in C, and overflo
 
 def costly(value: Any) -> bool:
     """Whether hashing ``value`` would visit more than :data:`MAX_KEY_ITEMS` items or nest deeper than
-    :data:`MAX_KEY_DEPTH` tuples: a tuple shared by reference (``t = (t, t)`` over and over, from a pickle's
-    memo) costs 2**depth to hash, and one nested a million deep crashes the interpreter. Walked without
-    recursion, and stopped as soon as either limit is passed."""
-    if type(value) is not tuple:
-        return False
+    :data:`MAX_KEY_DEPTH`: a tuple shared by reference (``t = (t, t)`` over and over, from a pickle's memo)
+    costs 2**depth to hash, one nested a million deep crashes the interpreter, and a tuple of many references
+    to one long ``torch.Size`` hashes its items each time. Tuples and their subclasses, and frozen dataclasses
+    (which hash the tuple of their fields), are walked; shared references are counted each time. Walked
+    without recursion, and stopped as soon as either limit is passed."""
     seen = 0
     todo: list[tuple[Any, int]] = [(value, 1)]
     while todo:
         item, depth = todo.pop()
         if depth > MAX_KEY_DEPTH:
             return True
-        for inner in item:
+        for inner in _parts(item):
             seen += 1
             if seen > MAX_KEY_ITEMS:
                 return True
-            if type(inner) is tuple:
-                todo.append((inner, depth + 1))
+            todo.append((inner, depth + 1))
     return False
+
+
+def _parts(value: Any) -> tuple[Any, ...]:
+    """What hashing ``value`` hashes in turn: a tuple's items, a dataclass's fields; nothing for a leaf."""
+    if isinstance(value, tuple):
+        return tuple(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return tuple(getattr(value, f.name) for f in dataclasses.fields(value))
+    return ()
 
 
 def crowded(values: Iterable[Any]) -> Any | None:

@@ -566,3 +566,16 @@ def test_a_key_whose_hash_would_crash_or_take_hours_is_refused_before_it_is_hash
     value += pickle.BININT1 + b"\x00" + pickle.SETITEM
     (src / ".metadata").write_bytes(raw[:at] + value + raw[at + 14 :])
     refused(src, tmp_path, "nests tuples deeper than 100")
+
+
+def test_a_metadata_index_key_hiding_a_deep_tuple_is_refused_before_it_is_hashed(tmp_path):
+    """The key walk followed plain tuples only: a MetadataIndex key (a frozen dataclass, hashed as the tuple
+    of its fields) whose offset nests a million tuples crashed the process."""
+    src = saved(tmp_path)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.planner_data = {MetadataIndex("w", (0,), 7777777): 0}
+    raw = pickle.dumps(md, protocol=2)
+    mark = pickle.BININT + (7777777).to_bytes(4, "little")  # a field set by BUILD, replaced by a deep tuple
+    deep = pickle.BINUNICODE + b"\x01\x00\x00\x00x" + pickle.TUPLE1 * 5000
+    (src / ".metadata").write_bytes(raw.replace(mark, deep, 1))
+    refused(src, tmp_path, "nests tuples deeper than 100")

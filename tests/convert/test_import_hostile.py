@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import struct
 import sys
 import time
@@ -735,4 +736,58 @@ def test_a_pickle_the_scan_cannot_follow_is_refused_not_left_unscanned(tmp_path,
     src = tmp_path / "w.pt"
     torch.save({"w": torch.zeros(2)}, src)
     with pytest.raises(trainstate.CorruptCheckpointError, match=r"w\.pt is not a torch.save file .*cannot be read"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_legacy_files_list_of_storages_is_scanned_too(tmp_path):
+    """A legacy file is five pickles; the scan read four, and the fifth (the storages' keys, unpickled by the
+    storage check and by torch.load) built a dict of keys of one hash below the list it returns."""
+    buf = io.BytesIO()
+    torch.save({"a": 1}, buf, _use_new_zipfile_serialization=False)
+    raw = buf.getvalue()
+    f = io.BytesIO(raw)
+    for _ in range(4):
+        for _op in pickletools.genops(f):
+            pass
+    keys = b"".join(
+        pickle.LONG1 + bytes([9]) + (k * ((1 << 61) - 1)).to_bytes(9, "little") + pickle.NONE for k in range(1, 20)
+    )
+    fifth = (
+        pickle.PROTO
+        + b"\x02"
+        + pickle.EMPTY_DICT
+        + pickle.MARK
+        + keys
+        + pickle.SETITEMS
+        + pickle.EMPTY_LIST
+        + pickle.STOP
+    )
+    src = tmp_path / "legacy.bin"
+    src.write_bytes(raw[: f.tell()] + fifth)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"legacy\.bin: .*share one hash"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_bytearray_of_a_given_length_is_refused_before_it_is_allocated(tmp_path):
+    """bytearray is on torch's allowlist: a 74-byte pickle made the import allocate 2 GB."""
+    src = tmp_path / "alloc.pt"
+    data = (
+        pickle.PROTO
+        + b"\x02"
+        + pickle.GLOBAL
+        + b"__builtin__\nbytearray\n"
+        + pickle.BININT
+        + (1 << 30).to_bytes(4, "little")
+    )
+    _zip_of(src, data + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"alloc\.pt: .*bytearray of a given length"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_dict_key_built_from_objects_is_refused_before_the_dict_is_built(tmp_path):
+    """A key holding a global or a built object ((a, b, torch.float32), a tuple of references to one long
+    torch.Size) has a hash the scan cannot bound or count: keys of one hash were built in quadratic time."""
+    src = tmp_path / "keys.pt"
+    _zip_of(src, pickle.dumps({(1, 2, torch.float32): 0}, protocol=2))
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"keys\.pt: .*fills a dict with a key"):
         trainstate.import_checkpoint(src, tmp_path / "out")

@@ -180,7 +180,8 @@ class _Unpickler(_PythonUnpickler):  # type: ignore[misc]
             if _hashes.costly(key):  # before any hash of it: a shared or deep tuple costs hours, or the stack
                 raise _Refused(
                     f"a dict key nests tuples deeper than {_hashes.MAX_KEY_DEPTH} or holds more than "
-                    f"{_hashes.MAX_KEY_ITEMS} items counted in full: a DCP save holds no such key"
+                    f"{_hashes.MAX_KEY_ITEMS} items counted in full (a tuple, a torch.Size or a MetadataIndex): "
+                    "a DCP save holds no such key"
                 )
         crowded = held[1].crowded(key for key, _ in items)
         if crowded is not None:  # before the items go in: building such a dict takes quadratic time

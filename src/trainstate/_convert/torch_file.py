@@ -364,6 +364,12 @@ def _values(pickled: Any, path: Path) -> Iterator[Any]:
         elif name in ("REDUCE", "NEWOBJ"):
             made, args = stack[-2], stack[-1]
             del stack[-2:]
+            if type(made) is _Global and made.module in _BUILTINS and made.name == "bytearray":
+                if type(args) is not tuple or any(type(a) is int for a in args):  # bytearray(N): N zero bytes
+                    raise CorruptCheckpointError(
+                        f"{path}: its pickle makes a bytearray of a given length (memory out of proportion to "
+                        "the file): no torch.save of a state does"
+                    )
             number = _NUMBER_TYPES.get(made.name) if type(made) is _Global and made.module in _BUILTINS else None
             if number is not None and type(args) is tuple and all(type(a) in (int, float, str) for a in args):
                 try:
@@ -377,6 +383,17 @@ def _values(pickled: Any, path: Path) -> Iterator[Any]:
                 stack.append(counted(args if type(args) is tuple else (args,), _Built()))
             else:
                 stack.append(_OTHER)
+        elif name in ("SETITEM", "SETITEMS"):  # a dict filled: its keys must be what trainstate stores
+            at = len(stack) - 2 if name == "SETITEM" else marks.pop()
+            keys = stack[at::2]
+            del stack[at:]
+            for key in keys:
+                if not _plain(key):
+                    raise UnsupportedValueError(
+                        f"{path}: its pickle fills a dict with a key that is not a string, a number or a tuple of "
+                        f"them ({type(key).__name__.lstrip('_')}); trainstate stores no such key, and its hash is "
+                        "not one the import can bound"
+                    )
         elif name == "TUPLE" or name in _TUPLES:
             at = marks.pop() if name == "TUPLE" else len(stack) - _TUPLES[name]
             items = tuple(stack[at:])
@@ -400,6 +417,15 @@ def _values(pickled: Any, path: Path) -> Iterator[Any]:
             yield stack[-1]
 
 
+def _plain(key: Any) -> bool:
+    """Whether a dict key the scan followed is a string, a number, None or a tuple of them (nested within the
+    scan's depth limit): keys whose hash the scan knows. A built object, a global or a value it does not
+    follow is not."""
+    if type(key) in (str, int, float, bool, complex) or key is None:
+        return True
+    return type(key) is tuple and all(_plain(item) for item in key)
+
+
 def _refuse_crowded_numbers(path: Path, pickled: Any) -> None:
     """Refuse a pickle holding more than a few distinct numbers, or tuples of them, of one hash
     (:mod:`trainstate._hashes`), before torch's unpickler builds a dict of them in time quadratic in their
@@ -408,7 +434,7 @@ def _refuse_crowded_numbers(path: Path, pickled: Any) -> None:
     never read what the scan did not (a scan that gave up would let any pickle through)."""
     try:
         crowded = _hashes.crowded(_values(pickled, path))
-    except CorruptCheckpointError:
+    except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - pickletools on bytes that are no pickle, or a stack that runs out
         said = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -420,12 +446,12 @@ def _refuse_crowded_numbers(path: Path, pickled: Any) -> None:
 
 
 def _refuse_crowded_legacy(path: Path) -> None:
-    """:func:`_refuse_crowded_numbers` for a file in torch's legacy format: its first four pickles (the magic
-    number, the protocol, the system's sizes, the object). The file is mapped, not read: a length in the
+    """:func:`_refuse_crowded_numbers` for a file in torch's legacy format: its five pickles (the magic
+    number, the protocol, the system's sizes, the object, its storages' keys). The file is mapped, not read: a length in the
     pickle then never sizes an allocation."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            for _ in range(4):
+            for _ in range(5):  # the fifth, the list of storages' keys, is unpickled too (by torch, and above)
                 _refuse_crowded_numbers(path, mapped)
     except (OSError, ValueError):  # empty, or not a file mmap can map: torch.load says what it is
         return
