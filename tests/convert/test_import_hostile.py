@@ -791,3 +791,21 @@ def test_a_dict_key_built_from_objects_is_refused_before_the_dict_is_built(tmp_p
     _zip_of(src, pickle.dumps({(1, 2, torch.float32): 0}, protocol=2))
     with pytest.raises(trainstate.UnsupportedValueError, match=r"keys\.pt: .*fills a dict with a key"):
         trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_dict_or_set_built_from_a_list_is_refused_before_its_keys_are_hashed(tmp_path):
+    """OrderedDict(pairs) or set(items) hash what the list holds as they are built, past the check of keys
+    a pickle sets one by one."""
+    src = tmp_path / "built.pt"
+    _zip_of(
+        src,
+        pickle.dumps(collections.OrderedDict, protocol=2)[:-1]
+        + pickle.dumps([((1, torch.float32), 0)], protocol=2)[2:-1]
+        + pickle.TUPLE1
+        + pickle.REDUCE
+        + pickle.STOP,
+    )
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"built\.pt: .*builds a OrderedDict from a list"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    torch.save({"w": torch.zeros(2), "sd": collections.OrderedDict(a=torch.ones(1))}, src)  # as torch.save fills them
+    assert trainstate.load(trainstate.import_checkpoint(src, tmp_path / "ok").path)["sd"]["a"].tolist() == [1.0]

@@ -294,6 +294,11 @@ _TUPLE_DEPTH = 100  # a tuple's hash and equality recurse into its items (torch'
 _OTHER = object()  # a value the scan does not follow: its hash is randomized, by identity, or it has none
 _NUMBER_TYPES = {"complex": complex, "int": int, "float": float}  # builtins whose values hash as numbers do
 _BUILTINS = ("builtins", "__builtin__")  # the module as protocols 3+ and 0-2 name it
+_FILLED_FROM_ARGS = {  # containers that hash what their arguments hold as they are built
+    (module, name)
+    for module, name in (("collections", "OrderedDict"), ("collections", "defaultdict"))
+    + tuple((b, n) for b in ("builtins", "__builtin__") for n in ("set", "frozenset", "dict"))
+}
 
 
 class _Global(NamedTuple):
@@ -369,6 +374,13 @@ def _values(pickled: Any, path: Path) -> Iterator[Any]:
                     raise CorruptCheckpointError(
                         f"{path}: its pickle makes a bytearray of a given length (memory out of proportion to "
                         "the file): no torch.save of a state does"
+                    )
+            if type(made) is _Global and (made.module, made.name) in _FILLED_FROM_ARGS:
+                opaque = args is _OTHER or type(args) is _Built  # a tuple holding a list or an object
+                if opaque or (type(args) is tuple and any(type(item) is _Global for item in args)):
+                    raise UnsupportedValueError(
+                        f"{path}: its pickle builds a {made.name} from a list or another object, whose keys the "
+                        "import cannot check before they are hashed; torch.save fills dicts item by item"
                     )
             number = _NUMBER_TYPES.get(made.name) if type(made) is _Global and made.module in _BUILTINS else None
             if number is not None and type(args) is tuple and all(type(a) in (int, float, str) for a in args):
