@@ -726,13 +726,13 @@ def test_complex_keys_of_one_hash_built_by_reduce_are_refused(tmp_path):
 def test_a_pickle_the_scan_cannot_follow_is_refused_not_left_unscanned(tmp_path, monkeypatch):
     """The scan gave up in silence on anything it could not follow (a bug in it once did so on REDUCE of a
     built object), and torch's unpickler then read the pickle unchecked: a scan that fails refuses the file."""
-    from trainstate._convert import torch_file
+    from trainstate._convert import pickle_scan
 
     def broken(pickled, path):
         raise IndexError("the scan's stack ran out")
         yield
 
-    monkeypatch.setattr(torch_file, "_values", broken)
+    monkeypatch.setattr(pickle_scan, "_values", broken)
     src = tmp_path / "w.pt"
     torch.save({"w": torch.zeros(2)}, src)
     with pytest.raises(trainstate.CorruptCheckpointError, match=r"w\.pt is not a torch.save file .*cannot be read"):
