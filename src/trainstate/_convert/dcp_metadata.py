@@ -25,7 +25,7 @@ from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 from typing import Any, NamedTuple
 
 from trainstate import _hashes
-from trainstate._format import dtypes
+from trainstate._format import boxes, dtypes
 from trainstate._optional import optional
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 
@@ -393,7 +393,7 @@ def _tensor(file: Path, fqn: str, entry: Any, stored: dict[Any, Stored]) -> Tens
     chunks = getattr(entry, "chunks", None)
     if type(chunks) is not list or not all(type(c) is ChunkStorageMetadata for c in chunks):
         raise CorruptCheckpointError(f"{file}: {fqn!r:.80} has no list of chunks")
-    boxes = []
+    layout = []
     for i, chunk in enumerate(chunks):
         offsets = _dims(file, fqn, getattr(chunk, "offsets", None), len(shape))
         sizes = _dims(file, fqn, getattr(chunk, "sizes", None), len(shape))
@@ -412,8 +412,8 @@ def _tensor(file: Path, fqn: str, entry: Any, stored: dict[Any, Stored]) -> Tens
                 f"{where.length} bytes for it"
             )
         stored[MetadataIndex(fqn, offsets, i)] = where._replace(limit=nbytes + FRAMING)
-        boxes.append((offsets, sizes))
-    if sum(math.prod(n) for _, n in boxes) != math.prod(shape) or _overlap(boxes):
+        layout.append((offsets, sizes))
+    if sum(math.prod(n) for _, n in layout) != math.prod(shape) or _overlap(layout):
         raise CorruptCheckpointError(
             f"{file}: {fqn!r:.80} of shape {list(shape)} has chunks that do not cover it exactly once (a gap or "
             "an overlap, or a layout too irregular to check): the gap would be uninitialised memory"
@@ -432,36 +432,7 @@ def _dims(file: Path, fqn: str, value: Any, ndim: int | None) -> tuple[int, ...]
 OVERLAP_COMPARISONS = 2_000_000  # pairs the general check compares before it gives up (a few seconds)
 
 
-def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+def _overlap(layout: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     """Whether two of these boxes (offsets, sizes) share an element; also True for a layout too irregular to
-    check in :data:`OVERLAP_COMPARISONS` comparisons (no save makes one).
-
-    The layouts DCP writes (FSDP's rows, tensor parallel's columns, both at once) are grids: every box is
-    one cell of the grid that all the boxes' edges cut, so two share an element exactly when they start at
-    the same corner (n log n). Any other layout is sorted along the axis the chunks are split on most, and
-    each box is compared only with those that start before it ends along that axis, up to the budget: a
-    staircase of n boxes would otherwise take n²/8 comparisons (hours for a few hundred thousand).
-    """
-    live = [b for b in boxes if all(b[1])]  # an empty box shares nothing
-    if len(live) < 2 or not live[0][0]:
-        return len(live) > 1  # two 0-d chunks are the same element
-    ndim = len(live[0][0])
-    following: list[dict[int, int]] = []  # per axis: each cut, then the next cut along it
-    for d in range(ndim):
-        cuts = sorted({at[d] for at, _ in live} | {at[d] + n[d] for at, n in live})
-        following.append(dict(zip(cuts, cuts[1:])))
-    if all(following[d].get(at[d]) == at[d] + n[d] for at, n in live for d in range(ndim)):
-        return len({at for at, _ in live}) < len(live)  # grid cells: the same corner, the same cell
-    axis = max(range(ndim), key=lambda d: len({at[d] for at, _ in live}))
-    live.sort(key=lambda b: b[0][axis])
-    budget = OVERLAP_COMPARISONS
-    for i, (a_at, a_n) in enumerate(live):
-        for b_at, b_n in live[i + 1 :]:
-            if b_at[axis] >= a_at[axis] + a_n[axis]:
-                break
-            budget -= 1
-            if budget < 0:
-                return True
-            if all(b0 < a0 + an and a0 < b0 + bn for a0, an, b0, bn in zip(a_at, a_n, b_at, b_n)):
-                return True
-    return False
+    check in :data:`OVERLAP_COMPARISONS` comparisons (no save makes one): :func:`trainstate._format.boxes.overlap`."""
+    return boxes.overlap(layout, OVERLAP_COMPARISONS) is not None

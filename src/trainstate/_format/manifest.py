@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from trainstate import _gc, _transforms, _tree
-from trainstate._format import dtypes, manifest_mac
+from trainstate._format import boxes, dtypes, manifest_mac
 from trainstate._keys import Key
 from trainstate.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 
@@ -788,44 +788,15 @@ def _pieces(name: str, raw: Any, stored: int) -> Pieces:
 
 
 def _check_disjoint(name: str, chunks: tuple[Chunk, ...]) -> None:
-    """Boxes must not overlap (their volumes already add up to the tensor's, so disjoint boxes tile it).
-
-    Sweep along the axis with the most distinct offsets: for sharded tensors only neighbours are compared.
-    """
-    boxes = [c for c in chunks if math.prod(c.shape)]
-    if len(boxes) < 2:
-        return
-    ndim = len(boxes[0].offset)
-    following: list[dict[int, int]] = []  # per axis: each cut the boxes' edges make, then the next one
-    for d in range(ndim):
-        cuts = sorted({c.offset[d] for c in boxes} | {c.offset[d] + c.shape[d] for c in boxes})
-        following.append(dict(zip(cuts, cuts[1:])))
-    if all(following[d].get(c.offset[d]) == c.offset[d] + c.shape[d] for c in boxes for d in range(ndim)):
-        # a grid (what every writer makes): each box one cell, so two overlap only at the same corner
-        if len({c.offset for c in boxes}) < len(boxes):
-            raise CorruptCheckpointError(f"tensor {name}: chunks overlap")
-        return
-    axis = max(range(ndim), key=lambda a: len({c.offset[a] for c in boxes}))
-    boxes.sort(key=lambda c: c.offset[axis])
-    active: list[Chunk] = []
-    budget = DISJOINT_COMPARISONS  # a staircase of n boxes would take n²/8 comparisons: hours for 10^5
-    for box in boxes:
-        start = box.offset[axis]
-        active = [a for a in active if a.offset[axis] + a.shape[axis] > start]
-        budget -= len(active) + 1
-        if budget < 0:
-            raise CorruptCheckpointError(
-                f"tensor {name}: its {len(boxes)} chunks are laid out too irregularly to check that they do not "
-                "overlap (no writer lays out chunks so)"
-            )
-        for a in active:
-            if _overlap(a, box):
-                raise CorruptCheckpointError(f"tensor {name}: chunks overlap")
-        active.append(box)
+    """Boxes must not overlap (their volumes already add up to the tensor's, so disjoint boxes tile it)."""
+    found = boxes.overlap([(c.offset, c.shape) for c in chunks], DISJOINT_COMPARISONS)
+    if found == "overlap":
+        raise CorruptCheckpointError(f"tensor {name}: chunks overlap")
+    if found == "irregular":
+        raise CorruptCheckpointError(
+            f"tensor {name}: its {len(chunks)} chunks are laid out too irregularly to check that they do not "
+            "overlap (no writer lays out chunks so)"
+        )
 
 
-DISJOINT_COMPARISONS = 4_000_000  # what _check_disjoint compares of a layout that is no grid (a few seconds)
-
-
-def _overlap(a: Chunk, b: Chunk) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offset, a.shape, b.offset, b.shape))
+DISJOINT_COMPARISONS = boxes.COMPARISONS  # what _check_disjoint compares of a layout that is no grid
