@@ -52,23 +52,29 @@ MAX_KEY_DEPTH = 100  # tuples a key may nest (hashing recurses in C, and overflo
 
 def costly(value: Any) -> bool:
     """Whether hashing ``value`` would visit more than :data:`MAX_KEY_ITEMS` items or nest deeper than
-    :data:`MAX_KEY_DEPTH`: a tuple shared by reference (``t = (t, t)`` over and over, from a pickle's memo)
-    costs 2**depth to hash, one nested a million deep crashes the interpreter, and a tuple of many references
-    to one long ``torch.Size`` hashes its items each time. Tuples and their subclasses, and frozen dataclasses
-    (which hash the tuple of their fields), are walked; shared references are counted each time. Walked
-    without recursion, and stopped as soon as either limit is passed."""
+    :data:`MAX_KEY_DEPTH` (see :func:`cost`)."""
+    return cost(value) > MAX_KEY_ITEMS
+
+
+def cost(value: Any) -> int:
+    """The items hashing ``value`` visits, counted in full; past :data:`MAX_KEY_ITEMS`, or nested deeper than
+    :data:`MAX_KEY_DEPTH`, ``MAX_KEY_ITEMS + 1``. A tuple shared by reference (``t = (t, t)`` over and over,
+    from a pickle's memo) costs 2**depth to hash, one nested a million deep crashes the interpreter, and a
+    tuple of many references to one long ``torch.Size`` hashes its items each time. Tuples and their
+    subclasses, and frozen dataclasses (which hash the tuple of their fields), are walked; shared references
+    are counted each time. Walked without recursion, and stopped as soon as either limit is passed."""
     seen = 0
     todo: list[tuple[Any, int]] = [(value, 1)]
     while todo:
         item, depth = todo.pop()
         if depth > MAX_KEY_DEPTH:
-            return True
+            return MAX_KEY_ITEMS + 1
         for inner in _parts(item):
             seen += 1
             if seen > MAX_KEY_ITEMS:
-                return True
+                return seen
             todo.append((inner, depth + 1))
-    return False
+    return seen
 
 
 def _parts(value: Any) -> tuple[Any, ...]:

@@ -680,7 +680,7 @@ def test_deeply_nested_tuples_are_hashed_no_deeper_than_a_limit(tmp_path, depth)
     src = tmp_path / "deep.pt"
     _zip_of(src, data)
     if depth > 100:
-        with pytest.raises(trainstate.CorruptCheckpointError, match=r"deep.pt: .*nest deeper than 100 levels"):
+        with pytest.raises(trainstate.CorruptCheckpointError, match=r"deep.pt: .*nests tuples deeper than 100 levels"):
             trainstate.import_checkpoint(src, tmp_path / "out")
     else:
         trainstate.import_checkpoint(src, tmp_path / "out")
@@ -710,7 +710,7 @@ def test_a_key_whose_hash_would_crash_or_take_hours_is_refused_before_it_is_hash
     million levels; 5,000 keeps the test's own pickle small); a tuple shared 40 levels deep took hours."""
     src = tmp_path / "key.pt"
     (_zip_of if layout == "zip" else _legacy_of)(src, _deep_key(5000) if key == "deep" else _shared_key(40))
-    with pytest.raises(trainstate.CorruptCheckpointError, match=r"key\.pt: .*nest deeper than 100"):
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"key\.pt: .*nests tuples deeper than 100"):
         trainstate.import_checkpoint(src, tmp_path / "out")
 
 
@@ -723,19 +723,24 @@ def test_complex_keys_of_one_hash_built_by_reduce_are_refused(tmp_path):
         trainstate.import_checkpoint(src, tmp_path / "out")
 
 
-def test_a_pickle_the_scan_cannot_follow_is_refused_not_left_unscanned(tmp_path, monkeypatch):
-    """The scan gave up in silence on anything it could not follow (a bug in it once did so on REDUCE of a
-    built object), and torch's unpickler then read the pickle unchecked: a scan that fails refuses the file."""
-    from trainstate._convert import pickle_scan
-
-    def broken(pickled, path):
-        raise IndexError("the scan's stack ran out")
-        yield
-
-    monkeypatch.setattr(pickle_scan, "_values", broken)
-    src = tmp_path / "w.pt"
-    torch.save({"w": torch.zeros(2)}, src)
-    with pytest.raises(trainstate.CorruptCheckpointError, match=r"w\.pt is not a torch.save file .*cannot be read"):
+@pytest.mark.parametrize(
+    "body",
+    [
+        pickle.GLOBAL + b"collections\nOrderedDict\n" + pickle.EMPTY_TUPLE + pickle.NEWOBJ,
+        pickle.MARK + pickle.INST + b"collections\nOrderedDict\n",
+        pickle.EXT1 + b"\x01",
+        pickle.PERSID + b"0\n",
+        pickle.EMPTY_DICT + pickle.EMPTY_TUPLE + pickle.BUILD,
+        pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n" + pickle.EMPTY_DICT + pickle.BUILD,
+    ],
+    ids=["newobj", "inst", "extension", "text persistent id", "build a dict", "build a function"],
+)
+def test_an_opcode_a_torch_save_never_writes_is_refused(tmp_path, body):
+    """torch's pickles are read by trainstate's own unpickler, which refuses what torch.save never writes (an
+    object built by NEWOBJ or INST, an extension code, attributes set on anything but an OrderedDict)."""
+    src = tmp_path / "odd.pt"
+    _zip_of(src, pickle.PROTO + b"\x02" + body + pickle.STOP)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"odd\.pt: its pickle is refused"):
         trainstate.import_checkpoint(src, tmp_path / "out")
 
 
@@ -793,19 +798,100 @@ def test_a_dict_key_built_from_objects_is_refused_before_the_dict_is_built(tmp_p
         trainstate.import_checkpoint(src, tmp_path / "out")
 
 
-def test_a_dict_or_set_built_from_a_list_is_refused_before_its_keys_are_hashed(tmp_path):
-    """OrderedDict(pairs) or set(items) hash what the list holds as they are built, past the check of keys
-    a pickle sets one by one."""
+def test_a_dict_built_from_a_list_is_refused_and_a_set_of_keys_of_one_hash_too(tmp_path):
+    """OrderedDict(pairs) or set(items) hash what the list holds as they are built: torch.save never builds
+    a dict from a list, and a set's items are checked as a dict's keys are, before they are hashed."""
     src = tmp_path / "built.pt"
     _zip_of(
         src,
         pickle.dumps(collections.OrderedDict, protocol=2)[:-1]
-        + pickle.dumps([((1, torch.float32), 0)], protocol=2)[2:-1]
+        + pickle.dumps([((1, 2), 0)], protocol=2)[2:-1]
         + pickle.TUPLE1
         + pickle.REDUCE
         + pickle.STOP,
     )
-    with pytest.raises(trainstate.UnsupportedValueError, match=r"built\.pt: .*builds a OrderedDict from a list"):
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"built\.pt: .*builds a OrderedDict from arguments"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    _zip_of(src, pickle.dumps({k * ((1 << 61) - 1) for k in range(1, 20)}, protocol=2))
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"built\.pt: .*share one hash"):
         trainstate.import_checkpoint(src, tmp_path / "out")
     torch.save({"w": torch.zeros(2), "sd": collections.OrderedDict(a=torch.ones(1))}, src)  # as torch.save fills them
     assert trainstate.load(trainstate.import_checkpoint(src, tmp_path / "ok").path)["sd"]["a"].tolist() == [1.0]
+
+
+# -- the pickle is read by trainstate's own unpickler: torch's never runs on an imported file ------------------
+
+
+def test_torch_s_unpickler_never_reads_an_imported_file(tmp_path, monkeypatch):
+    """Every torch.save import (zip, legacy, a DCP directory's chunks and values) goes through trainstate's own
+    restricted unpickler: torch's weights-only unpickler builds what a hostile file chooses before any check
+    of trainstate's could see it."""
+    import torch._weights_only_unpickler as wou
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.randn(3, 4), "step": 7, "betas": (0.9, 0.999)}
+    torch.save(state, tmp_path / "zip.pt")
+    torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+
+    def never(*args, **kwargs):
+        raise AssertionError("torch's unpickler ran on an imported file")
+
+    monkeypatch.setattr(wou, "Unpickler", never)
+    monkeypatch.setattr(torch, "load", never)
+    for name in ("zip.pt", "legacy.pt", "dcp"):
+        trainstate.import_checkpoint(tmp_path / name, tmp_path / f"out-{name}")
+        back = trainstate.load(tmp_path / f"out-{name}", framework="torch")
+        assert torch.equal(back["w"], state["w"]) and back["step"] == 7 and tuple(back["betas"]) == (0.9, 0.999)
+
+
+def test_a_long_string_a_pickle_encodes_again_and_again_is_refused(tmp_path):
+    """Protocol 2 pickles bytes as _codecs.encode(str, 'latin1'): a memo reference to one 1 MiB string,
+    encoded 2,000 times in 20 kB of opcodes, would have built 2 GiB of bytes."""
+    body = pickle.BINUNICODE + (1 << 20).to_bytes(4, "little") + b"x" * (1 << 20) + pickle.BINPUT + b"\x00"
+    one = (
+        pickle.GLOBAL
+        + b"_codecs\nencode\n"
+        + pickle.BINGET
+        + b"\x00"
+        + pickle.SHORT_BINUNICODE
+        + b"\x06latin1"
+        + pickle.TUPLE2
+        + pickle.REDUCE
+        + pickle.APPEND
+    )
+    src = tmp_path / "copies.pt"
+    _zip_of(src, pickle.PROTO + b"\x02" + body + pickle.POP + pickle.EMPTY_LIST + one * 2000 + pickle.STOP)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"copies\.pt: .*same values over and over"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["__class__", "__dict__", "not a name"])
+def test_an_ordered_dict_is_given_plain_attributes_only(tmp_path, name):
+    """A state_dict's OrderedDict carries _metadata as an attribute (BUILD); any other attribute that is not
+    a plain name (its __class__) is refused."""
+    od = pickle.GLOBAL + b"collections\nOrderedDict\n" + pickle.EMPTY_TUPLE + pickle.REDUCE
+    state = pickle.EMPTY_DICT + pickle.SHORT_BINUNICODE + bytes([len(name)]) + name.encode() + pickle.NONE
+    src = tmp_path / "attrs.pt"
+    _zip_of(src, pickle.PROTO + b"\x02" + od + state + pickle.SETITEM + pickle.BUILD + pickle.STOP)
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"attrs\.pt: .*not plain names"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_state_dict_with_its_metadata_parameters_and_a_conjugate_view_imports_as_torch_loads_it(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    state = {
+        "model": model.state_dict(),
+        "p": torch.nn.Parameter(torch.randn(2)),
+        "c": torch.complex(torch.randn(3), torch.randn(3)).conj(),
+        "b": b"\x00\xffbytes",
+    }
+    src = tmp_path / "full.pt"
+    torch.save(state, src)
+    want = torch.load(src, weights_only=True)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    back = trainstate.load(tmp_path / "out", framework="torch")
+    for name, value in want["model"].items():
+        assert torch.equal(back["model"][name], value), name
+    assert torch.equal(back["p"], want["p"].detach()) and back["b"] == state["b"]
+    assert torch.equal(back["c"], want["c"].resolve_conj())

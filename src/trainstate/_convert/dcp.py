@@ -6,9 +6,9 @@ unpickler and checks what it declares (chunks that tile each tensor, files insid
 bytes can hold) before anything is allocated. Tensors are then loaded through DCP's own planner (``dcp.load``
 without a process group: ``no_dist=True``) with a reader of ours that opens only the files the check
 resolved, reads only the byte ranges it checked, decompresses a zstd entry no further than its declared
-size, and loads each chunk and non-tensor value with ``torch.load(weights_only=True)`` (DCP's own reader
-uses ``weights_only=False`` for values). One tensor per call, into a fresh tensor of its saved shape and
-dtype, so the importer holds one tensor at a time. The nesting DCP flattened away (``model.layer.weight``
+size, and reads each chunk and non-tensor value with trainstate's own torch.save reader (``torch_file``,
+a restricted unpickler; DCP's own reader uses ``torch.load(weights_only=False)`` for values). One tensor per
+call, into a fresh tensor of its saved shape and dtype, so the importer holds one tensor at a time. The nesting DCP flattened away (``model.layer.weight``
 from ``{"model": {"layer.weight": ...}}``) comes back from the metadata's ``planner_data``.
 
 Every failure of a read is a CheckpointError naming the file: DCP wraps what a reader raises in its
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import io
-import pickle
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
+from trainstate._convert import torch_file
 from trainstate._convert.dcp_metadata import METADATA, Checked, Stored
 from trainstate._convert.dcp_metadata import read as read_metadata
 from trainstate._convert.source import SourceTensor
@@ -41,7 +41,7 @@ BATCH_BYTES = 16 << 20  # small tensors loaded together, up to this many bytes
 
 def read(path: Path) -> Any:
     """The state a DCP directory holds: nested dicts / lists of :class:`SourceTensor` s (each loaded when
-    the writer reaches it) and plain values (loaded now, with ``weights_only=True``)."""
+    the writer reaches it) and plain values (read now, by torch_file's restricted unpickler)."""
     checked = read_metadata(path)
     root: dict[Any, Any] = {}
     batches = _Batches(path, checked)
@@ -276,10 +276,13 @@ def _classes() -> tuple[Any, Any]:
         def _read(self, f: BinaryIO, item: Any, what: str, planner: Any) -> None:
             where = self.checked.stored[item.storage_index]
             data = _entry(f, where, what)
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(data.read()))
+            if item.type == LoadItemType.BYTE_IO:  # a plain value, read here: the planner never sees the file
+                try:
+                    planner.loaded[item.dest_index.fqn] = torch_file.read_bytes(data.read(), where.file)
+                except UnsupportedValueError:
+                    planner.refused = planner.refused or item.dest_index.fqn
                 return
-            tensor = torch.load(data, map_location="cpu", weights_only=True)
+            tensor = torch_file.read_bytes(data.read(), where.file)
             target = planner.resolve_tensor(item).detach()
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != target.dtype:
                 raise CorruptCheckpointError(f"{where.file}: the entry of {what} is not a {target.dtype} tensor")
@@ -299,11 +302,7 @@ def _classes() -> tuple[Any, Any]:
             self.refused: str | None = None
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            fqn = read_item.dest_index.fqn
-            try:
-                self.loaded[fqn] = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError:
-                self.refused = self.refused or fqn
+            raise AssertionError("the reader reads plain values itself (Reader._read)")
 
     return Reader, Planner
 

@@ -24,7 +24,7 @@ import pickle
 from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 from typing import Any, NamedTuple
 
-from trainstate import _hashes
+from trainstate._convert import unpickle
 from trainstate._format import boxes, dtypes
 from trainstate._optional import optional
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
@@ -83,10 +83,6 @@ class Checked(NamedTuple):
     stored: dict[Any, Stored]  # MetadataIndex -> its bytes
 
 
-class _Refused(pickle.UnpicklingError):
-    """What the unpickler refuses to do (a message without the file's name: the caller adds it)."""
-
-
 def _torch() -> Any:
     with optional("torch", extra="torch", needed_for="importing a torch.distributed.checkpoint directory"):
         import torch
@@ -94,18 +90,15 @@ def _torch() -> Any:
     return torch
 
 
-_PythonUnpickler: Any = pickle._Unpickler  # the pure-Python unpickler: its opcodes are methods
+class _Unpickler(unpickle.Restricted):
+    """The restricted unpickler (:mod:`trainstate._convert.unpickle`) allowed what a DCP save writes: the
+    constructors it calls, and instances of DCP's metadata dataclasses, created and given their fields."""
 
+    dispatch: dict[int, Any] = dict(unpickle.Restricted.dispatch)
+    repeated_keys = "refused"  # two storage entries for one chunk would otherwise replace each other
 
-class _Unpickler(_PythonUnpickler):  # type: ignore[misc]
-    """Python's unpickler (whose opcodes can be overridden, unlike the C one) allowed only what a DCP save
-    writes. Each override replaces an opcode that could otherwise call or change an arbitrary object."""
-
-    dispatch: dict[int, Any] = dict(_PythonUnpickler.dispatch)
-
-    def __init__(self, file: Any) -> None:
-        super().__init__(file)
-        self.tallies: dict[int, tuple[dict[Any, Any], _hashes.Tally]] = {}  # each filled dict's keys per hash
+    def __init__(self, file: Any, size: int) -> None:
+        super().__init__(file, size)
         torch = _torch()
         from torch.distributed.checkpoint import filesystem, metadata
         from torch.serialization import _get_layout
@@ -113,6 +106,7 @@ class _Unpickler(_PythonUnpickler):  # type: ignore[misc]
         self.dataclasses = {getattr(metadata, n) for n in _CLASSES[f"{_DCP}.metadata"]} - {
             metadata._MEM_FORMAT_ENCODING
         } | {filesystem._StorageInfo}
+        self.size = torch.Size
         self.callables = {
             torch.Size,
             _get_layout,
@@ -122,7 +116,9 @@ class _Unpickler(_PythonUnpickler):  # type: ignore[misc]
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _CLASSES.get(module, ()):
-            return _path_class(name) if module == "pathlib" else super().find_class(module, name)
+            return (
+                _path_class(name) if module == "pathlib" else super(unpickle.Restricted, self).find_class(module, name)
+            )
         if module == "torch":  # a dtype (torch.float32) is pickled as a global
             torch = _torch()
             found = getattr(torch, name, None)
@@ -133,110 +129,45 @@ class _Unpickler(_PythonUnpickler):  # type: ignore[misc]
             "never unpickles code"
         )
 
-    def load_reduce(self) -> None:
-        args = self.stack.pop()
-        func = self.stack[-1]
-        if not any(func is c for c in self.callables) or type(args) is not tuple:
-            raise _Refused(f"it calls {_name(func)}, which a DCP save never calls")
-        self.stack[-1] = func(*args)
+    def call(self, func: Any, args: tuple[Any, ...]) -> Any:
+        if not any(func is c for c in self.callables):
+            raise unpickle.Refused(f"it calls {unpickle.type_name(func)}, which a DCP save never calls")
+        if func is self.size and len(args) == 1 and type(args[0]) is tuple:
+            self.charge(len(args[0]))
+            return self.tuple_of(list(args[0]), func)  # a tuple: its depth counts
+        self.charge(sum(len(a) for a in args if isinstance(a, (str, tuple, list))))
+        return func(*args)
 
     def load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
         if cls not in self.dataclasses or args != ():
-            raise _Refused(f"it creates a {_name(cls)}, which is not one of DCP's metadata classes")
+            raise unpickle.Refused(
+                f"it creates a {unpickle.type_name(cls)}, which is not one of DCP's metadata classes"
+            )
         self.append(cls.__new__(cls))
 
-    def load_build(self) -> None:
-        state = self.stack.pop()
-        inst = self.stack[-1]
+    def build(self, inst: Any, state: Any) -> None:
         cls = type(inst)
         if cls not in self.dataclasses:  # a class, a module, a function: never changed
-            raise _Refused(f"it sets attributes of {_name(inst)}, which is not a DCP metadata instance")
+            raise unpickle.Refused(
+                f"it sets attributes of {unpickle.type_name(inst)}, which is not a DCP metadata instance"
+            )
         if cls.__name__ == "TensorProperties" and type(state) is tuple:
             inst.__setstate__(state)  # DCP's own: sets the instance's five fields
             return
         fields = {f.name for f in dataclasses.fields(cls)}
         if type(state) is not dict or not all(type(k) is str and k in fields for k in state):
-            raise _Refused(f"it gives a {cls.__name__} fields it does not have")
+            raise unpickle.Refused(f"it gives a {cls.__name__} fields it does not have")
         inst.__dict__.update(state)
 
-    def load_setitem(self) -> None:
-        value = self.stack.pop()
-        key = self.stack.pop()
-        self._set(self.stack[-1], [(key, value)])
 
-    def load_setitems(self) -> None:
-        items = self.pop_mark()
-        self._set(self.stack[-1], list(zip(items[::2], items[1::2])))
-
-    def _set(self, target: Any, items: list[tuple[Any, Any]]) -> None:
-        if type(target) is not dict:
-            raise _Refused(f"it sets items of {_name(target)}, which is not a dict")
-        held = self.tallies.get(id(target))
-        if held is None:  # the dict is held with its tally: its id names no other dict while unpickling
-            held = self.tallies[id(target)] = (target, _hashes.Tally())
-        for key, _ in items:
-            if _hashes.costly(key):  # before any hash of it: a shared or deep tuple costs hours, or the stack
-                raise _Refused(
-                    f"a dict key nests tuples deeper than {_hashes.MAX_KEY_DEPTH} or holds more than "
-                    f"{_hashes.MAX_KEY_ITEMS} items counted in full (a tuple, a torch.Size or a MetadataIndex): "
-                    "a DCP save holds no such key"
-                )
-        crowded = held[1].crowded(key for key, _ in items)
-        if crowded is not None:  # before the items go in: building such a dict takes quadratic time
-            raise _Refused(_hashes.describe(crowded))
-        for key, value in items:
-            if key in target:
-                raise _Refused(f"{_described(key)} is given twice")
-            target[key] = value
-
-    def load_append(self) -> None:
-        value = self.stack.pop()
-        self._extend(self.stack[-1], [value])
-
-    def load_appends(self) -> None:
-        items = self.pop_mark()
-        self._extend(self.stack[-1], items)
-
-    def _extend(self, target: Any, items: list[Any]) -> None:
-        if type(target) is not list:
-            raise _Refused(f"it appends to {_name(target)}, which is not a list")
-        target.extend(items)
-
-    def _never(self) -> None:
-        raise _Refused("it holds a set, an object built by INST/OBJ or an extension code: a DCP save holds none")
-
-
-for _op, _load in (
-    (pickle.REDUCE, _Unpickler.load_reduce),
-    (pickle.NEWOBJ, _Unpickler.load_newobj),
-    (pickle.BUILD, _Unpickler.load_build),
-    (pickle.SETITEM, _Unpickler.load_setitem),
-    (pickle.SETITEMS, _Unpickler.load_setitems),
-    (pickle.APPEND, _Unpickler.load_append),
-    (pickle.APPENDS, _Unpickler.load_appends),
-    *((op, _Unpickler._never) for op in (pickle.NEWOBJ_EX, pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2)),
-    *((op, _Unpickler._never) for op in (pickle.EXT4, pickle.EMPTY_SET, pickle.ADDITEMS, pickle.FROZENSET)),
-):
-    _Unpickler.dispatch[_op[0]] = _load
+_Unpickler.dispatch[pickle.NEWOBJ[0]] = _Unpickler.load_newobj
 
 
 def _path_class(name: str) -> type:
     """A path is data here: a pure path, never a concrete one with methods that touch the disk."""
     return PurePosixPath if name in ("PosixPath", "PurePosixPath") else PureWindowsPath
-
-
-def _name(obj: Any) -> str:
-    kind = obj if isinstance(obj, type) else type(obj)
-    return f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _described(key: Any) -> str:
-    fqn, offset = getattr(key, "fqn", None), getattr(key, "offset", None)
-    if isinstance(fqn, str):
-        return f"the storage of {fqn!r:.80} at offset {list(offset) if offset is not None else None}"
-    return f"the key {key!r:.80}" if isinstance(key, (str, int)) else f"a {_name(key)} key"
 
 
 def load(path: Path) -> Any:
@@ -246,10 +177,10 @@ def load(path: Path) -> Any:
     _inside(path, file, METADATA)
     try:
         with open(file, "rb") as f:  # whole: a length in the pickle then never sizes a read of the file
-            md = _Unpickler(io.BytesIO(f.read())).load()
+            md = _Unpickler(io.BytesIO(data := f.read()), len(data)).load()
     except UnsupportedValueError as e:  # the unpickler's own refusal: code asked for
         raise UnsupportedValueError(f"{file}: {e}") from None
-    except _Refused as e:
+    except unpickle.Refused as e:
         raise CorruptCheckpointError(f"{file} is not DCP metadata trainstate can read: {e}") from None
     except Exception as e:  # noqa: BLE001 - what a damaged pickle raises is anyone's guess
         raise CorruptCheckpointError(f"{file} is not readable DCP metadata ({e!s:.120})") from None
@@ -263,7 +194,7 @@ def _walk(file: Path, md: Any) -> None:
     from torch.distributed.checkpoint import filesystem, metadata
 
     if type(md) is not metadata.Metadata:
-        raise CorruptCheckpointError(f"{file} holds a {_name(md)}, not DCP's Metadata")
+        raise CorruptCheckpointError(f"{file} holds a {unpickle.type_name(md)}, not DCP's Metadata")
     leaves = (str, int, bool, type(None), torch.Size, torch.dtype, torch.layout, torch.memory_format)
     records = {getattr(metadata, n) for n in _CLASSES[f"{_DCP}.metadata"]} | {filesystem._StorageInfo}
     seen: set[int] = set()
@@ -281,7 +212,7 @@ def _walk(file: Path, md: Any) -> None:
         elif type(obj) in records:
             todo.extend(vars(obj).values())
         else:
-            raise CorruptCheckpointError(f"{file} holds a {_name(obj)}, which DCP's metadata never holds")
+            raise CorruptCheckpointError(f"{file} holds a {unpickle.type_name(obj)}, which DCP's metadata never holds")
 
 
 def _inside(root: Path, file: Path, name: str) -> Path:
@@ -319,7 +250,7 @@ def read(path: Path) -> Checked:
     where: dict[str, tuple[Any, ...]] = {}
     for fqn, entry in entries.items():
         if type(fqn) is not str:
-            raise CorruptCheckpointError(f"{file}: a value is named by a {_name(fqn)}, not a string")
+            raise CorruptCheckpointError(f"{file}: a value is named by a {unpickle.type_name(fqn)}, not a string")
         keys = (planner_data or {}).get(fqn) or (fqn,)
         if type(keys) is not tuple or not all(type(k) in (str, int) for k in keys):
             raise CorruptCheckpointError(f"{file}: {fqn!r:.80} is placed at {keys!r:.80}, not a tuple of keys")
@@ -331,7 +262,7 @@ def read(path: Path) -> Checked:
             if MetadataIndex(fqn) not in stored:  # the key DCP's planner reads a value by
                 raise CorruptCheckpointError(f"{file}: no storage is given for {fqn!r:.80}")
         else:
-            raise CorruptCheckpointError(f"{file}: {fqn!r:.80} is described by a {_name(entry)}")
+            raise CorruptCheckpointError(f"{file}: {fqn!r:.80} is described by a {unpickle.type_name(entry)}")
     return Checked(md, tensors, plain, where, stored)
 
 
@@ -345,7 +276,9 @@ def _stored(root: Path, storage: dict[Any, Any]) -> dict[Any, Stored]:
     real: dict[str, Path] = {}
     for key, info in storage.items():
         if type(key) is not MetadataIndex or type(info) is not _StorageInfo:
-            raise CorruptCheckpointError(f"{file}: storage_data maps a {_name(key)} to a {_name(info)}")
+            raise CorruptCheckpointError(
+                f"{file}: storage_data maps a {unpickle.type_name(key)} to a {unpickle.type_name(info)}"
+            )
         found: list[Any] = [getattr(info, k, None) for k in ("relative_path", "offset", "length")]
         name, offset, length = found
         transforms = list(getattr(info, "transform_descriptors", None) or ())

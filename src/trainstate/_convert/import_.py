@@ -3,8 +3,9 @@
 Sources, told apart by what they are (not only by their names):
 
 - a ``.safetensors`` file (header read, each tensor read when written);
-- a ``torch.save`` file (``.pt`` / ``.bin`` / anything else that is not safetensors), loaded with
-  ``weights_only=True`` and memory-mapped: never unpickled as code;
+- a ``torch.save`` file (``.pt`` / ``.bin`` / anything else that is not safetensors), its pickle read by
+  trainstate's own restricted unpickler (``torch_pickle``: never code, never torch's unpickler) and its
+  tensors memory-mapped;
 - a Hugging Face folder: ``model.safetensors``, or shards listed by ``model.safetensors.index.json``,
   else ``pytorch_model.bin`` or its ``pytorch_model.bin.index.json`` (``from_pretrained``'s order);
 - a ``torch.distributed.checkpoint`` directory (it has ``.metadata``), read with DCP's own loader.

@@ -1,10 +1,12 @@
 """torch.save files: read without unpickling code, written a tensor at a time.
 
-Reading uses ``torch.load(weights_only=True, mmap=True)``: torch's restricted unpickler builds only
-tensors, containers and plain values (a pickled class is refused, never run), and ``mmap`` leaves the
-tensors' bytes in the file until the writer reads them. A file in torch's legacy (pre-1.6, non-zip)
-format cannot be mapped and is loaded whole, still restricted, once every storage its pickle declares is
-found in the file (torch would leave one it does not find uninitialized).
+Reading never runs torch's unpickler: the pickle is read by trainstate's own restricted unpickler
+(:mod:`trainstate._convert.torch_pickle`: tensors, containers and plain values; a pickled class is refused,
+never run; building is bounded by the file's size), and each tensor is a view of its storage record, mapped
+from the file as ``torch.load(mmap=True)`` maps it, so its bytes stay in the file until the writer reads
+them. Every storage must be a stored record of exactly its declared size, and every record must pass the
+zip's CRC-32. A file in torch's legacy (pre-1.6, non-zip) format cannot be mapped: its storages are read
+into memory, each one the pickle declares found in the file first.
 
 Writing produces exactly what ``torch.save(state_dict, path)`` writes (a zip of ``data.pkl`` naming each
 tensor's storage, then one record per storage), but streams: the pickle only *names* the storages, so it
@@ -16,24 +18,24 @@ dropped. ``torch.save`` needs every tensor in memory first. The zip is written b
 from __future__ import annotations
 
 import collections
-import errno
+import contextlib
 import io
 import math
+import mmap
 import os
 import pickle
-import re
 import struct
 import sys
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from trainstate._convert import pickle_scan
+from trainstate._convert import torch_pickle, unpickle
 from trainstate._convert.source import SourceTensor
 from trainstate._format import dtypes
 from trainstate._optional import optional
@@ -140,41 +142,36 @@ def _as_storage(torch: Any, array: np.ndarray) -> Any:
         return torch.from_numpy(flat).untyped_storage()
 
 
-def _check_storages(torch: Any, path: Path) -> None:
-    """Refuse a zip-format file whose pickle declares a storage of another size than its record holds.
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy torch.save file
 
-    ``torch.load(mmap=True)`` slices the mapped file by the *declared* size, unchecked: a storage declared
-    larger than its record reads the bytes after it (other tensors, the zip's directory) as its own. The
-    pickle is run once more here by torch's restricted unpickler with storages on the meta device (no
-    bytes), each declared size compared with its record's. Files in the legacy format are checked by
-    :func:`_check_legacy_storages`.
-    """
-    with open(path, "rb") as f:
-        if f.read(4) != b"PK\x03\x04":  # torch.load's own test of the format
-            pickle_scan.refuse_crowded_legacy(path)  # before any unpickler builds its dictionaries
-            _check_legacy_storages(torch, path, f)
-            return
+
+def _read_zip(torch: Any, path: Path, held: bytes | None = None) -> Any:
+    """A zip-format file (torch.save since 1.6), at ``path`` or ``held`` in memory (named ``path``): its pickle
+    unpickled by :mod:`torch_pickle`, each storage a slice of one private map of the file (or of one copy of
+    the bytes), as ``torch.load(mmap=True)`` makes them; every storage must be a stored (uncompressed) record of
+    exactly its declared size, and every record must pass its CRC-32."""
+    source: Any = path if held is None else io.BytesIO(held)
     try:
-        reader = torch._C.PyTorchFileReader(str(path))
-    except RuntimeError:
-        return  # not a torch file (torch.load says so)
+        reader = torch._C.PyTorchFileReader(str(path) if held is None else io.BytesIO(held))
+    except RuntimeError as e:
+        raise CorruptCheckpointError(f"{path} is damaged or truncated: its zip cannot be read ({e!s:.80})") from None
     records = set(reader.get_all_records())
     if "data.pkl" not in records:
-        return
-    if reader.get_record_size("data.pkl") > path.stat().st_size:  # compressed past its file: a zip bomb
+        raise CorruptCheckpointError(f"{path} is not a torch.save file (its zip holds no data.pkl)")
+    size = path.stat().st_size if held is None else len(held)
+    if reader.get_record_size("data.pkl") > size:  # compressed past its file: a zip bomb
         raise CorruptCheckpointError(f"{path}: its pickle (data.pkl) claims more bytes than the whole file")
-    _refuse_compressed(path)
-    data = reader.get_record("data.pkl")
-    pickle_scan.refuse_crowded(path, data)
-    from torch._weights_only_unpickler import Unpickler
+    _refuse_compressed(path, source)
+    _check_crcs(path, source)
+    if "byteorder" in records and bytes(reader.get_record("byteorder")) != b"little":
+        raise UnsupportedValueError(f"{path} was saved on a big-endian machine; trainstate imports little-endian files")
+    data = bytes(reader.get_record("data.pkl"))
+    if held is None:
+        whole = torch.UntypedStorage.from_file(str(path), False, size)  # private and lazy: pages read on use
+    else:
+        whole = torch.frombuffer(bytearray(held), dtype=torch.uint8).untyped_storage()
 
-    def persistent_load(pid: Any) -> Any:
-        if not isinstance(pid, tuple) or len(pid) != 5:
-            raise CorruptCheckpointError(f"{path}: the pickle names a storage as {pid!r:.80}")
-        _, kind, key, _, numel = pid
-        dtype = torch.uint8 if kind is torch.UntypedStorage else getattr(kind, "dtype", None)
-        if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
-            raise CorruptCheckpointError(f"{path}: the pickle names a storage as {pid!r:.80}")
+    def storage(key: str, dtype: Any, numel: int, location: str) -> torch_pickle.Storage:
         nbytes = numel * torch._utils._element_size(dtype)
         record = f"data/{key}"
         held = reader.get_record_size(record) if record in records else None
@@ -184,105 +181,122 @@ def _check_storages(torch: Any, path: Path) -> None:
                 + ("has no record of it" if held is None else f"holds {held} bytes for it")
                 + ": the file is damaged or forged"
             )
-        return torch.storage.TypedStorage(
-            wrap_storage=torch.UntypedStorage(nbytes, device="meta"), dtype=dtype, _internal=True
-        )
+        at = reader.get_record_offset(record)
+        if at + nbytes > size:
+            raise CorruptCheckpointError(f"{path}: storage {key!r:.40} lies past the end of the file")
+        return torch_pickle.Storage(whole[at : at + nbytes], dtype)
 
-    unpickler = Unpickler(io.BytesIO(data), encoding="utf-8")
-    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-    with warnings.catch_warnings():  # torch's own rebuild of a quantized tensor touches TypedStorage
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        unpickler.load()  # type: ignore[no-untyped-call]
-    _check_crcs(path)
+    return torch_pickle.Unpickler(io.BytesIO(data), len(data), storage).load()
 
 
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy torch.save file
+class _Window:
+    """A mapped file read as a stream by the unpickler: a length in a pickle never sizes a read past the file."""
+
+    def __init__(self, mapped: mmap.mmap) -> None:
+        self.mapped, self.at = mapped, 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.mapped) if n < 0 else min(self.at + n, len(self.mapped))
+        chunk, self.at = self.mapped[self.at : end], end
+        return chunk
+
+    def readline(self) -> bytes:
+        end = self.mapped.find(b"\n", self.at)
+        return self.read(len(self.mapped) - self.at if end < 0 else end + 1 - self.at)
 
 
-def _check_legacy_storages(torch: Any, path: Path, f: io.BufferedReader) -> None:
-    """Refuse a legacy-format file (torch.save before 1.6, old Hugging Face ``.bin`` files) any storage of
-    whose pickle is not read from the file.
+def _read_legacy(torch: Any, path: Path) -> Any:
+    """A file in torch's legacy format (torch.save before 1.6, old Hugging Face ``.bin`` files).
 
-    The format is five pickles (a magic number, a protocol version, the system's sizes, the object, the
-    list of its storages' keys), then, for each key in that list, the storage's element count (8 bytes)
-    and its bytes. torch's loader allocates every storage the object's pickle declares, *uninitialized*,
-    and fills only those the keys list names: a storage left out imports whatever the importing process's
-    memory held there (heap pointers, other data), and a huge declared size makes a tiny file a huge
-    checkpoint. The pickles are read here by torch's restricted unpickler, storages on the meta device (no
-    bytes); every declared storage must be named, each name's count must be the declared one, and its
-    bytes must be in the file.
-    """
-    from torch._weights_only_unpickler import Unpickler
+    The format is five pickles (a magic number, a protocol version, the system's sizes, the object, the list
+    of its storages' keys), then, for each key in that list, the storage's element count (8 bytes) and its
+    bytes. Each storage the object's pickle declares is allocated when first declared (all of them together
+    no larger than the file, where they must be), then filled from the file; every declared storage must be
+    named in the list, with its declared count and its bytes in the file (torch's own loader leaves a storage
+    the list omits uninitialized: the importing process's memory, imported as weights)."""
+    with open(path, "rb") as f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:  # empty
+            raise CorruptCheckpointError(f"{path} is not a torch.save file ({e!s:.80})") from None
+        with mapped:
+            window = _Window(mapped)
+            size = len(mapped)
+            declared: dict[str, torch_pickle.Storage] = {}
 
-    def unpickle(load: Callable[[Any], Any] | None = None) -> Any:
-        unpickler = Unpickler(f, encoding="utf-8")
-        if load is not None:
-            unpickler.persistent_load = load  # type: ignore[method-assign]
-        with warnings.catch_warnings():  # torch.load, which reads these pickles next, warns of them itself
-            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return unpickler.load()  # type: ignore[no-untyped-call]
+            def storage(key: str, dtype: Any, numel: int, location: str) -> torch_pickle.Storage:
+                nbytes = numel * torch._utils._element_size(dtype)
+                if nbytes + sum(s.data.nbytes() for s in declared.values()) > size:
+                    raise CorruptCheckpointError(
+                        f"{path}: its storages are declared larger than the whole file ({size} bytes): it is "
+                        "truncated, damaged or forged"
+                    )
+                declared[key] = torch_pickle.Storage(torch.UntypedStorage(nbytes), dtype)  # filled below
+                return declared[key]
 
-    f.seek(0)
-    try:
-        magic = unpickle()
-    except Exception:  # noqa: BLE001 - not a pickle: not a torch file (torch.load says so)
-        magic = None
-    if magic != LEGACY_MAGIC:
-        return
-    unpickle()  # the protocol version and the system's sizes: torch.load checks them
-    unpickle()
-    declared: dict[str, tuple[int, int]] = {}  # key -> its element count and bytes
+            def unpickle(make: Any = None) -> Any:
+                return torch_pickle.Unpickler(window, size, make or _no_storage).load()
 
-    def persistent_load(pid: Any) -> Any:
-        if not isinstance(pid, tuple) or len(pid) != 6:
-            raise CorruptCheckpointError(f"{path}: the pickle names a storage as {pid!r:.80}")
-        _, kind, key, _, numel, _ = pid
-        dtype = getattr(kind, "dtype", None)
-        if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0 or type(key) is not str:
-            raise CorruptCheckpointError(f"{path}: the pickle names a storage as {pid!r:.80}")
-        nbytes = numel * torch._utils._element_size(dtype)
-        declared.setdefault(key, (numel, nbytes))  # torch allocates a key at its first declaration
-        return torch.storage.TypedStorage(
-            wrap_storage=torch.UntypedStorage(nbytes, device="meta"), dtype=dtype, _internal=True
-        )
-
-    unpickle(persistent_load)
-    keys = unpickle()
-    if type(keys) is not list or any(type(key) is not str for key in keys):
-        raise CorruptCheckpointError(f"{path}: its list of storages is a {type(keys).__name__}, not a list of names")
-    missing = declared.keys() - set(keys)
-    if missing:
-        key = min(missing)
-        raise CorruptCheckpointError(
-            f"{path}: storage {key!r:.40} ({declared[key][1]} bytes) is declared by the pickle but never stored in "
-            "the file (its list of storages leaves it out), so torch would leave its memory uninitialized: the "
-            "file is damaged or forged"
-        )
-    at, size = f.tell(), os.fstat(f.fileno()).st_size
-    for key in keys:
-        if key not in declared:
+            try:
+                magic = unpickle()
+            except CheckpointError:
+                raise
+            except Exception:  # noqa: BLE001 - not a pickle at all
+                magic = None
+            if magic != LEGACY_MAGIC:
+                raise CorruptCheckpointError(
+                    f"{path} is not a torch.save file trainstate reads (neither a zip nor torch's legacy format; "
+                    "torch 0.3 and older saved a tar archive, which can be read only by running its pickles)"
+                )
+            unpickle()  # the protocol version
+            sys_info = unpickle()
+            if type(sys_info) is dict and sys_info.get("little_endian") is False:
+                raise UnsupportedValueError(
+                    f"{path} was saved on a big-endian machine; trainstate imports little-endian files"
+                )
+            obj = unpickle(storage)
+            keys = unpickle()
+            at = window.at
+        if type(keys) is not list or any(type(key) is not str for key in keys) or len(set(keys)) != len(keys):
+            raise CorruptCheckpointError(f"{path}: its list of storages is not a list of distinct names")
+        missing = declared.keys() - set(keys)
+        if missing:
+            key = min(missing)
             raise CorruptCheckpointError(
-                f"{path}: its list of storages names {key!r:.40}, which the pickle never declares"
+                f"{path}: storage {key!r:.40} ({declared[key].data.nbytes()} bytes) is declared by the pickle but "
+                "never stored in the file (its list of storages leaves it out): the file is damaged or forged"
             )
-        numel, nbytes = declared[key]
-        f.seek(at)
-        head = f.read(8)
-        count = struct.unpack("<q", head)[0] if len(head) == 8 else None
-        if count is None or at + 8 + nbytes > size:
-            raise CorruptCheckpointError(
-                f"{path}: storage {key!r:.40} is declared as {nbytes} bytes, but the file ends before them: it is "
-                "truncated, damaged or forged"
-            )
-        if count != numel:
-            raise CorruptCheckpointError(
-                f"{path}: storage {key!r:.40} is declared as {numel} elements, but the file counts {count} "
-                "for it: the file is damaged or forged"
-            )
-        at += 8 + nbytes
+        for key in keys:
+            if key not in declared:
+                raise CorruptCheckpointError(
+                    f"{path}: its list of storages names {key!r:.40}, which the pickle never declares"
+                )
+            into = torch.empty(0, dtype=torch.uint8).set_(declared[key].data).numpy()
+            f.seek(at)
+            head = f.read(8)
+            count = struct.unpack("<q", head)[0] if len(head) == 8 else None
+            numel = into.nbytes // torch._utils._element_size(declared[key].dtype)
+            if count is None or at + 8 + into.nbytes > size:
+                raise CorruptCheckpointError(
+                    f"{path}: storage {key!r:.40} is declared as {into.nbytes} bytes, but the file ends before "
+                    "them: it is truncated, damaged or forged"
+                )
+            if count != numel:
+                raise CorruptCheckpointError(
+                    f"{path}: storage {key!r:.40} is declared as {numel} elements, but the file counts {count} "
+                    "for it: the file is damaged or forged"
+                )
+            if f.readinto(memoryview(into)) != into.nbytes:
+                raise CorruptCheckpointError(f"{path}: storage {key!r:.40} was cut short while it was read")
+            at += 8 + into.nbytes
+    return obj
 
 
-def _check_crcs(path: Path) -> None:
+def _no_storage(key: str, dtype: Any, numel: int, location: str) -> torch_pickle.Storage:
+    raise CorruptCheckpointError(f"a pickle of the file's header names storage {key!r:.40}")
+
+
+def _check_crcs(path: Path, source: Any) -> None:
     """Refuse a zip-format file any of whose records fails its CRC-32: ``torch.load`` never checks them, so
     a byte flipped after the file was written would be imported, checksummed anew and verify. One read of
     the stored records (and of ``data.pkl``, already bounded by the file's size), a MiB at a time; the
@@ -291,7 +305,7 @@ def _check_crcs(path: Path) -> None:
     reader may read another."""
     bad = None
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(source) as zf:
             if min((info.header_offset for info in zf.infolist()), default=-1) != 0:
                 raise CorruptCheckpointError(
                     f"{path}: it has bytes before its zip (another zip, say), which torch.save never writes; torch "
@@ -316,12 +330,12 @@ def _check_crcs(path: Path) -> None:
         )
 
 
-def _refuse_compressed(path: Path) -> None:
+def _refuse_compressed(path: Path, source: Any) -> None:
     """Refuse a zip whose records are compressed (a torch.save file re-zipped by ``zip`` or ``zipfile``):
     torch.save stores them, and a mapped load cannot read a compressed record (torch fails on it with
     "Trying to resize storage that is not resizable", which says nothing of why)."""
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(source) as z:
             packed = next((i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         return  # torch's own reader opened it: its verdict on the bytes stands
@@ -334,40 +348,43 @@ def _refuse_compressed(path: Path) -> None:
 
 
 def read(path: Path) -> Any:
-    """The object a torch.save file holds, its tensors mapped from the file (see :func:`source_tensor`).
+    """The object a torch.save file holds, its tensors views of storages mapped from the file (zip format) or
+    read from it (legacy format); see :mod:`trainstate._convert.torch_pickle` for what is unpickled.
 
     Raises:
         UnsupportedValueError: the file holds a pickled object other than tensors, containers and plain
-            values (refused by torch's restricted unpickler, never run).
-        CorruptCheckpointError: the file is not a torch.save file.
+            values (refused, never run), or a tensor trainstate does not store.
+        CorruptCheckpointError: the file is not a torch.save file, or is damaged or forged.
     """
     torch = _torch()
+    with _errors(path):
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"  # torch.load's own test of the format
+        return _read_zip(torch, path) if zipped else _read_legacy(torch, path)
+
+
+def read_bytes(data: bytes, where: Path) -> Any:
+    """:func:`read` for the bytes of a zip-format torch.save file held in memory (an entry of a DCP file),
+    named ``where`` in errors."""
+    torch = _torch()
+    with _errors(where):
+        return _read_zip(torch, where, data)
+
+
+@contextlib.contextmanager
+def _errors(path: Path) -> Iterator[None]:
+    """Whatever reading a torch.save file raises, as a :class:`CheckpointError` naming it."""
     try:
-        _check_storages(torch, path)
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap can only be used" not in str(e):
-                raise
-        return torch.load(path, map_location="cpu", weights_only=True)  # the legacy format: cannot be mapped
-    except pickle.UnpicklingError as e:
-        said = str(e)
-        found = re.search(r"GLOBAL ([\w.]+)", said)
-        if found is None:  # torch's restricted unpickler met bytes that are no pickle it knows
-            reason = said.split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
-            raise CorruptCheckpointError(f"{path} is not a torch.save file ({' '.join(reason.split()):.120})") from None
-        raise UnsupportedValueError(
-            f"{path} holds a pickled object other than tensors, containers and plain values (a "
-            f"{found.group(1)}); trainstate never unpickles code. Save the weights as tensors "
-            "(torch.save(model.state_dict(), ...)) or as safetensors, and import that"
-        ) from None
+        yield
+    except unpickle.Refused as e:
+        raise CorruptCheckpointError(f"{path}: its pickle is refused: {e}") from None
+    except UnsupportedValueError as e:
+        raise e if str(path) in str(e) else UnsupportedValueError(f"{path}: {e}") from None
     except CheckpointError:
         raise
     except OSError as e:
-        if e.errno == errno.EINVAL:  # torch's reader on a truncated file: not the disk's fault
-            raise CorruptCheckpointError(f"{path} is damaged or truncated: torch.load could not read it") from None
         raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
-    except Exception as e:  # noqa: BLE001 - whatever torch.load says of a file that is not its format
+    except Exception as e:  # noqa: BLE001 - what a damaged pickle raises (EOFError, UnpicklingError, ...)
         said = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CorruptCheckpointError(f"{path} is not a torch.save file ({said:.120})") from None
 
