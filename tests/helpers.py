@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from trainstate._format import checksum
+from trainstate import _checksum as checksum
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:

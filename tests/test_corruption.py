@@ -15,7 +15,7 @@ import pytest
 
 import trainstate
 from helpers import reseal_manifest
-from trainstate._format import checksum
+from trainstate import _checksum as checksum
 
 
 def _state():

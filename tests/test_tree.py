@@ -13,8 +13,9 @@ import pytest
 
 import trainstate
 from helpers import assert_same, reseal_manifest
+from trainstate import _checksum as checksum
+from trainstate import _state
 from trainstate import _tree as tree
-from trainstate._format import checksum
 from trainstate._restore.plan import Restorer
 
 MAX = tree.MAX_DEPTH
@@ -116,7 +117,7 @@ def test_the_walk_is_iterative_for_writing_and_reading():
         json_end["v"].append(child)
         json_end = child
     with pytest.raises(trainstate.UnsupportedValueError, match="deeper"):
-        tree.encode(deep_state, lambda path, value: "x")
+        _state.encode(deep_state, lambda path, value: "x")
     with pytest.raises(trainstate.CorruptCheckpointError, match="deeper"):
         tree.parse(deep_json, set())
 
@@ -280,4 +281,4 @@ def test_keys_the_cli_and_the_planner_agree_on_the_dotted_keys(tmp_path):
     assert {"flags.3", "pair.1", "by_int.7.deep.1.x", "empty.d", "empty.l", "empty.t", "user.count"} <= set(values)
     for key in planned:  # each key the planner lists selects exactly one part
         part = trainstate.load(tmp_path / "c", include=key)
-        assert len(tree.leaves(tree.encode(part, lambda p, v: "x"))) == 1, key
+        assert len(tree.leaves(_state.encode(part, lambda p, v: "x"))) == 1, key

@@ -9,17 +9,18 @@ Example:
 
 from __future__ import annotations
 
+from trainstate import _version
 from trainstate._convert.average import average
+from trainstate._convert.consolidate import consolidate
 from trainstate._convert.export import ExportResult, export
 from trainstate._convert.import_ import import_checkpoint
 from trainstate._convert.onnx import export_onnx
 from trainstate._convert.pack import pack
-from trainstate._distributed.consolidate import consolidate
 from trainstate._format.manifest import FORMAT_VERSION
-from trainstate._history.entries import HistoryEntry, history
-from trainstate._history.plot import plot_history
 from trainstate._keys import generate_key
 from trainstate._manager import CheckpointInfo, CheckpointManager, SaveRecord
+from trainstate._manager.history import HistoryEntry, history
+from trainstate._manager.history_plot import plot_history
 from trainstate._manager.policies import (
     AtSteps,
     EverySeconds,
@@ -36,10 +37,11 @@ from trainstate._restore import load
 from trainstate._restore.checkpoint import Checkpoint, TensorInfo
 from trainstate._restore.checkpoint import open_checkpoint as open
 from trainstate._rng import RNGState
-from trainstate._save import SaveResult, save
+from trainstate._save import SaveResult
+from trainstate._saving import save
+from trainstate._state import PerRank, Stateful
 from trainstate._storage import Capabilities, FileInfo, LocalStorage, Storage
 from trainstate._storage import check as check_storage
-from trainstate._tree import PerRank, Stateful
 from trainstate.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -62,7 +64,7 @@ from trainstate.errors import (
     WrongKeyError,
 )
 
-__version__ = "0.1.0"
+__version__ = _version.VERSION
 """trainstate's version, as pip knows it (``trainstate --version`` prints it too).
 
 Example:

@@ -74,16 +74,6 @@ def metrics(values: Mapping[str, Any] | None) -> dict[str, float]:
     return out
 
 
-FRAMEWORKS = ("numpy", "torch", "jax")
-
-
-def framework(value: Any) -> str:
-    """The array type a reader returns (``framework=``): one of :data:`FRAMEWORKS`."""
-    if value not in FRAMEWORKS:
-        raise InvalidArgumentError(f"framework must be 'numpy', 'torch' or 'jax', got {value!r:.40}")
-    return str(value)
-
-
 def positive_int(value: Any, what: str) -> int:
     return _integer(value, what, minimum=1)
 

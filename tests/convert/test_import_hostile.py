@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 import trainstate
-from trainstate._format import archive, checksum
+from trainstate import _checksum as checksum
+from trainstate._format import archive
 
 # -- Hugging Face folders: shards stay inside the folder (or the hub cache's blob store) ------------------
 

@@ -53,7 +53,8 @@ def _deterministic(seed: bytes) -> Any:
 
 
 def write(path: Path) -> None:
-    from trainstate._format import checksum, datafile, manifest
+    from trainstate import _checksum as checksum
+    from trainstate._format import datafile, manifest
     from trainstate._keys import Key
     from trainstate._save.encode import encode_state
     from trainstate._transforms import Place

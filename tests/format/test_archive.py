@@ -21,7 +21,8 @@ from test_golden import golden_state
 
 import trainstate
 from helpers import assert_same
-from trainstate._format import archive, checksum
+from trainstate import _checksum as checksum
+from trainstate._format import archive
 
 PACKED_FIXTURE = Path(__file__).parent.parent / "fixtures" / "packed-v1.0" / "basic.tsar"
 

@@ -7,7 +7,7 @@ import pytest
 import xxhash
 
 import trainstate
-from trainstate._format import checksum
+from trainstate import _checksum as checksum
 
 
 @pytest.mark.parametrize("size", [0, 1, (64 << 10) - 1, 64 << 10, (64 << 10) + 1, 3 << 20])

@@ -118,7 +118,7 @@ def test_the_checksum_is_the_first_member_whatever_fields_a_newer_minor_version_
     """
     import json
 
-    from trainstate._format import checksum
+    from trainstate import _checksum as checksum
 
     raw = manifest.Manifest(tree=None, tensors={}, files=(), extra={"aardvark": 1}).to_json_bytes()
     expected = json.loads(raw)["checksum"]

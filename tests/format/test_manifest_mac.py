@@ -16,8 +16,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 import trainstate
-from trainstate import _tree
-from trainstate._format import checksum, manifest
+from trainstate import _checksum as checksum
+from trainstate import _state, _tree
+from trainstate._format import manifest
 from trainstate._keys import Key
 
 RAW_KEY = bytes(range(64, 96))  # a TEST key: public in this repository, never for real data
@@ -30,7 +31,7 @@ def _hkdf(salt: bytes, info: bytes, length: int) -> bytes:
 
 
 def _sealed() -> bytes:
-    tree, metadata = _tree.encode_plain({"name": "w"}), _tree.encode_plain({"run": "x"})
+    tree, metadata = _state.encode_plain({"name": "w"}), _state.encode_plain({"run": "x"})
     return manifest.Manifest(tree=tree, tensors={}, files=(), metadata=metadata).to_json_bytes(KEY)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import trainstate
 import trainstate._manager.committer
-from trainstate._manager import staging
+from trainstate._save import staging
 
 torch = pytest.importorskip("torch")
 

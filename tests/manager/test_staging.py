@@ -11,8 +11,8 @@ import pytest
 
 import trainstate
 from trainstate._manager import committer as committer_module
-from trainstate._manager.staging import StagingBuffer
 from trainstate._save import encode_state
+from trainstate._save.staging import StagingBuffer
 
 torch = pytest.importorskip("torch")
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="MADV_DONTFORK and /proc/self/maps are Linux")

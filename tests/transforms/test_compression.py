@@ -17,7 +17,8 @@ import pytest
 import trainstate
 import trainstate._transforms as transforms
 from helpers import assert_same, cli, reseal_manifest
-from trainstate._format import checksum, dtypes
+from trainstate import _checksum as checksum
+from trainstate._format import dtypes
 
 pytest.importorskip("zstandard")
 

@@ -69,7 +69,8 @@ import numpy as np
 
 import trainstate
 from trainstate import _transforms as transforms
-from trainstate._format import checksum, datafile, manifest_mac
+from trainstate import _checksum as checksum
+from trainstate._format import datafile, manifest_mac
 from trainstate._keys import Key
 
 from .common import FLAVORS, PLAIN, Flavor, Row, must_be_tampered, save_steps

@@ -12,9 +12,9 @@ import statistics
 from trainstate._cli import OK, UsageError
 from trainstate._cli._output import Printer, Table, local_time, metrics_text, size
 from trainstate._cli._show import require_dir
-from trainstate._history.entries import HistoryEntry
-from trainstate._history.entries import history as read_history
-from trainstate._history.plot import chosen_metrics, draw
+from trainstate._manager.history import HistoryEntry
+from trainstate._manager.history import history as read_history
+from trainstate._manager.history_plot import chosen_metrics, draw
 from trainstate.errors import InvalidArgumentError
 
 _STYLES = {"deleted": "dim", "replaced": "yellow", "failed": "red", "damaged": "red"}

@@ -13,9 +13,9 @@ from trainstate import open as open_checkpoint
 from trainstate._cli import UsageError, _values
 from trainstate._cli._output import Printer, Table, clip, local_time, metrics_text, short, size
 from trainstate._format.manifest import MANIFEST_NAME, TensorEntry
+from trainstate._format.run_dir import step_of
 from trainstate._incremental.pool import POOL_DIR
 from trainstate._manager import CheckpointInfo, CheckpointManager
-from trainstate._manager.naming import step_of
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import Storage, is_staging_name, resolve
 from trainstate._storage.base import DELETE_MARKER, staged_target

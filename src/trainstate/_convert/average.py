@@ -25,13 +25,13 @@ from functools import partial
 
 import numpy as np
 
-from trainstate import _gc, _keys
+from trainstate import _gc, _keys, _state
 from trainstate import _tree as tree
 from trainstate._format import dtypes
 from trainstate._format.added_keys import FACTS_KEY
 from trainstate._restore.checkpoint import Checkpoint
+from trainstate._restore.lazy import lazy_entry, stored_entry
 from trainstate._save.encode import Entry, Snapshot
-from trainstate._save.lazy import lazy_entry, stored_entry
 from trainstate._save.write import SaveResult, write_checkpoint
 from trainstate._storage import resolve
 from trainstate.errors import InvalidArgumentError
@@ -175,4 +175,4 @@ def _metadata(newest: Checkpoint, cks: list[Checkpoint]) -> tree.Node:
         meta = {}
     if not isinstance(meta, dict):
         return newest.manifest.metadata
-    return tree.encode_plain({**meta, "averaged_from": [str(ck.path) for ck in cks]})
+    return _state.encode_plain({**meta, "averaged_from": [str(ck.path) for ck in cks]})

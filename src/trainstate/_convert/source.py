@@ -20,9 +20,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from trainstate import _state
 from trainstate import _tree as tree
+from trainstate._restore.lazy import lazy_entry
 from trainstate._save.encode import Entry, Snapshot, tensor_name
-from trainstate._save.lazy import lazy_entry
 from trainstate.errors import UnsupportedValueError
 
 MODULE_TYPE = "torch.nn.Module"  # the label of an imported state_dict (a label only: nothing is imported)
@@ -118,7 +119,7 @@ def build(
     node: tree.Node = tree.walk((source, at), visit, too_deep)
     for key in reversed(at):
         node = tree.DictNode((key,), (node,))
-    return Snapshot(node, tree.encode_plain(metadata), entries)
+    return Snapshot(node, _state.encode_plain(metadata), entries)
 
 
 def _plain(value: Any) -> tree.Scalar:

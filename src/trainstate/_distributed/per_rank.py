@@ -13,8 +13,8 @@ import json
 from collections.abc import Callable, Collection
 from typing import Any
 
+from trainstate import _checksum as checksum
 from trainstate import _tree as tree
-from trainstate._format import checksum
 
 
 def _is_per_rank(node: tree.Node) -> bool:

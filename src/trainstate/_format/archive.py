@@ -18,7 +18,8 @@ import json
 import struct
 from dataclasses import dataclass
 
-from trainstate._format import checksum, manifest
+from trainstate import _checksum as checksum
+from trainstate._format import manifest
 from trainstate.errors import CorruptCheckpointError, FormatVersionError, InvalidArgumentError
 
 MAGIC = b"\x89TSPACK\n"  # a high byte, the name, a newline: text-mode transfers and wrong files fail at once

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainstate._format import checksum
+from trainstate import _checksum as checksum
 from trainstate._keys import Key
 from trainstate.errors import (
     CorruptCheckpointError,

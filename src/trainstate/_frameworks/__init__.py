@@ -13,145 +13,89 @@ value or object of a framework the process has not imported cannot exist.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trainstate._frameworks import jax_tree
 from trainstate._frameworks import numpy as numpy_adapter
-
-
-class Adapter(Protocol):
-    """What trainstate asks of one array framework. ``numpy.py`` and ``torch.py`` implement it as modules."""
-
-    def is_array(self, value: Any) -> bool:
-        """Whether ``value`` is an array (or array scalar) of this framework."""
-
-    def has_values(self, value: Any) -> bool:
-        """False for a value that stands for an array without holding one (``jax.ShapeDtypeStruct``): a
-        restore target, never saved."""
-
-    def describe(self, value: Any) -> tuple[str, tuple[int, ...], str]:
-        """(dtype code, shape, kind) of an array; raises UnsupportedValueError for one that cannot be stored."""
-
-    def identity(self, value: Any) -> tuple[object, ...] | None:
-        """A key equal for two arrays that are the same view of the same memory (tied weights), or None."""
-
-    def local_part(self, value: Any) -> tuple[Any, tuple[int, ...]] | None:
-        """For an array sharded over ranks (a DTensor): this rank's part (a plain array) and its offset in
-        the whole; None for an array this process holds whole."""
-
-    def byte_view(self, value: Any) -> memoryview:
-        """The array's bytes, C order, little-endian; copies only when the layout requires it."""
-
-    def empty(self, code: str, shape: tuple[int, ...]) -> Any:
-        """A new host array to read into."""
-
-    def writable_view(self, target: Any) -> memoryview | None:
-        """The memory of a live array to read straight into, or None when its layout does not allow it."""
-
-    def on_accelerator(self, value: Any) -> bool:
-        """Whether ``value`` lives in accelerator memory: reads reach it through host staging."""
-
-    def staging(self, nbytes: int, like: Any) -> np.ndarray:
-        """``nbytes`` of host memory (uint8) to stage reads for accelerator arrays like ``like``: page-locked
-        where the framework can make it, since copies from it run several times faster."""
-
-    def copy_in(self, pairs: list[tuple[Any, np.ndarray]]) -> None:
-        """Copy each flat host byte array into its live accelerator array; returns once all have landed."""
-
-    def finish(self, array: Any, kind: str) -> Any:
-        """A freshly read host array turned into what the saver held (``kind`` from the manifest)."""
-
-    def assign(self, target: Any, source: Any) -> Any:
-        """Copy a host array into a live array (keeping its device); returns what the state now holds."""
-
-    def from_numpy(self, array: np.ndarray) -> Any:
-        """An array of this framework holding ``array``'s values (sharing its memory where it can)."""
-
-    def load_takes_strict(self, obj: Any) -> bool:
-        """Whether ``obj.load_state_dict`` takes ``strict=`` and its own state_dict's keys are the truth
-        (torch's ``nn.Module``), rather than the checkpoint's (an optimizer growing its moments)."""
-
-    def rebuilt_from_checkpoint(self, obj: Any) -> bool:
-        """Whether ``obj``'s state must come from the checkpoint alone: calling its ``state_dict()`` has
-        side effects (a DataLoader starts an iterator: worker processes, a draw from the global RNG)."""
-
-    def after_restore(self, restored: Any) -> None:
-        """Called with the whole restored state, once everything is in place."""
-
-
-class Bound(Protocol):
-    """A stateful object whose state is keyed through other objects of the same state: a torch optimizer,
-    keyed by the names its parameters have in the modules that own them (``torch_optim.py``).
-
-    Saving asks it for :meth:`state_dict` instead of the object. Restoring asks :meth:`restore_target` for
-    the live state to plan against, then calls :meth:`load_state_dict` with the restored one, or
-    :meth:`undo` when the restore stops before reading (so a failed restore changes nothing).
-    """
-
-    def state_dict(self) -> Any:
-        """The state to save."""
-
-    def restore_target(self, saved: Any, skip: object) -> tuple[Any, list[str], list[str]]:
-        """The live state to restore the saved state (a tree node) into, and the names the object has that
-        the checkpoint lacks (missing) and the checkpoint has that the object lacks (unexpected). Saved parts
-        the object has no place for are given ``skip`` in the returned state: the restore leaves them unread."""
-
-    def load_state_dict(self, state: Any, strict: bool) -> None:
-        """Set the restored state."""
-
-    def undo(self) -> None:
-        """Take back what :meth:`restore_target` changed in the object."""
-
+from trainstate._frameworks.protocol import Adapter as Adapter  # re-exported: the protocol is the package's
+from trainstate._frameworks.protocol import Bound as Bound
+from trainstate.errors import InvalidArgumentError
 
 NUMPY: Adapter = numpy_adapter
 
+if TYPE_CHECKING:  # mypy checks every adapter module against the protocol
+    from trainstate._frameworks import jax as _jax_adapter
+    from trainstate._frameworks import torch as _torch_adapter
+
+    _CHECKED: tuple[Adapter, ...] = (numpy_adapter, _torch_adapter, _jax_adapter)
+
+
+class Framework(NamedTuple):
+    """One row of :data:`FRAMEWORKS`: a framework trainstate stores arrays of."""
+
+    name: str  # what ``framework=`` and a manifest's tensor ``kind`` call it
+    module: str  # its import name: the adapter is consulted only once ``sys.modules`` holds it
+    types: tuple[str, ...]  # the modules its array types are defined in (``type(value).__module__``)
+    adapter: str  # trainstate's module implementing :class:`Adapter` for it
+
+
+# The one table of frameworks: adapter lookup, the names ``framework=`` accepts, and every question the
+# save, the restore and the async staging copy ask of an array go through it. A new framework is one
+# adapter module and one row here.
+FRAMEWORKS: tuple[Framework, ...] = (
+    Framework("numpy", "numpy", ("numpy",), "trainstate._frameworks.numpy"),
+    Framework("torch", "torch", ("torch",), "trainstate._frameworks.torch"),
+    Framework("jax", "jax", ("jax", "jaxlib"), "trainstate._frameworks.jax"),
+)
+NAMES = tuple(f.name for f in FRAMEWORKS)
+
+
+def _adapter(row: Framework) -> Adapter:
+    module: Adapter = importlib.import_module(row.adapter)
+    return module
+
 
 def _torch() -> Adapter:
-    from trainstate._frameworks import torch as torch_adapter
-
-    return torch_adapter
+    return _adapter(FRAMEWORKS[1])
 
 
 def _jax() -> Adapter:
-    from trainstate._frameworks import jax as jax_adapter
-
-    return jax_adapter
+    return _adapter(FRAMEWORKS[2])
 
 
 def _loaded() -> list[Adapter]:
     """The adapters of the frameworks this process has imported."""
-    loaded = [NUMPY]
-    if "torch" in sys.modules:
-        loaded.append(_torch())
-    if "jax" in sys.modules:
-        loaded.append(_jax())
-    return loaded
+    return [_adapter(row) for row in FRAMEWORKS if row.module in sys.modules]
 
 
 def adapter_for(value: Any) -> Adapter | None:
     """The adapter for an array value, or None if ``value`` is not an array we store."""
     if NUMPY.is_array(value):
         return NUMPY
-    if "torch" in sys.modules and type(value).__module__.startswith("torch"):
-        torch_adapter = _torch()
-        if torch_adapter.is_array(value):
-            return torch_adapter
-    if "jax" in sys.modules and type(value).__module__.startswith(("jax", "jaxlib")):
-        jax_adapter = _jax()
-        if jax_adapter.is_array(value):
-            return jax_adapter
+    home = type(value).__module__
+    for row in FRAMEWORKS[1:]:
+        if row.module in sys.modules and home.startswith(row.types):
+            adapter = _adapter(row)
+            if adapter.is_array(value):
+                return adapter
     return None
 
 
 def adapter_named(kind: str) -> Adapter:
-    """The adapter for a manifest ``kind`` or a ``framework=`` argument (``"torch"``, ``"jax"``, else NumPy)."""
-    if kind == "torch":
-        return _torch()
-    return _jax() if kind == "jax" else NUMPY
+    """The adapter for a manifest ``kind`` or a ``framework=`` argument (NumPy for any other name)."""
+    row = next((f for f in FRAMEWORKS if f.name == kind), FRAMEWORKS[0])
+    return _adapter(row)
+
+
+def framework(value: Any) -> str:
+    """The array type a reader returns (``framework=``): the name of a row of :data:`FRAMEWORKS`."""
+    if value not in NAMES:
+        names = ", ".join(repr(n) for n in NAMES)
+        raise InvalidArgumentError(f"framework must be one of {names}, got {value!r:.40}")
+    return str(value)
 
 
 def pytree(value: Any) -> tuple[jax_tree.Children, Callable[[list[Any]], Any]] | None:

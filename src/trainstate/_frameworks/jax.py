@@ -215,6 +215,11 @@ def copy_in(pairs: list[tuple[Any, np.ndarray]]) -> None:
     numpy_adapter.copy_in(pairs)
 
 
+def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:
+    for value, host in pairs:  # byte_view brings a device array to the host
+        np.copyto(host, np.frombuffer(byte_view(value), dtype=np.uint8))
+
+
 def finish(array: np.ndarray, kind: str) -> Any:
     """A freshly read host array as a JAX array on the default device."""
     return jax.device_put(_narrowed(array))

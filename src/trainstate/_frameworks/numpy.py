@@ -79,6 +79,11 @@ def copy_in(pairs: list[tuple[Any, np.ndarray]]) -> None:
         np.copyto(target, host.view(target.dtype).reshape(target.shape))
 
 
+def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:
+    for value, host in pairs:
+        np.copyto(host, np.frombuffer(byte_view(value), dtype=np.uint8))
+
+
 def finish(array: np.ndarray, kind: str) -> Any:
     """Turn a freshly read array into what the saver held (a scalar stays a scalar)."""
     return array[()] if kind == "numpy-scalar" else array

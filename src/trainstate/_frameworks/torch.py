@@ -189,6 +189,20 @@ def copy_in(pairs: list[tuple[Any, np.ndarray]]) -> None:
         torch.cuda.synchronize()
 
 
+def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:
+    cuda = False
+    with torch.no_grad():
+        for value, host in pairs:
+            if not on_accelerator(value):
+                np.copyto(host, np.frombuffer(byte_view(value), dtype=np.uint8))
+                continue
+            source = value.detach().contiguous().reshape(-1).view(torch.uint8)
+            torch.from_numpy(host).copy_(source, non_blocking=True)  # async into pinned memory: one wait below
+            cuda = True
+    if cuda:
+        torch.cuda.synchronize()
+
+
 def finish(array: torch.Tensor, kind: str) -> Any:
     return array
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from trainstate import _tree
-from trainstate._frameworks import Bound
+from trainstate._frameworks.protocol import Bound
 from trainstate.errors import CheckpointError
 
 _OptimState = dict[str, Any]

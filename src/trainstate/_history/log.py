@@ -31,18 +31,51 @@ import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainstate._storage import Storage
 from trainstate._storage.local import ensure_directory
 from trainstate.errors import StorageError
 
-if TYPE_CHECKING:
-    from trainstate._manager.committer import SaveRecord
-
 log = logging.getLogger("trainstate")
 
 HISTORY_DIR = "_history"  # never a checkpoint name (step_...) nor a staging name: managers and sweeps skip it
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """One save as the manager saw it. Times in seconds. ``CheckpointManager.history()`` returns these.
+
+    Attributes:
+        step: the step saved.
+        reason: why it was saved (``"every 500 steps"``, ``"forced"``, ``"preemption (SIGTERM)"``, ...).
+        path: the checkpoint's path.
+        background: whether it was written on the background thread (async).
+        blocking_seconds: how long ``save()`` held up the training loop.
+        write_seconds: writing the data files and the manifest (in the background when async).
+        commit_seconds: the commit: rename and fsync of the directory.
+        nbytes: bytes written.
+        deleted: the checkpoints retention deleted after this one committed.
+        error: why the save failed, or None.
+
+    Example:
+        >>> record = mgr.history()[-1]
+        >>> record.step, record.reason, record.blocking_seconds < record.write_seconds
+        (1500, 'every 500 steps', True)
+    """
+
+    step: int
+    reason: str
+    path: str
+    background: bool
+    blocking_seconds: float  # how long save() held up the training loop
+    write_seconds: float = 0.0  # writing data files and manifest (in the background when async)
+    commit_seconds: float = 0.0  # rename + fsync of the directory
+    nbytes: int = 0
+    deleted: tuple[str, ...] = ()
+    error: str | None = None
+
+
 VERSION = 1  # "trainstate_history" in every record; a reader takes the fields it knows from any version
 MAX_RECORD_BYTES = 1 << 20  # a record is a few hundred bytes; anything this large is not one of ours
 

@@ -32,7 +32,8 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from trainstate._format import checksum, datafile
+from trainstate import _checksum as checksum
+from trainstate._format import datafile
 from trainstate._format.manifest import Chunk, FileEntry
 from trainstate._storage import Storage
 from trainstate.errors import CorruptCheckpointError, StorageError

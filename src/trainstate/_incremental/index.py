@@ -23,8 +23,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from trainstate import _checksum as checksum
 from trainstate import _transforms as transforms
-from trainstate._format import checksum, dtypes
+from trainstate._format import dtypes
 from trainstate._format.manifest import Chunk, FileEntry, Pieces, TensorEntry
 from trainstate._save.encode import Entry
 from trainstate.errors import CheckpointError

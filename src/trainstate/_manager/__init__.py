@@ -1,6 +1,6 @@
 """Training-loop checkpointing: the manager, its policies, async staging and preemption handling."""
 
-from trainstate._manager.committer import SaveRecord
+from trainstate._history.log import SaveRecord
 from trainstate._manager.manager import CheckpointManager
 from trainstate._manager.policies import CheckpointInfo
 

@@ -21,9 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainstate._manager import naming
-from trainstate._manager.committer import Committer, SaveRecord, raise_background
+from trainstate._format import run_dir as naming
+from trainstate._history.log import SaveRecord
+from trainstate._manager.committer import Committer
 from trainstate._save import Snapshot
+from trainstate._save.background import raise_background
 from trainstate._save.queue import BackgroundQueue
 
 log = logging.getLogger("trainstate")

@@ -16,12 +16,12 @@ from dataclasses import replace
 from typing import Any
 
 from trainstate import _tree as tree
+from trainstate._format import run_dir as naming
 from trainstate._format.added_keys import FACTS_KEY, declaration
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._incremental.gc import PoolCollector
 from trainstate._incremental.pool import POOL_DIR
 from trainstate._keys import Key
-from trainstate._manager import naming
 from trainstate._manager.policies import CheckpointInfo
 from trainstate._restore.checkpoint import _read_manifest
 from trainstate._storage import Storage

@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from trainstate._format import run_dir as naming
 from trainstate._format.manifest import Manifest
-from trainstate._history.log import HistoryLog
+from trainstate._history.log import HistoryLog, SaveRecord
 from trainstate._incremental.save import IncrementalSaver
 from trainstate._keys import Key
-from trainstate._manager import naming
 from trainstate._manager.catalog import Catalog
 from trainstate._manager.policies import (
     CheckpointInfo,
@@ -35,40 +35,6 @@ from trainstate._transforms import Pipeline
 from trainstate.errors import CheckpointError, FormatVersionError, StorageError
 
 log = logging.getLogger("trainstate")
-
-
-@dataclass(frozen=True)
-class SaveRecord:
-    """One save as the manager saw it. Times in seconds. ``CheckpointManager.history()`` returns these.
-
-    Attributes:
-        step: the step saved.
-        reason: why it was saved (``"every 500 steps"``, ``"forced"``, ``"preemption (SIGTERM)"``, ...).
-        path: the checkpoint's path.
-        background: whether it was written on the background thread (async).
-        blocking_seconds: how long ``save()`` held up the training loop.
-        write_seconds: writing the data files and the manifest (in the background when async).
-        commit_seconds: the commit: rename and fsync of the directory.
-        nbytes: bytes written.
-        deleted: the checkpoints retention deleted after this one committed.
-        error: why the save failed, or None.
-
-    Example:
-        >>> record = mgr.history()[-1]
-        >>> record.step, record.reason, record.blocking_seconds < record.write_seconds
-        (1500, 'every 500 steps', True)
-    """
-
-    step: int
-    reason: str
-    path: str
-    background: bool
-    blocking_seconds: float  # how long save() held up the training loop
-    write_seconds: float = 0.0  # writing data files and manifest (in the background when async)
-    commit_seconds: float = 0.0  # rename + fsync of the directory
-    nbytes: int = 0
-    deleted: tuple[str, ...] = ()
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -305,9 +271,3 @@ class Committer:
             except CheckpointError as e:
                 log.warning("not deduplicating against %s: %s", info.name, e)
         return None
-
-
-def raise_background(error: BaseException) -> None:
-    if isinstance(error, CheckpointError):
-        raise error
-    raise CheckpointError(f"a background save failed: {error!r}") from error

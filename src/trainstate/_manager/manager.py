@@ -23,12 +23,13 @@ from trainstate import _keys
 from trainstate import _transforms as transforms
 from trainstate._distributed import rank_and_world
 from trainstate._distributed.group import Failure
+from trainstate._format import run_dir as naming
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._frameworks import replaced_on_restore
-from trainstate._manager import naming
+from trainstate._history.log import SaveRecord
 from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
-from trainstate._manager.committer import Committer, SaveRecord, Settings, raise_background
+from trainstate._manager.committer import Committer, Settings
 from trainstate._manager.lock import DirectoryLock
 from trainstate._manager.policies import (
     AtSteps,
@@ -52,6 +53,7 @@ from trainstate._manager.ranks import failed_elsewhere, manager_ranks
 from trainstate._manager.rng_capture import RNGCapture
 from trainstate._restore import load_from
 from trainstate._save import DEFAULT_THREADS, encode_state
+from trainstate._save.background import raise_background
 from trainstate._storage import Storage, resolve
 from trainstate._storage.local import ensure_directory
 from trainstate.errors import (

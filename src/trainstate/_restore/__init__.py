@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from trainstate import _arguments as arguments
-from trainstate import _gc, _keys, _tree
+from trainstate import _frameworks as frameworks
+from trainstate import _gc, _keys, _state
 from trainstate._distributed import rank_and_world
 from trainstate._frameworks import after_restore, bind
 from trainstate._restore.checkpoint import Checkpoint
@@ -42,7 +43,7 @@ def restore(
         framework=framework,
         optional=optional,
         rank=rank_and_world(),
-        bound=bind(_tree.stateful_objects(target)) if target is not _ABSENT else None,
+        bound=bind(_state.stateful_objects(target)) if target is not _ABSENT else None,
     )
     if include is not None or exclude is not None:
         keys = r._leaves(ck.manifest.tree, ())
@@ -149,7 +150,7 @@ def load(
         >>> tree = trainstate.load("ckpt/step_1200")              # NumPy arrays and plain values
         >>> trainstate.load(packed_bytes, state)                    # from memory (trainstate.pack)
     """
-    framework = arguments.framework(framework)
+    framework = frameworks.framework(framework)
     threads = arguments.positive_int(threads, "threads")
     resolved = _keys.resolve(key, key_env)
     return load_from(

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from trainstate import _arguments as arguments
+from trainstate import _checksum as checksum
+from trainstate import _frameworks as frameworks
 from trainstate import _keys
 from trainstate import _tree as tree
-from trainstate._format import checksum, datafile, manifest
+from trainstate._format import datafile, manifest
 from trainstate._frameworks import adapter_for
 from trainstate._incremental import pool
 from trainstate._restore import key_or_damage
@@ -202,7 +203,7 @@ class Checkpoint:
             >>> w = ck.read("model.fc.weight", framework="torch")   # a torch tensor of its own
         """
         self._entry(name)
-        return engine.read_tensor(self, name, framework=arguments.framework(framework), verify=verify)
+        return engine.read_tensor(self, name, framework=frameworks.framework(framework), verify=verify)
 
     def read_into(self, name: str, out: Any, *, verify: bool = True) -> None:
         """Read tensor ``name`` into ``out``: a contiguous host array of the tensor's dtype and shape.
@@ -245,7 +246,7 @@ class Checkpoint:
         """
         from trainstate._restore import ABSENT, restore  # restore builds on this module
 
-        framework = arguments.framework(framework)
+        framework = frameworks.framework(framework)
         return restore(
             self, ABSENT, include=include, exclude=exclude, framework=framework, verify=verify, threads=threads
         )
@@ -371,7 +372,7 @@ def _read_manifest(storage: Storage, path: str, key: _keys.Key | None = None) ->
     if minfo is None and storage.stat_followed(path) is None:
         raise CheckpointNotFoundError(f"{path} was deleted while it was being opened")
     if minfo is None:
-        from trainstate._manager.naming import step_of  # not at the top: the manager imports this module
+        from trainstate._format.run_dir import step_of  # not at the top: the manager imports this module
 
         steps = sorted(
             (n for n in storage.list(path) if step_of(n) is not None), key=lambda n: step_of(n) or 0, reverse=True

@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
+from trainstate import _state
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
 from trainstate._format.added_keys import declared_keys
@@ -103,11 +104,11 @@ def _patterns(value: Any, what: str) -> list[str]:
 
 def _is_container(value: Any) -> bool:
     """A plain container of the user's (not a stateful object), which a saved object's state can restore into."""
-    return isinstance(value, (Mapping, list, tuple)) and not tree.is_stateful(value)
+    return isinstance(value, (Mapping, list, tuple)) and not _state.is_stateful(value)
 
 
 def _is_structure(value: Any) -> bool:
-    return tree.is_stateful(value) or isinstance(value, (Mapping, list, tuple))
+    return _state.is_stateful(value) or isinstance(value, (Mapping, list, tuple))
 
 
 def _describe(value: Any) -> str:
@@ -169,8 +170,8 @@ class Restorer:
             return lambda: target  # excluded (or not included): nothing to plan, not even a per-rank check
         if target is not _ABSENT and (
             per_rank.is_per_rank_node(node)
-            or isinstance(target, tree.PerRank)
-            or (self.world > 1 and tree.is_per_rank(target))
+            or isinstance(target, _state.PerRank)
+            or (self.world > 1 and _state.is_per_rank(target))
         ):
             return self._plan_per_rank(target, node, path, free)
         return self._plan_plain(node, target, path, free)
@@ -182,14 +183,14 @@ class Restorer:
             target is not _ABSENT
             and not isinstance(target, (dict, list, tuple))
             and adapter_for(target) is None
-            and not tree.is_stateful(target)
+            and not _state.is_stateful(target)
         ):
             found = pytree(target)
         # An object's state and a plain container of the same paths stand for each other, whichever side holds
         # the object: a torch model's state restores into a JAX program's dicts, a JAX pytree into a torch model.
         if isinstance(node, tree.StatefulNode) and (found is not None or _is_container(target)):
             node = node.state
-        elif isinstance(node, tree.DictNode) and target is not _ABSENT and tree.is_stateful(target):
+        elif isinstance(node, tree.DictNode) and target is not _ABSENT and _state.is_stateful(target):
             return self._plan_stateful(target, tree.StatefulNode("dict", node), path)
         if found is not None:
             return self._plan_pytree(node, target, found, path, free)
@@ -262,9 +263,9 @@ class Restorer:
     def _plan_per_rank(self, target: Any, node: tree.Node, path: tuple[str, ...], free: bool) -> Planned:
         """A per-rank part: this rank's own value, saved by as many ranks as there are now (docs/distributed.md)."""
         key = tree.join(path) or "<root>"
-        inner = target.value if isinstance(target, tree.PerRank) else target
+        inner = target.value if isinstance(target, _state.PerRank) else target
         if isinstance(node, tree.StatefulNode) and per_rank.is_per_rank_node(node):
-            if not tree.is_per_rank(target):
+            if not _state.is_per_rank(target):
                 self.mismatched.append((key, _describe(target), "values saved per rank (trainstate.PerRank)"))
                 return lambda: target
             chosen = per_rank.entry(node, self.rank, self.world)
@@ -285,7 +286,7 @@ class Restorer:
             self.world_size_changed = True
             return lambda: target
         planned = self._plan_plain(node, inner, path, free)
-        if not isinstance(target, tree.PerRank):
+        if not isinstance(target, _state.PerRank):
             return planned
 
         def put(finisher: Finisher) -> Finisher:
@@ -306,7 +307,7 @@ class Restorer:
         key = tree.join(path) or "<root>"
         if target is _ABSENT:
             return tree.Branch([(node.state, _ABSENT, path, True)], _first)
-        if not tree.is_stateful(target):
+        if not _state.is_stateful(target):
             self.mismatched.append((key, _describe(target), f"state of {node.type}"))
             return lambda: target
         held, target = target, unwrapped(target)  # the container keeps the wrapper; the model is filled
@@ -533,7 +534,7 @@ def _without_wrapper_prefix(node: tree.StatefulNode, own: list[str]) -> tree.Sta
 
 
 def _target_leaves(value: Any, path: str) -> list[str]:
-    if tree.is_stateful(value):
+    if _state.is_stateful(value):
         value = unwrapped(value).state_dict()
     found = None if isinstance(value, (Mapping, list, tuple)) else pytree(value)
     if found is not None:

@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from trainstate import _checksum as checksum
 from trainstate import _gc
-from trainstate._format import checksum, dtypes, manifest
+from trainstate._format import dtypes, manifest
 from trainstate._frameworks import NUMPY, Adapter, adapter_for, adapter_named
 from trainstate._restore.transformed import batches as transformed_batches
 from trainstate._restore.transformed import transformed, verify_chunk

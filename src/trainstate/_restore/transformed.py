@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainstate._format import checksum, dtypes, manifest, manifest_mac
+from trainstate import _checksum as checksum
+from trainstate._format import dtypes, manifest, manifest_mac
 from trainstate._transforms import Place
 from trainstate.errors import CorruptCheckpointError
 

@@ -21,13 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 from trainstate import _gc, _keys
-from trainstate._manager.committer import raise_background
-from trainstate._manager.staging import StagingBuffer
 from trainstate._save.encode import encode_state
 from trainstate._save.queue import BackgroundQueue
+from trainstate._save.staging import StagingBuffer
 from trainstate._save.write import DEFAULT_THREADS, SaveResult, write_checkpoint
 from trainstate._storage import Storage, resolve
 from trainstate._transforms import Pipeline
+from trainstate.errors import CheckpointError
 
 
 class BackgroundSaver:
@@ -143,3 +143,10 @@ class BackgroundSaver:
             error, self._error = self._error, None
         if error is not None:
             raise_background(error)
+
+
+def raise_background(error: BaseException) -> None:
+    """Raise what a background save failed with, in the caller's thread: a CheckpointError as it is."""
+    if isinstance(error, CheckpointError):
+        raise error
+    raise CheckpointError(f"a background save failed: {error!r}") from error

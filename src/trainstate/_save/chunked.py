@@ -25,7 +25,8 @@ import struct
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from trainstate._format import checksum, datafile, dtypes, manifest
+from trainstate import _checksum as checksum
+from trainstate._format import datafile, dtypes, manifest
 from trainstate._save.encode import Entry
 from trainstate._save.write import PIECE_BYTES, each_file
 from trainstate._storage import Storage

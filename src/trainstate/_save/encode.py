@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from trainstate import _tree
+from trainstate import _state, _tree
 from trainstate._format import dtypes
 from trainstate._format.added_keys import check_declaration
 from trainstate._frameworks import Adapter, adapter_for, bind
@@ -111,5 +111,5 @@ def encode_state(state: Any, metadata: Any = None, rank: int | None = None) -> S
     """
     check_declaration(metadata)
     table = TensorTable(collective=rank is not None)
-    tree_node = _tree.encode(state, table.add, rank=rank, bound=bind(_tree.stateful_objects(state)))
-    return Snapshot(tree_node, _tree.encode_plain(metadata), table.entries)
+    tree_node = _state.encode(state, table.add, rank=rank, bound=bind(_state.stateful_objects(state)))
+    return Snapshot(tree_node, _state.encode_plain(metadata), table.entries)

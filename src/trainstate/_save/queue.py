@@ -1,7 +1,7 @@
 """Jobs run one after another on one background thread, each holding a staging buffer until it ends.
 
 This is what an async save is made of, and its one owner: the thread, the reused host buffers a save's arrays
-are copied into (``_manager/staging.py``), which buffers are busy, and letting the jobs in flight finish when
+are copied into (``staging.py``), which buffers are busy, and letting the jobs in flight finish when
 the interpreter exits (a script that ends right after an async save must not lose that save). Two callers
 build on it: the manager's writer (``_manager/async_writer.py``, which adds the run's record of saves) and the
 saver behind framework hooks (``background.py``, which adds jobs that act on a save's result).
@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from trainstate._manager.staging import StagingBuffer
+from trainstate._save.staging import StagingBuffer
 
 log = logging.getLogger("trainstate")
 

@@ -19,11 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from trainstate import _checksum as checksum
 from trainstate import _transforms as transforms
-from trainstate._format import checksum, datafile, dtypes, manifest
+from trainstate._format import datafile, dtypes, manifest
 from trainstate._save.encode import Entry, Snapshot
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
 from trainstate._storage import Storage
+from trainstate._version import VERSION
 
 if TYPE_CHECKING:
     from trainstate._keys import Key
@@ -153,15 +155,9 @@ def manifest_bytes(
         files=files,
         metadata=snapshot.metadata,
         created=time.time(),
-        writer=f"trainstate {_version()}",
+        writer=f"trainstate {VERSION}",
         world_size=world_size,
     ).to_json_bytes(key)
-
-
-def _version() -> str:
-    from trainstate import __version__
-
-    return __version__
 
 
 def plan_data(

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from trainstate._format import checksum
+from trainstate import _checksum as checksum
 from trainstate.errors import CheckpointError, CorruptCheckpointError, FormatVersionError
 
 TRANSFORM_CHUNK_BYTES = 4 << 20  # a tensor is cut into chunks of at most this many raw bytes when transformed

@@ -41,9 +41,9 @@ from trainstate._optional import optional
 from trainstate._restore import ABSENT, restore
 from trainstate._restore.checkpoint import open_checkpoint
 from trainstate._rng import RNGState
-from trainstate._save import save as _save
 from trainstate._save.background import BackgroundSaver
 from trainstate._save.write import DEFAULT_THREADS
+from trainstate._saving import save as _save
 from trainstate._storage import LocalStorage, resolve
 from trainstate._storage.base import staged_target, staging_name
 from trainstate.errors import (

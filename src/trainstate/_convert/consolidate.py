@@ -27,8 +27,8 @@ from trainstate import _transforms as transforms
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
 from trainstate._restore.checkpoint import Checkpoint
+from trainstate._restore.lazy import stored_entry
 from trainstate._save.encode import Snapshot, tensor_name
-from trainstate._save.lazy import stored_entry
 from trainstate._save.write import SaveResult, write_checkpoint
 from trainstate._storage import Storage, resolve
 from trainstate.errors import CorruptCheckpointError, InvalidArgumentError

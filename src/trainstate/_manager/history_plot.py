@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from trainstate._history.entries import HistoryEntry, history
+from trainstate._manager.history import HistoryEntry, history
 from trainstate._optional import optional
 from trainstate.errors import CheckpointNotFoundError, InvalidArgumentError
 

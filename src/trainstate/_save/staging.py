@@ -2,7 +2,8 @@
 
 One buffer per save in flight, reused from save to save (grown only when the state grows), so steady-state
 async saving allocates nothing. Copies run on a few threads (NumPy and torch release the GIL while
-copying). Accelerator tensors are copied into page-locked (pinned) memory when torch can provide it.
+copying). Accelerator arrays are copied into page-locked (pinned) memory where their framework provides
+it (its adapter's ``staging`` and ``copy_out``: nothing here names a framework).
 
 Host memory is an anonymous mapping marked ``MADV_DONTFORK`` (Linux). A ``fork()`` -- DataLoader workers,
 typically started right after the buffer was reserved -- otherwise makes every page of the buffer
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +45,7 @@ class StagingBuffer:
 
     def __init__(self) -> None:
         self._buf: np.ndarray | None = None
-        self._pinned: Any = None  # torch tensor keeping pinned memory alive
+        self._pinned = False  # whether _buf is a framework's staging memory for accelerator arrays
         self._pid = os.getpid()  # the process whose memory _buf is (a forked child does not have it)
         self._lock = threading.Lock()  # held while the buffer is (re)allocated or written
 
@@ -53,20 +53,18 @@ class StagingBuffer:
     def capacity(self) -> int:
         return 0 if self._buf is None else int(self._buf.nbytes)
 
-    def _ensure(self, nbytes: int, pinned: bool) -> tuple[np.ndarray, bool]:
-        """The buffer, at least ``nbytes`` long, and whether it was just allocated (no byte written yet)."""
+    def _ensure(self, nbytes: int, device: Entry | None) -> tuple[np.ndarray, bool]:
+        """The buffer, at least ``nbytes`` long, and whether it was just allocated (no byte written yet).
+        With ``device`` (an entry of an accelerator array), it is the framework's staging memory (pinned)."""
         if self._pid != os.getpid():  # a forked child: the parent's buffer is not mapped here
-            self._buf, self._pinned, self._pid = None, None, os.getpid()
-        if self._buf is not None and self._buf.nbytes >= nbytes and (self._pinned is not None or not pinned):
+            self._buf, self._pinned, self._pid = None, False, os.getpid()
+        if self._buf is not None and self._buf.nbytes >= nbytes and (self._pinned or device is None):
             return self._buf, False
-        self._buf, self._pinned = None, None
-        if pinned:  # pragma: no cover - needs a GPU
-            import torch
-
-            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            self._buf = self._pinned.numpy()
+        self._buf = None
+        if device is not None:  # pragma: no cover - needs a GPU
+            self._buf, self._pinned = device.adapter.staging(nbytes, device.value), True
         else:
-            self._buf = _host_memory(nbytes)
+            self._buf, self._pinned = _host_memory(nbytes), False
         return self._buf, True
 
     def reserve(self, snapshot: Snapshot) -> None:
@@ -77,18 +75,16 @@ class StagingBuffer:
         it (this runs on a helper thread, possibly after the first save began).
         """
         total = _layout(snapshot)[1]
-        on_device = any(_on_accelerator(e.value) for e in snapshot.entries)
         with self._lock:
-            buf, fresh = self._ensure(total, pinned=on_device)
+            buf, fresh = self._ensure(total, _on_device(snapshot))
             if fresh:
                 buf[::4096] = 0
 
     def stage(self, snapshot: Snapshot, threads: int = 2) -> Snapshot:
         """A snapshot whose arrays live in this buffer; the originals may change freely afterwards."""
         offsets, total = _layout(snapshot)
-        on_device = any(_on_accelerator(e.value) for e in snapshot.entries)
         with self._lock:  # through the copy: nothing reallocates or writes the buffer meanwhile
-            buf, _ = self._ensure(total, pinned=on_device)
+            buf, _ = self._ensure(total, _on_device(snapshot))
             jobs = [(e, buf[o : o + e.nbytes]) for e, o in zip(snapshot.entries, offsets)]
             if threads > 1 and total > (64 << 20):
                 lanes: list[list[tuple[Entry, Any]]] = [[] for _ in range(threads)]
@@ -101,10 +97,6 @@ class StagingBuffer:
                     list(pool.map(_copy_lane, lanes))
             else:
                 _copy_lane(jobs)
-            if on_device:  # pragma: no cover - needs a GPU
-                import torch
-
-                torch.cuda.synchronize()
         staged = [replace(e, value=dst.view(np.uint8), adapter=numpy_adapter) for e, dst in jobs]
         return Snapshot(snapshot.tree, snapshot.metadata, staged)
 
@@ -142,16 +134,15 @@ def _layout(snapshot: Snapshot) -> tuple[list[int], int]:
 
 
 def _copy_lane(jobs: list[tuple[Entry, Any]]) -> None:
+    """Copy each entry's bytes into its slice of the buffer, each framework's at once (its copies from
+    accelerator memory overlap, then one wait)."""
+    by_adapter: dict[int, tuple[Any, list[tuple[Any, Any]]]] = {}
     for entry, dst in jobs:
-        if _on_accelerator(entry.value):  # pragma: no cover - needs a GPU
-            import torch
-
-            src = entry.value.detach().contiguous().reshape(-1).view(torch.uint8)
-            torch.from_numpy(dst).copy_(src, non_blocking=True)
-        else:
-            np.copyto(dst, np.frombuffer(entry.adapter.byte_view(entry.value), dtype=np.uint8))
+        by_adapter.setdefault(id(entry.adapter), (entry.adapter, []))[1].append((entry.value, dst))
+    for adapter, pairs in by_adapter.values():
+        adapter.copy_out(pairs)
 
 
-def _on_accelerator(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")
+def _on_device(snapshot: Snapshot) -> Entry | None:
+    """An entry of an array in accelerator memory, or None: then the buffer need not be pinned."""
+    return next((e for e in snapshot.entries if e.adapter.on_accelerator(e.value)), None)
