@@ -45,7 +45,8 @@ from trainstate._distributed.plan import RankPlan, assign
 from trainstate._distributed.save import Written, merge
 from trainstate._format import manifest
 from trainstate._save.encode import encode_state
-from trainstate._save.write import PIECE_BYTES, manifest_bytes
+from trainstate._save.files import PIECE_BYTES
+from trainstate._save.write import manifest_bytes
 
 # -- simulation -----------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import pytest
 import trainstate
 from helpers import reseal_manifest
 from trainstate._restore import read
-from trainstate._save.write import PIECE_BYTES
+from trainstate._save.files import PIECE_BYTES
 
 FLOATS_PER_PIECE = PIECE_BYTES // 4
 

@@ -8,7 +8,10 @@ which rank it is.
 
 from __future__ import annotations
 
-from trainstate._distributed.group import Coordinator, coordinator
+from typing import Any
+
+from trainstate._distributed import jax_group
+from trainstate._distributed.group import Coordinator, GlooCoordinator, timeout_seconds, torch_world
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -24,6 +27,25 @@ def rank_and_world() -> tuple[int, int]:
     from trainstate._distributed.jax_group import process_and_count
 
     return process_and_count()
+
+
+def coordinator(group: Any = None, timeout: float | None = None, channel: str = "save") -> Coordinator | None:
+    """The coordinator for ``group`` (default: the default torch.distributed process group, else the processes
+    of a ``jax.distributed`` job), or None outside both.
+
+    A group of one process is treated as no group: its checkpoints are plain ones. Each
+    ``channel`` is a gloo group of its own, so exchanges on one (a manager's background saves) never
+    interleave with those on another (its foreground decisions), whatever thread runs them.
+    """
+    if group is None:
+        group = torch_world()
+        if group is None:  # no torch process group: the processes of a jax.distributed job, if any
+            return jax_group.coordinator(timeout_seconds(timeout), channel)
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) <= 1:
+        return None
+    return GlooCoordinator(group, timeout_seconds(timeout), channel)
 
 
 __all__ = ["Coordinator", "coordinator", "rank_and_world"]

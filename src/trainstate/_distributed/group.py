@@ -157,28 +157,7 @@ class GlooCoordinator(Coordinator):
             ) from None
 
 
-def coordinator(group: Any = None, timeout: float | None = None, channel: str = "save") -> Coordinator | None:
-    """The coordinator for ``group`` (default: the default torch.distributed process group, else the processes
-    of a ``jax.distributed`` job), or None outside both.
-
-    A group of one process is treated as no group: its checkpoints are plain ones. Each
-    ``channel`` is a gloo group of its own, so exchanges on one (a manager's background saves) never
-    interleave with those on another (its foreground decisions), whatever thread runs them.
-    """
-    if group is None:
-        group = _torch_world()
-        if group is None:  # no torch process group: the processes of a jax.distributed job, if any
-            from trainstate._distributed import jax_group
-
-            return jax_group.coordinator(_timeout(timeout), channel)
-    import torch.distributed as dist
-
-    if dist.get_world_size(group) <= 1:
-        return None
-    return GlooCoordinator(group, _timeout(timeout), channel)
-
-
-def _torch_world() -> Any:
+def torch_world() -> Any:
     """torch.distributed's default process group, or None where none was made."""
     if "torch.distributed" not in sys.modules:  # nobody made a process group: no need to import torch
         return None
@@ -189,7 +168,7 @@ def _torch_world() -> Any:
     return dist.group.WORLD
 
 
-def _timeout(timeout: float | None) -> float:
+def timeout_seconds(timeout: float | None) -> float:
     if timeout is None:
         raw = os.environ.get("TRAINSTATE_DIST_TIMEOUT")
         try:
@@ -255,7 +234,7 @@ def arrival_timeout() -> float:
     if not raw:
         return ARRIVAL_TIMEOUT
     try:
-        return _timeout(float(raw))
+        return timeout_seconds(float(raw))
     except ValueError:
         raise InvalidArgumentError(f"TRAINSTATE_DIST_ARRIVAL_TIMEOUT must be seconds, got {raw!r:.40}") from None
 

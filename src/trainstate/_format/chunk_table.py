@@ -6,7 +6,7 @@ merge and serialize: seconds on rank 0 while every rank waits for the commit. He
 columns from the ranks' messages to the manifest's bytes. The canonical JSON of the chunks
 (docs/format.md, the same bytes ``json.dumps`` gives) is laid out as one byte matrix, a row per chunk with
 zero bytes for padding, and the padding squeezed out in one pass. Looking a tensor up builds its
-:class:`~trainstate._format.manifest.TensorEntry`.
+:class:`~trainstate._format.entries.TensorEntry`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import json
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from json.encoder import encode_basestring_ascii
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # manifest.py renders a table through this module, so it is imported where used
-    from trainstate._format.manifest import Pieces, TensorEntry
+from trainstate._format.entries import Chunk, Pieces, TensorEntry
 
 Header = tuple[str, str, tuple[int, ...]]  # dtype code, kind, global shape
 
@@ -64,7 +62,6 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
         self._rows = dict(zip(tensor[begin].tolist(), zip(begin.tolist(), np.r_[cut, len(tensor)].tolist())))
 
     def __getitem__(self, name: str) -> TensorEntry:
-        from trainstate._format.manifest import Chunk, TensorEntry
 
         i = self._ids[name]
         dtype, kind, shape = self.headers[i]

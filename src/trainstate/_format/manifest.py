@@ -29,6 +29,11 @@ import numpy as np
 
 from trainstate import _gc, _transforms, _tree
 from trainstate._format import boxes, dtypes, manifest_mac
+from trainstate._format.chunk_table import ChunkTable
+from trainstate._format.entries import Chunk as Chunk  # re-exported: a manifest's entries
+from trainstate._format.entries import FileEntry as FileEntry
+from trainstate._format.entries import Pieces as Pieces
+from trainstate._format.entries import TensorEntry as TensorEntry
 from trainstate._keys import Key
 from trainstate.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 
@@ -58,54 +63,6 @@ MAX_BYTES = 1 << 30
 PARSE_COST_PER_BYTE = 18  # parse_cost() may be this many bytes per manifest byte ...
 PARSE_COST_ALLOWANCE = 256 << 20  # ... plus this much
 MAX_COST_PER_BYTE = 148  # the most parse_cost() counts for one byte: a '{' (60 + 40 + 40) plus 8 of wide text
-
-
-@dataclass(frozen=True)
-class Pieces:
-    """Checksums of a chunk's stored bytes cut into consecutive pieces of ``size`` bytes (the last may be
-    shorter): piece ``i`` is ``[begin + i * size, min(end, begin + (i + 1) * size))`` of the byte range."""
-
-    size: int
-    checksums: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A box of a tensor stored contiguously (C order) in one data file."""
-
-    file: str
-    byte_range: tuple[int, int]  # absolute offsets in the file, end exclusive
-    offset: tuple[int, ...]  # where the box starts in the tensor
-    shape: tuple[int, ...]  # the box's shape
-    checksum: str  # over the stored bytes
-    transforms: tuple[dict[str, Any], ...] = ()
-    pieces: Pieces | None = None  # the same bytes checked piece by piece (format 1.1; optional)
-    # the raw bytes' checksum, as the writer computed it (in memory only: see _transforms.raw_checksum)
-    raw_checksum: str | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    dtype: str
-    shape: tuple[int, ...]
-    kind: str  # what the saver held: "torch", "numpy" or "numpy-scalar"
-    chunks: tuple[Chunk, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return int(math.prod(self.shape)) * dtypes.from_code(self.dtype).itemsize
-
-    def _replace_chunks(self, chunks: tuple[Chunk, ...]) -> TensorEntry:
-        return TensorEntry(self.dtype, self.shape, self.kind, chunks)
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str
-    size: int
-    header_checksum: str  # over the safetensors header, length prefix included
-    pool: bool = False  # in the run's shared pool, not the checkpoint (format 1.4; trainstate._incremental)
-    new: bool = False  # a pool file this checkpoint's own save wrote (informational)
 
 
 @dataclass(frozen=True)
@@ -151,8 +108,6 @@ class Manifest:
         return raw
 
     def _body(self) -> dict[str, Any]:
-        from trainstate._format.chunk_table import ChunkTable  # it builds this module's entries on lookup
-
         tensors: Any = None
         transformed = False  # a ChunkTable (a collective save's) has no transforms
         if isinstance(self.tensors, ChunkTable):  # a million chunks of many ranks, rendered as columns

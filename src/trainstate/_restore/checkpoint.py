@@ -4,7 +4,7 @@ Opening reads only the manifest, stats the data files and maps them; tensors are
 one checked against its checksum by the read engine (``read.py``). Files are opened with ``O_NOFOLLOW``
 and every name and byte range was validated by the manifest parser, so nothing outside the checkpoint is
 ever touched. A mapped range is checked against the file's current size before it is touched (see
-``read.DataFiles.mapped``), so a data file truncated while the checkpoint is open is a
+``files.DataFiles.mapped``), so a data file truncated while the checkpoint is open is a
 CorruptCheckpointError, not a SIGBUS.
 """
 
@@ -26,6 +26,7 @@ from trainstate._frameworks import adapter_for
 from trainstate._incremental import pool
 from trainstate._restore import key_or_damage
 from trainstate._restore import read as engine
+from trainstate._restore.files import DataFiles
 from trainstate._storage import Source, Storage, resolve_source
 from trainstate._transforms import Decoders
 from trainstate.errors import (
@@ -93,7 +94,7 @@ class Checkpoint:
         # The key is resolved before anything is opened; it is kept for reading encrypted chunks.
         self._key = _keys.resolve(key, key_env)
         self.storage, self.path = resolve_source(path, storage)
-        self.files = engine.DataFiles(self.storage, self.path)
+        self.files = DataFiles(self.storage, self.path)
         self.decoders = Decoders(self._key)  # undoes chunk transforms (decrypting with the resolved key)
         try:
             self.manifest = _read_manifest(self.storage, self.path, self._key)
@@ -244,7 +245,7 @@ class Checkpoint:
             {'model': {'w': array([[1., 1., 1.], [1., 1., 1.]], dtype=float32)}, 'step': 3}
             >>> ck.load(include="model.*", framework="torch")
         """
-        from trainstate._restore import ABSENT, restore  # restore builds on this module
+        from trainstate._restore.apply import ABSENT, restore  # restore builds on this module
 
         framework = frameworks.framework(framework)
         return restore(

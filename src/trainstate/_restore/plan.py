@@ -26,7 +26,7 @@ import fnmatch
 import logging
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from trainstate import _state
 from trainstate import _tree as tree
@@ -45,7 +45,6 @@ from trainstate._frameworks import (
 )
 from trainstate._restore import scalar_leaf
 from trainstate._restore.by_path import keyed_like
-from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.read import Job as _Job
 from trainstate._restore.read import fill
 from trainstate.errors import (
@@ -55,6 +54,9 @@ from trainstate.errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
+
+if TYPE_CHECKING:
+    from trainstate._restore.checkpoint import Checkpoint
 
 Finisher = Callable[[], Any]
 # what the plan walk visits (a node, its part of the target, its path, free) and what a visit answers

@@ -20,12 +20,12 @@ import numpy as np
 
 from trainstate import _checksum as checksum
 from trainstate._format import dtypes, manifest, manifest_mac
+from trainstate._restore.files import Batch, Box, meets
 from trainstate._transforms import Place
 from trainstate.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from trainstate._restore.checkpoint import Checkpoint
-    from trainstate._restore.read import Batch, Box
 
 
 def transformed(t: manifest.TensorEntry) -> bool:
@@ -38,15 +38,13 @@ def batches(
 ) -> list[Batch]:
     """One batch per chunk of ``name`` meeting ``box`` (None: the whole tensor), each filling its part of
     ``dst`` (the flat bytes of the box); ``verify``: check the chunks' checksums."""
-    from trainstate._restore.read import Batch, _meets
-
     region = box or ((0,) * len(t.shape), t.shape)
     itemsize = dtypes.from_code(t.dtype).itemsize
     if dst.nbytes != math.prod(region[1]) * itemsize:
         raise ValueError(f"{name} needs {math.prod(region[1]) * itemsize} bytes to read into, got {dst.nbytes}")
     out = []
     for c in t.chunks:
-        if _meets(c, region):
+        if meets(c, region):
             begin = c.byte_range[0]
             raw = math.prod(c.shape) * itemsize  # the work is decoding: lanes are balanced by raw bytes
             out.append(Batch(c.file, begin, begin + raw, [], partial(_fill, ck, name, t, c, dst, region, verify)))

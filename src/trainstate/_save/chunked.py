@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from trainstate import _checksum as checksum
 from trainstate._format import datafile, dtypes, manifest
 from trainstate._save.encode import Entry
-from trainstate._save.write import PIECE_BYTES, each_file
+from trainstate._save.files import PIECE_BYTES, each_file
 from trainstate._storage import Storage
 from trainstate._transforms import Pipeline, Place
 

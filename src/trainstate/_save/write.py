@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -23,6 +22,7 @@ from trainstate import _checksum as checksum
 from trainstate import _transforms as transforms
 from trainstate._format import datafile, dtypes, manifest
 from trainstate._save.encode import Entry, Snapshot
+from trainstate._save.files import PIECE_BYTES, each_file
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
 from trainstate._storage import Storage
 from trainstate._version import VERSION
@@ -35,7 +35,6 @@ log = logging.getLogger("trainstate")
 _R = TypeVar("_R")
 
 DEFAULT_THREADS = 2
-PIECE_BYTES = 1 << 20  # per-piece checksums for chunks larger than this; 1 MiB: a piece stays in L2 cache
 _GATHER_BYTES = 1 << 20  # tensors under _SMALL_BYTES are written through a buffer of this size
 _SMALL_BYTES = 64 << 10
 
@@ -213,17 +212,6 @@ def write_data(
             chunk = manifest.Chunk(name, rng, e.offset, e.shape, digest, (), pieces)
             tensors[e.name] = manifest.TensorEntry(e.dtype, e.global_shape, e.kind, (chunk,))
     return tuple(files), {e.name: tensors[e.name] for e in entries}
-
-
-def each_file(
-    write: Callable[[str, list[Entry]], _R], names: list[str], groups: list[list[Entry]], workers: int
-) -> list[_R]:
-    """``write(name, group)`` for every data file, ``workers`` files at once (in this thread for one)."""
-    workers = min(len(groups), workers)
-    if workers <= 1:
-        return [write(name, group) for name, group in zip(names, groups)]
-    with ThreadPoolExecutor(workers, thread_name_prefix="trainstate-save") as pool:
-        return list(pool.map(write, names, groups))
 
 
 def _write_group(

@@ -20,9 +20,11 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from trainstate import _checksum as checksum
+from trainstate._transforms.base import Place as Place  # re-exported: the transforms' vocabulary
+from trainstate._transforms.base import Transform as Transform
 from trainstate.errors import CheckpointError, CorruptCheckpointError, FormatVersionError
 
 TRANSFORM_CHUNK_BYTES = 4 << 20  # a tensor is cut into chunks of at most this many raw bytes when transformed
@@ -35,33 +37,6 @@ REGISTRY: dict[str, str] = {
     "zstd": "trainstate._transforms.zstd:decoder",
     "aes-256-gcm": "trainstate._transforms.aes_gcm:AesGcm",
 }
-
-
-class Place(NamedTuple):
-    """Where a chunk belongs: what an encryption transform authenticates, and what messages name."""
-
-    tensor: str
-    dtype: str
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-
-
-class Transform(Protocol):
-    """One reversible byte transform. ``name`` is what the chunk's manifest ``transforms`` list says."""
-
-    name: str
-
-    def encode(self, raw: memoryview, place: Place) -> tuple[bytes | memoryview, dict[str, Any]] | None:
-        """Stored bytes and this transform's manifest object (with ``"name"``); None: not applied to this
-        chunk (compression that did not pay)."""
-        ...
-
-    def decode(
-        self, stored: memoryview, params: Mapping[str, Any], place: Place, raw_nbytes: int
-    ) -> bytes | bytearray | memoryview:
-        """Undo :meth:`encode`; raise CorruptCheckpointError (or a subclass) on bad bytes. ``raw_nbytes`` is
-        the size of the chunk's raw bytes (the end of the whole chain)."""
-        ...
 
 
 def known(name: object) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 from trainstate._keys import Key
 from trainstate._optional import optional
-from trainstate._transforms import Place
+from trainstate._transforms.base import Place
 from trainstate.errors import CorruptCheckpointError, KeyRequiredError, TamperedCheckpointError, UnsupportedValueError
 
 NAME = "aes-256-gcm"

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trainstate._optional import optional
-from trainstate._transforms import Place, Transform
+from trainstate._transforms.base import Place, Transform
 from trainstate.errors import CorruptCheckpointError, InvalidArgumentError
 
 NAME = "zstd"

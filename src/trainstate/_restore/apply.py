@@ -1,0 +1,72 @@
+"""restore(): a checkpoint's state applied to a target in place (or, with ``ABSENT``, returned as the
+checkpoint's own structure): plan every part, check, then read. ``load``, ``Checkpoint.load`` and the manager
+all restore through it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainstate import _state
+from trainstate._distributed import rank_and_world
+from trainstate._frameworks import after_restore, bind
+from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector, unmatched
+from trainstate.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from trainstate._restore.checkpoint import Checkpoint
+
+__all__ = ["ABSENT", "restore"]
+
+
+def restore(
+    ck: Checkpoint,
+    target: Any,
+    *,
+    strict: bool = True,
+    include: str | list[str] | None = None,
+    exclude: str | list[str] | None = None,
+    verify: bool = True,
+    threads: int = 2,
+    framework: str | None = None,
+    optional: tuple[str, ...] = (),
+) -> Any:
+    """Restore ``ck`` into ``target`` in place; returns the restored target.
+
+    With ``target=ABSENT`` it returns the checkpoint's own structure (arrays of ``framework``), honouring
+    ``include`` / ``exclude`` the same way.
+    """
+    if verify:
+        ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
+    r = Restorer(
+        ck,
+        strict=strict,
+        selected=selector(include, exclude),
+        framework=framework,
+        optional=optional,
+        rank=rank_and_world(),
+        bound=bind(_state.stateful_objects(target)) if target is not _ABSENT else None,
+    )
+    if include is not None or exclude is not None:
+        keys = r._leaves(ck.manifest.tree, ())
+        for what, given in (("include", include), ("exclude", exclude)):
+            patterns = [] if given is None else [given] if isinstance(given, str) else list(given)
+            missed = unmatched(patterns, keys)
+            if missed or (given is not None and not patterns):
+                raise InvalidArgumentError(
+                    f"{what} pattern(s) {missed or patterns!r:.80}: matches no key of the checkpoint (keys look like "
+                    f"{keys[:3]}); a pattern takes a whole dotted key and everything under it ('model' or "
+                    "'model.*': every key under 'model')"
+                )
+    try:
+        finish = r.plan(target, ck.manifest.tree, (), free=False)
+        r.check()
+    except BaseException:
+        r.undo()  # nothing was read: leave the target as it was
+        raise
+    r.read(verify=verify, threads=threads)
+    result = finish()
+    if result is _ABSENT:  # every key excluded
+        return {}
+    if target is not _ABSENT:
+        after_restore(result)
+    return result
