@@ -23,8 +23,12 @@ holds the key of encrypted checkpoints (never the key itself on the command line
 Every command but ``demo`` takes ``--json``: then stdout holds one JSON document and nothing else
 (non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``).
 
-Exit codes are listed in ``EXIT_CODES`` below (``--help`` prints them). Errors print one line to
+Exit codes are listed in ``EXIT_CODES`` (``_args.py``; ``--help`` prints them). Errors print one line to
 stderr, never a traceback.
+
+Each command is one module with ``add_parser(sub)`` (its subparser, arguments and help) and ``run(args)
+-> int``; ``COMMANDS`` below lists them in ``--help`` order. Adding a command is one module plus one row
+in ``COMMANDS``. Command modules import ``_args`` (never this package), so there is no import circle.
 """
 
 from __future__ import annotations
@@ -34,9 +38,43 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
-from typing import Any, NoReturn
+from types import ModuleType
+from typing import Any
 
+from trainstate._cli import (
+    _average,
+    _consolidate,
+    _demo,
+    _diff,
+    _export,
+    _export_onnx,
+    _history,
+    _import,
+    _inspect,
+    _keygen,
+    _ls,
+    _pack,
+    _pin,
+    _prune,
+    _unpin,
+    _verify,
+)
+from trainstate._cli._args import (
+    CORRUPT,
+    DIFFERENT,
+    EXIT_CODES,
+    INCOMPLETE,
+    INTERNAL,
+    INTERRUPTED,
+    MISMATCH,
+    NOT_FOUND,
+    OK,
+    OTHER,
+    STORAGE,
+    USAGE,
+    Parser,
+    UsageError,
+)
 from trainstate.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -49,31 +87,47 @@ from trainstate.errors import (
     StorageError,
 )
 
-OK, DIFFERENT, USAGE, NOT_FOUND, INCOMPLETE, CORRUPT, MISMATCH, STORAGE, OTHER, INTERNAL = range(10)
-INTERRUPTED = 130
+__all__ = [
+    "CORRUPT",
+    "COMMANDS",
+    "DIFFERENT",
+    "EXIT_CODES",
+    "INCOMPLETE",
+    "INTERNAL",
+    "INTERRUPTED",
+    "MISMATCH",
+    "NOT_FOUND",
+    "OK",
+    "OTHER",
+    "STORAGE",
+    "USAGE",
+    "UsageError",
+    "build_parser",
+    "exit_code",
+    "main",
+    "one_line",
+]
 
-# The help text's table, kept here rather than in the docstring: ``python -OO`` strips docstrings.
-EXIT_CODES = """
-
-    0  success; diff: the states are identical
-    1  diff: the states differ
-    2  usage error (bad arguments, or a path of the wrong kind); also a missing or wrong
-       encryption key (--key-env), or one given for a plain checkpoint
-    3  not found (no such file, directory, checkpoint or step)
-    4  incomplete checkpoint (no manifest: its save never committed)
-    5  corrupt checkpoint (checksum mismatch, malformed manifest), or one written by a newer
-       trainstate (upgrade to read it); also verify finding any damage
-    6  state mismatch
-    7  storage error (I/O error, permission denied, disk full)
-    8  other trainstate error (e.g. the directory is locked by a running CheckpointManager,
-       a missing optional dependency)
-    9  internal error (a bug: please report it; TRAINSTATE_DEBUG=1 shows the traceback)
-    130 interrupted
-"""
-
-
-class UsageError(Exception):
-    """A bad argument noticed after parsing (exit code 2)."""
+# (command, module): one row per command, in the order --help lists them.
+COMMANDS: tuple[tuple[str, ModuleType], ...] = (
+    ("ls", _ls),
+    ("history", _history),
+    ("inspect", _inspect),
+    ("verify", _verify),
+    ("consolidate", _consolidate),
+    ("export-onnx", _export_onnx),
+    ("export", _export),
+    ("import", _import),
+    ("average", _average),
+    ("diff", _diff),
+    ("pack", _pack),
+    ("prune", _prune),
+    ("pin", _pin),
+    ("unpin", _unpin),
+    ("keygen", _keygen),
+    ("demo", _demo),
+)
+_BY_NAME = dict(COMMANDS)
 
 
 def exit_code(error: BaseException) -> int:
@@ -107,302 +161,26 @@ def one_line(error: BaseException) -> str:
     return text or type(error).__name__
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-
-def _integer(minimum: int, what: str) -> Callable[[str], int]:
-    """An argparse type: an int of at least ``minimum``, or a usage error saying ``what`` was expected."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-        return value
-
-    return parse
-
-
-_positive = _integer(1, "a positive integer")
-_step = _integer(0, "a step number (0, 1, ...)")
-_rank = _integer(0, "a rank (0, 1, ...)")
-
-
-def _minutes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of minutes, got {text!r}")
-    return value
-
-
-def _keep_best(text: str) -> tuple[str, str, int]:
-    """``METRIC:min|max[:K]`` (K defaults to 1)."""
-    parts = text.rsplit(":", 2) if text.count(":") >= 2 else text.rsplit(":", 1)
-    if len(parts) == 2:
-        parts.append("1")
-    if len(parts) != 3 or not parts[0] or parts[1] not in ("min", "max"):
-        raise argparse.ArgumentTypeError(f"expected METRIC:min|max[:K], got {text!r}")
-    return parts[0], parts[1], _positive(parts[2])
-
-
 def build_parser() -> argparse.ArgumentParser:
     from trainstate import __version__
 
-    ap = _Parser(
+    ap = Parser(
         prog="trainstate",
         description="Inspect, verify, compare and prune trainstate checkpoints.",
         epilog="exit codes:" + EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--version", action="version", version=f"trainstate {__version__}")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-
-    def command(name: str, help: str, *, keyed: bool = True, writes: str = "") -> argparse.ArgumentParser:
-        """A subcommand; ``writes``: for one that writes a checkpoint, what the key does to what it writes."""
-        p = sub.add_parser(
-            name,
-            help=help,
-            description=help,
-            epilog="exit codes:" + EXIT_CODES,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
-        if keyed:
-            p.add_argument(
-                "--key-env",
-                metavar="NAME",
-                help=f"the environment variable holding the encryption key (make one with 'trainstate keygen'): {writes}"
-                if writes
-                else "the environment variable holding the key of encrypted checkpoints, to read them (make one "
-                "with 'trainstate keygen')",
-            )
-        return p
-
-    p = command("ls", "list the checkpoints of a manager directory (or show one checkpoint)")
-    p.add_argument("path", metavar="DIR", help="a CheckpointManager directory, or one checkpoint")
-
-    p = command("history", "every save of a manager directory: time, size, seconds, metrics, kept or deleted")
-    p.add_argument("path", metavar="DIR", help="a CheckpointManager directory")
-    p.add_argument(
-        "--plot", metavar="OUT", help="also draw save times and metrics over steps into this image (.png, .svg, .pdf)"
-    )
-    p.add_argument(
-        "--metric",
-        metavar="NAME",
-        action="append",
-        help="only this metric, in the table and as a panel of the plot (repeatable; default: all)",
-    )
-
-    p = command("inspect", "show a checkpoint's metadata, plain values and tensors")
-    p.add_argument("path", metavar="CKPT")
-    p.add_argument("--filter", metavar="GLOB", help="only names matching this glob, e.g. 'model.*'")
-    p.add_argument("--chunks", action="store_true", help="each tensor's chunks: box offset and shape, data file")
-
-    p = command("verify", "re-check every checksum of a checkpoint")
-    p.add_argument("path", metavar="CKPT")
-
-    p = command(
-        "consolidate",
-        "rewrite a checkpoint saved by many ranks as one a single process loads",
-        writes="an encrypted CKPT is read with it, and OUT encrypted with it too unless --new-key-env names another key",
-    )
-    p.add_argument("path", metavar="CKPT")
-    p.add_argument("out", metavar="OUT", help="the new checkpoint (a path or URL)")
-    p.add_argument(
-        "--rank", type=_rank, default=0, metavar="N", help="keep this rank's per-rank values (RNG, data position)"
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
-    p.add_argument("--compression", metavar="zstd[:LEVEL]", help="compress OUT (default: uncompressed)")
-    p.add_argument(
-        "--new-key-env", metavar="NAME", help="encrypt OUT with the key in this variable instead (key rotation)"
-    )
-
-    from trainstate._cli import _onnx
-
-    _onnx.add_parser(command)
-    p = command("export", "write a checkpoint's model weights for inference tools (Hugging Face, safetensors, torch)")
-    p.add_argument("path", metavar="CKPT")
-    p.add_argument("out", metavar="OUT", help="a folder (hf), or a file or folder (safetensors, torch)")
-    p.add_argument(
-        "--select", action="append", metavar="GLOB", help="tensors whose keys match (repeatable); default: the model"
-    )
-    p.add_argument("--strip-prefix", metavar="PREFIX", help="removed from every selected name, e.g. 'model.'")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
-    p.add_argument("--max-shard-size", metavar="SIZE", help="hf: the most bytes per shard, e.g. 2GB (default 5GB)")
-    p.add_argument("--copy-from", metavar="DIR", help="copy config and tokenizer files from this model folder")
-    p.add_argument("--format", choices=["hf", "safetensors", "torch"], default="hf", help="default: hf")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT")
-
-    p = command(
-        "import",
-        "write safetensors, torch.save, Hugging Face or DCP weights as a trainstate checkpoint",
-        writes="CKPT is written encrypted with it",
-    )
-    p.add_argument(
-        "src", metavar="SRC", help="a .safetensors / torch.save file, a Hugging Face folder, a DCP directory"
-    )
-    p.add_argument("out", metavar="CKPT", help="the new checkpoint (a path or URL)")
-    p.add_argument("--prefix", metavar="KEY", help="put the weights under this key, e.g. 'model'")
-    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at CKPT")
-
-    p = command(
-        "average",
-        "write the mean of several checkpoints of one run (floating tensors; the rest: newest)",
-        writes="encrypted CKPTs are read with it, and OUT is encrypted with it too",
-    )
-    p.add_argument("paths", metavar="CKPT", nargs="+")
-    p.add_argument("-o", "--out", metavar="OUT", required=True, help="the new checkpoint (a path or URL)")
-    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
-
-    p = command("diff", "compare two checkpoints: tensors and plain values (exit 1 if they differ)")
-    p.add_argument("a", metavar="A")
-    p.add_argument("b", metavar="B")
-    p.add_argument(
-        "--exclude",
-        metavar="PATTERN",
-        action="append",
-        default=[],
-        help="leave out keys matching this glob pattern and everything under them (repeatable), e.g. _rng: the "
-        "RNG state a CheckpointManager captures on its own",
-    )
-
-    p = command(
-        "pack",
-        "pack a checkpoint into one file that CKPT arguments and trainstate.load accept",
-        writes="an encrypted CKPT is read with it; OUT holds its bytes as stored, still encrypted with it",
-    )
-    p.add_argument("path", metavar="CKPT")
-    p.add_argument("out", metavar="OUT", help="the file to write (e.g. model.tsar)")
-    p.add_argument("--overwrite", action="store_true", help="replace a file at OUT")
-
-    p = command("prune", "apply retention policies to a manager directory now")
-    p.add_argument("path", metavar="DIR")
-    p.add_argument("--keep-last", type=_positive, metavar="N", help="keep the newest N")
-    p.add_argument("--keep-every-steps", type=_positive, metavar="N", help="keep steps that are multiples of N")
-    p.add_argument("--keep-every-minutes", type=_minutes, metavar="M", help="keep one per M minutes")
-    p.add_argument(
-        "--keep-best",
-        type=_keep_best,
-        metavar="METRIC:min|max:K",
-        help="keep the K best by a metric recorded at save time",
-    )
-    p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
-
-    p = command("pin", "keep a checkpoint whatever the retention policies say")
-    p.add_argument("path", metavar="DIR")
-    p.add_argument("step", type=_step, metavar="STEP")
-    p.add_argument("--reason", default="", metavar="TEXT", help="why (stored with the pin)")
-
-    p = command("unpin", "let the retention policies decide about a checkpoint again")
-    p.add_argument("path", metavar="DIR")
-    p.add_argument("step", type=_step, metavar="STEP")
-
-    command("keygen", "print a new random encryption key (64 hex digits) for --key-env / key=", keyed=False)
-
-    sub.add_parser(
-        "demo", help="train, get killed, resume in a fresh process, check it is bit-identical", add_help=False
-    )
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for name, module in COMMANDS:
+        module.add_parser(sub)
+        if name not in sub.choices:
+            raise RuntimeError(f"{module.__name__}.add_parser did not add the command {name!r}")
     return ap
 
 
 def _run(args: argparse.Namespace) -> int:
-    from trainstate._cli._output import Printer
-
-    out = Printer(args.json)
-    if args.command == "keygen":
-        from trainstate._keys import generate_key
-
-        key = generate_key()
-        if out.json_mode:
-            out.json({"key": key})
-        else:
-            print(key)  # plain, for $(trainstate keygen) and key files
-        return OK
-    key_env = args.key_env
-    if args.command in ("ls", "inspect"):
-        from trainstate._cli import _show
-
-        if args.command == "ls":
-            return _show.ls(out, args.path, key_env=key_env)
-        return _show.inspect(out, args.path, args.filter, chunks=args.chunks, key_env=key_env)
-    if args.command == "history":
-        from trainstate._cli import _history
-
-        return _history.history(out, args.path, plot=args.plot, metrics=args.metric, key_env=key_env)
-    if args.command == "consolidate":
-        from trainstate._cli import _consolidate
-
-        return _consolidate.consolidate(
-            out,
-            args.path,
-            args.out,
-            rank=args.rank,
-            overwrite=args.overwrite,
-            compression=args.compression,
-            key_env=key_env,
-            new_key_env=args.new_key_env,
-        )
-    if args.command == "export-onnx":
-        from trainstate._cli import _onnx
-
-        return _onnx.export_onnx(out, args)
-    if args.command in ("export", "import", "average"):
-        from trainstate._cli import _convert
-
-        if args.command == "export":
-            return _convert.export(
-                out,
-                args.path,
-                args.out,
-                select=args.select,
-                strip_prefix=args.strip_prefix,
-                dtype=args.dtype,
-                max_shard_size=args.max_shard_size,
-                copy_from=args.copy_from,
-                format=args.format,
-                overwrite=args.overwrite,
-                key_env=key_env,
-            )
-        if args.command == "import":
-            return _convert.import_(
-                out, args.src, args.out, prefix=args.prefix, overwrite=args.overwrite, key_env=key_env
-            )
-        return _convert.average(out, args.paths, args.out, overwrite=args.overwrite, key_env=key_env)
-    if args.command == "verify":
-        from trainstate._cli import _verify
-
-        return _verify.verify(out, args.path, key_env=key_env)
-    if args.command == "diff":
-        from trainstate._cli import _diff
-
-        return _diff.diff(out, args.a, args.b, key_env=key_env, exclude=args.exclude)
-    if args.command == "pack":
-        from trainstate._cli import _pack
-
-        return _pack.pack(out, args.path, args.out, overwrite=args.overwrite, key_env=key_env)
-    from trainstate._cli import _retention
-
-    if args.command == "prune":
-        return _retention.prune(
-            out,
-            args.path,
-            keep_last=args.keep_last,
-            keep_every_steps=args.keep_every_steps,
-            keep_every_minutes=args.keep_every_minutes,
-            keep_best=args.keep_best,
-            dry_run=args.dry_run,
-            key_env=key_env,
-        )
-    if args.command == "pin":
-        return _retention.pin(out, args.path, args.step, args.reason, key_env=key_env)
-    return _retention.unpin(out, args.path, args.step, key_env=key_env)
+    return int(_BY_NAME[args.command].run(args))
 
 
 def _library_warnings() -> None:
@@ -437,10 +215,8 @@ def _guarded(fn: Any, *args: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "demo":
-        from trainstate import _demo as demo
-
-        return _guarded(demo.main, args[1:])
+    if args and args[0] == "demo":  # the demo parses its own arguments
+        return _guarded(_run, argparse.Namespace(command="demo", argv=args[1:]))
     parser = build_parser()
     parsed = parser.parse_args(args)
     if parsed.command is None:

@@ -2,11 +2,46 @@
 
 from __future__ import annotations
 
+import argparse
+
 from trainstate import consolidate as consolidate_checkpoint
 from trainstate import open as open_checkpoint
+from trainstate._cli._args import Subparsers, command, overwrite_flag, rank_number
+from trainstate._cli._open import open_ckpt
 from trainstate._cli._output import Printer, size
-from trainstate._cli._show import open_ckpt
 from trainstate.errors import CheckpointExistsError
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = command(
+        sub,
+        "consolidate",
+        "rewrite a checkpoint saved by many ranks as one a single process loads",
+        writes="an encrypted CKPT is read with it, and OUT encrypted with it too unless --new-key-env names another key",
+    )
+    p.add_argument("path", metavar="CKPT")
+    p.add_argument("out", metavar="OUT", help="the new checkpoint (a path or URL)")
+    p.add_argument(
+        "--rank", type=rank_number, default=0, metavar="N", help="keep this rank's per-rank values (RNG, data position)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
+    p.add_argument("--compression", metavar="zstd[:LEVEL]", help="compress OUT (default: uncompressed)")
+    p.add_argument(
+        "--new-key-env", metavar="NAME", help="encrypt OUT with the key in this variable instead (key rotation)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    return consolidate(
+        Printer(args.json),
+        args.path,
+        args.out,
+        rank=args.rank,
+        overwrite=args.overwrite,
+        compression=args.compression,
+        key_env=args.key_env,
+        new_key_env=args.new_key_env,
+    )
 
 
 def consolidate(
@@ -33,8 +68,8 @@ def consolidate(
             key_env=key_env,
             new_key_env=new_key_env,
         )
-    except CheckpointExistsError as e:  # the library names its argument; here it is a flag
-        raise CheckpointExistsError(str(e).replace("pass overwrite=True", "pass --overwrite")) from None
+    except CheckpointExistsError as e:
+        raise overwrite_flag(e) from None
     with open_checkpoint(dst, key_env=new_key_env or key_env) as done:
         tensors = len(done.manifest.tensors)
     report = {

@@ -9,19 +9,39 @@ code: it says whether the saved *state* differs.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from trainstate._cli import DIFFERENT, OK, _values
+from trainstate._cli._args import DIFFERENT, OK, Subparsers, command
+from trainstate._cli._open import open_ckpt
 from trainstate._cli._output import Printer, Progress, Table, short, size
-from trainstate._cli._show import open_ckpt
+from trainstate._cli._values import Changes, compare, state_values
 from trainstate._restore.checkpoint import Checkpoint, TensorInfo
 from trainstate._restore.plan import matches
 
 BLOCK = 1 << 20  # elements per comparison block (8 MB per side in float64)
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = command(sub, "diff", "compare two checkpoints: tensors and plain values (exit 1 if they differ)")
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument(
+        "--exclude",
+        metavar="PATTERN",
+        action="append",
+        default=[],
+        help="leave out keys matching this glob pattern and everything under them (repeatable), e.g. _rng: the "
+        "RNG state a CheckpointManager captures on its own",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    return diff(Printer(args.json), args.a, args.b, key_env=args.key_env, exclude=args.exclude)
 
 
 @dataclass
@@ -137,13 +157,13 @@ def diff(
             added, removed, changed = _tensor_changes(ca, cb, progress, kept)
         finally:
             progress.close()
-        values = _values.compare(_values.state_values(ca), _values.state_values(cb))
-        values = _values.Changes(
+        values = compare(state_values(ca), state_values(cb))
+        values = Changes(
             [c for c in values.added if kept(c[0])],
             [c for c in values.removed if kept(c[0])],
             [c for c in values.changed if kept(c[0])],
         )
-        metadata = _values.compare(ca.metadata, cb.metadata)
+        metadata = compare(ca.metadata, cb.metadata)
     identical = not (added or removed or changed or values)
     if out.json_mode:
         out.json(

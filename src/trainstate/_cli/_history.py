@@ -6,18 +6,37 @@ A table (or ``--json``) of :func:`trainstate.history`'s entries; ``--plot OUT.pn
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 
-from trainstate._cli import OK, UsageError
+from trainstate._cli._args import OK, Subparsers, UsageError, command
+from trainstate._cli._open import require_dir
 from trainstate._cli._output import Printer, Table, local_time, metrics_text, size
-from trainstate._cli._show import require_dir
 from trainstate._manager.history import HistoryEntry
 from trainstate._manager.history import history as read_history
 from trainstate._manager.history_plot import chosen_metrics, draw
 from trainstate.errors import InvalidArgumentError
 
 _STYLES = {"deleted": "dim", "replaced": "yellow", "failed": "red", "damaged": "red"}
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = command(sub, "history", "every save of a manager directory: time, size, seconds, metrics, kept or deleted")
+    p.add_argument("path", metavar="DIR", help="a CheckpointManager directory")
+    p.add_argument(
+        "--plot", metavar="OUT", help="also draw save times and metrics over steps into this image (.png, .svg, .pdf)"
+    )
+    p.add_argument(
+        "--metric",
+        metavar="NAME",
+        action="append",
+        help="only this metric, in the table and as a panel of the plot (repeatable; default: all)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    return history(Printer(args.json), args.path, plot=args.plot, metrics=args.metric, key_env=args.key_env)
 
 
 def _seconds(value: float | None) -> str:

@@ -6,12 +6,30 @@ or its bytes with ``trainstate.load(data)``.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from trainstate import pack as pack_checkpoint
+from trainstate._cli._args import Subparsers, command, overwrite_flag
+from trainstate._cli._open import open_ckpt
 from trainstate._cli._output import Printer, size
-from trainstate._cli._show import open_ckpt
 from trainstate.errors import CheckpointExistsError
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = command(
+        sub,
+        "pack",
+        "pack a checkpoint into one file that CKPT arguments and trainstate.load accept",
+        writes="an encrypted CKPT is read with it; OUT holds its bytes as stored, still encrypted with it",
+    )
+    p.add_argument("path", metavar="CKPT")
+    p.add_argument("out", metavar="OUT", help="the file to write (e.g. model.tsar)")
+    p.add_argument("--overwrite", action="store_true", help="replace a file at OUT")
+
+
+def run(args: argparse.Namespace) -> int:
+    return pack(Printer(args.json), args.path, args.out, overwrite=args.overwrite, key_env=args.key_env)
 
 
 def pack(out: Printer, path: str, dst: str, *, overwrite: bool, key_env: str | None = None) -> int:
@@ -20,8 +38,8 @@ def pack(out: Printer, path: str, dst: str, *, overwrite: bool, key_env: str | N
         tensors, files = len(ck.manifest.tensors), len(ck.manifest.files)
     try:
         nbytes = pack_checkpoint(path, dst, overwrite=overwrite, key_env=key_env)
-    except CheckpointExistsError as e:  # the library names its argument; here it is a flag
-        raise CheckpointExistsError(str(e).replace("pass overwrite=True", "pass --overwrite")) from None
+    except CheckpointExistsError as e:
+        raise overwrite_flag(e) from None
     seconds = time.perf_counter() - start
     report = {"path": dst, "source": path, "tensors": tensors, "files": files, "nbytes": nbytes}
     if out.json_mode:

@@ -6,14 +6,24 @@ tensor is reported, not just the first.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from typing import Any
 
-from trainstate._cli import CORRUPT, OK
+from trainstate._cli._args import CORRUPT, OK, Subparsers, command
+from trainstate._cli._open import open_ckpt
 from trainstate._cli._output import Printer, Progress, Table, size
-from trainstate._cli._show import open_ckpt
 from trainstate.errors import CorruptCheckpointError
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = command(sub, "verify", "re-check every checksum of a checkpoint")
+    p.add_argument("path", metavar="CKPT")
+
+
+def run(args: argparse.Namespace) -> int:
+    return verify(Printer(args.json), args.path, key_env=args.key_env)
 
 
 def verify(out: Printer, path: str, *, key_env: str | None = None) -> int:

@@ -1,8 +1,8 @@
-"""``trainstate ls`` and ``trainstate inspect``: manifests only, no tensor byte is read."""
+"""``trainstate ls``: a manager directory's checkpoints (complete, incomplete, corrupt) or one checkpoint; manifests only."""
 
 from __future__ import annotations
 
-import fnmatch
+import argparse
 import logging
 import os
 import posixpath
@@ -10,9 +10,10 @@ import re
 from typing import Any
 
 from trainstate import open as open_checkpoint
-from trainstate._cli import UsageError, _values
-from trainstate._cli._output import Printer, Table, clip, local_time, metrics_text, short, size
-from trainstate._format.manifest import MANIFEST_NAME, TensorEntry
+from trainstate._cli._args import Subparsers, command
+from trainstate._cli._open import manifest_size, require_dir, shared_size
+from trainstate._cli._output import Printer, Table, clip, local_time, metrics_text, size
+from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._format.run_dir import step_of
 from trainstate._incremental.pool import POOL_DIR
 from trainstate._manager import CheckpointInfo, CheckpointManager
@@ -32,13 +33,13 @@ _STAGING_STATUS = {"tmp": "incomplete", "old": "incomplete", "del": "deleting"}
 _DELETING_NOTE = "a delete began and did not finish; a manager's sweep removes it"
 
 
-def require_dir(path: str) -> None:
-    backend, root = resolve(path)
-    info = backend.stat_followed(root)  # the user's own link to a directory counts as one
-    if info is None:
-        raise CheckpointNotFoundError(f"no such directory: {path}")
-    if not info.is_dir:
-        raise CheckpointNotFoundError(f"{path} is not a directory")
+def add_parser(sub: Subparsers) -> None:
+    p = command(sub, "ls", "list the checkpoints of a manager directory (or show one checkpoint)")
+    p.add_argument("path", metavar="DIR", help="a CheckpointManager directory, or one checkpoint")
+
+
+def run(args: argparse.Namespace) -> int:
+    return ls(Printer(args.json), args.path, key_env=args.key_env)
 
 
 def _is_dir(backend: Storage, path: str) -> bool:
@@ -50,22 +51,6 @@ def _parent_and_name(backend: Storage, root: str) -> tuple[str, str]:
     if backend.capabilities.symlinks:  # a link (``latest``) stands for the checkpoint it points to
         return os.path.split(os.path.realpath(root))
     return posixpath.dirname(root.rstrip("/")), posixpath.basename(root.rstrip("/"))
-
-
-def open_ckpt(path: str, key_env: str | None = None) -> Checkpoint:
-    """Open one checkpoint (an encrypted one with the key in the variable ``key_env``); a directory that
-    exists but is none (a manager's) is a usage error."""
-    try:
-        return open_checkpoint(path, key_env=key_env)
-    except CheckpointNotFoundError as e:
-        backend, root = resolve(path)
-        info = backend.stat_followed(root)
-        if info is not None and info.is_dir:
-            raise UsageError(f"{e}; 'trainstate ls {path}' lists its checkpoints") from None
-        raise
-
-
-# -- ls ---------------------------------------------------------------------------------------------
 
 
 def _row(info: CheckpointInfo, path: str, manifest_nbytes: int) -> dict[str, Any]:
@@ -134,8 +119,8 @@ def _probe(backend: Storage, name: str, path: str, key_env: str | None) -> dict[
     step = step_of(name)
     try:
         with open_checkpoint(path, backend, key_env=key_env) as ck:
-            info = CheckpointInfo(name, step or 0, ck.created, nbytes=ck.nbytes, shared=_shared(ck), path=path)
-            row = _row(info, path, _manifest_nbytes(backend, path))
+            info = CheckpointInfo(name, step or 0, ck.created, nbytes=ck.nbytes, shared=shared_size(ck), path=path)
+            row = _row(info, path, manifest_size(backend, path))
             row["step"] = step
             return row
     except IncompleteCheckpointError:
@@ -150,7 +135,7 @@ def _probe(backend: Storage, name: str, path: str, key_env: str | None) -> dict[
         return None  # deleted meanwhile
 
 
-def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str, Any]]:
+def directory_rows(directory: str, key_env: str | None = None) -> list[dict[str, Any]]:
     backend, root = resolve(directory)
     logger = logging.getLogger("trainstate")
     level = logger.level
@@ -159,7 +144,7 @@ def _directory_rows(directory: str, key_env: str | None = None) -> list[dict[str
         infos = CheckpointManager(root, read_only=True, storage=backend, key_env=key_env).list()
     finally:
         logger.setLevel(level)
-    rows = [_row(i, i.path, _manifest_nbytes(backend, i.path)) for i in infos]
+    rows = [_row(i, i.path, manifest_size(backend, i.path)) for i in infos]
     listed = {i.name for i in infos}
     for name in backend.list(root):
         path = backend.join(root, name)
@@ -204,28 +189,14 @@ def _deleting(backend: Storage, path: str) -> bool:
         return False
 
 
-def _manifest_nbytes(backend: Storage, path: str) -> int:
-    """The size of a checkpoint's manifest (0 if it went meanwhile, or cannot be looked at)."""
-    try:
-        info = backend.stat(backend.join(path, MANIFEST_NAME))
-    except StorageError:
-        return 0
-    return info.size if info is not None else 0
-
-
-def _shared(ck: Checkpoint) -> int:
-    """Of a checkpoint's data-file bytes, those in shared pool files an earlier save wrote (incremental)."""
-    return sum(f.size for f in ck.manifest.files if f.pool and not f.new)
-
-
 def _single_row(path: str, ck: Checkpoint, key_env: str | None) -> dict[str, Any]:
     parent, name = _parent_and_name(ck.storage, ck.path)
-    manifest_nbytes = _manifest_nbytes(ck.storage, ck.path)
+    manifest_nbytes = manifest_size(ck.storage, ck.path)
     if step_of(name) is not None:
         for info in CheckpointManager(parent, read_only=True, storage=ck.storage, key_env=key_env).list():
             if info.name == name:
                 return _row(info, path, manifest_nbytes)
-    info = CheckpointInfo(name, 0, ck.created, nbytes=ck.nbytes, shared=_shared(ck), path=ck.path)
+    info = CheckpointInfo(name, 0, ck.created, nbytes=ck.nbytes, shared=shared_size(ck), path=ck.path)
     row = _row(info, path, manifest_nbytes)
     row["step"] = None  # not a manager's checkpoint: no step, metrics or pin
     return row
@@ -249,8 +220,8 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
         elif step_of(name) is not None or is_staging_name(name):
             rows = [_other_row(backend, name, root, "incomplete", "no manifest")]
         else:
-            kind, rows = "directory", _directory_rows(path, key_env)
-    pool = _pool_bytes(path) if kind == "directory" else None
+            kind, rows = "directory", directory_rows(path, key_env)
+    pool = pool_bytes(path) if kind == "directory" else None
     if out.json_mode:
         out.json({"path": path, "kind": kind, "checkpoints": rows, **({"pool_nbytes": pool} if pool else {})})
         return 0
@@ -296,7 +267,7 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
     return 0
 
 
-def _pool_bytes(directory: str) -> int:
+def pool_bytes(directory: str) -> int:
     """The bytes in a run directory's shared pool (incremental checkpoints); 0 without one."""
     backend, root = resolve(directory)
     pool = backend.join(root, POOL_DIR)
@@ -305,182 +276,6 @@ def _pool_bytes(directory: str) -> int:
         info = backend.stat(backend.join(pool, name))
         total += info.size if info is not None and not info.is_dir else 0
     return total
-
-
-# -- inspect ----------------------------------------------------------------------------------------
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-def _boxes(t: TensorEntry) -> list[dict[str, Any]]:
-    return [
-        {
-            "offset": list(c.offset),
-            "shape": list(c.shape),
-            "file": c.file,
-            "byte_range": list(c.byte_range),
-            **({"transforms": [str(x.get("name")) for x in c.transforms]} if c.transforms else {}),
-        }
-        for c in t.chunks
-    ]
-
-
-def _stored(t: TensorEntry) -> tuple[int, list[str]]:
-    """A tensor's stored bytes (after compression, encryption) and the transforms its chunks use."""
-    names = dict.fromkeys(str(x.get("name")) for c in t.chunks for x in c.transforms)  # in the order applied
-    return sum(c.byte_range[1] - c.byte_range[0] for c in t.chunks), list(names)
-
-
-def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = False, key_env: str | None = None) -> int:
-    """The manifest's contents; ``chunks``: each tensor's chunks too (box and data file: who wrote what)."""
-    with open_ckpt(path, key_env) as ck:
-
-        def wanted(name: str) -> bool:
-            return pattern is None or fnmatch.fnmatchcase(name, pattern)
-
-        infos = [ck.info(n) for n in ck if wanted(n)]
-        boxes = {i.name: _boxes(ck.manifest.tensors[i.name]) for i in infos} if chunks else {}
-        stored = {i.name: _stored(ck.manifest.tensors[i.name]) for i in infos}
-        transforms = list(dict.fromkeys(n for _, names in stored.values() for n in names))  # in the order applied
-        values = [(p, v) for p, v in _values.leaves(ck.manifest.tree) if wanted(p)]
-        metadata = ck.metadata
-        metadata_values = _values.leaves(ck.manifest.metadata)
-        shared, manifest_nbytes = _shared(ck), _manifest_nbytes(ck.storage, ck.path)
-        head = {
-            "path": path,
-            "format_version": ck.manifest.format_version,
-            "writer": ck.manifest.writer,
-            "created": ck.created,
-            "created_iso": local_time(ck.created),
-            "world_size": ck.world_size,
-            "encrypted": ck.encrypted,
-            "files": len(ck.manifest.files),
-            "size_nbytes": ck.nbytes + manifest_nbytes,  # as ls counts a checkpoint's sizes (see _row)
-            "written_nbytes": ck.nbytes - shared + manifest_nbytes,
-            "nbytes": ck.nbytes,
-            "shared_nbytes": shared,
-            "manifest_nbytes": manifest_nbytes,
-            "tensor_count": len(ck.keys()),
-            "transforms": transforms,
-        }
-    tensor_bytes = sum(i.nbytes for i in infos)
-    stored_bytes = sum(n for n, _ in stored.values())
-    if out.json_mode:
-        out.json(
-            {
-                **head,
-                "filter": pattern,
-                "metadata": metadata,
-                "values": [{"path": p, "value": v} for p, v in values],
-                "tensors": [
-                    {
-                        "name": i.name,
-                        "dtype": i.dtype,
-                        "shape": list(i.shape),
-                        "nbytes": i.nbytes,
-                        "kind": i.kind,
-                        "chunks": i.chunks,
-                        "stored_nbytes": stored[i.name][0],
-                        "transforms": stored[i.name][1],
-                        **({"boxes": boxes[i.name]} if chunks else {}),
-                    }
-                    for i in infos
-                ],
-                "tensor_bytes": tensor_bytes,
-                "tensor_stored_bytes": stored_bytes,
-            }
-        )
-        return 0
-    out.pairs(
-        [
-            ("checkpoint", path),
-            ("format", f"trainstate {head['format_version']}"),
-            ("writer", str(head["writer"])),
-            ("created", str(head["created_iso"])),
-            ("saved by", f"{ck.world_size} ranks" if ck.world_size > 1 else "1 process"),
-            *([("encrypted", "yes: AES-256-GCM, manifest authenticated")] if ck.encrypted else []),
-            (
-                "size",
-                f"{size(ck.nbytes + manifest_nbytes)}: the manifest and {head['files']} data file(s)"
-                + _shared_text(head),
-            ),
-            ("tensors", str(head["tensor_count"])),
-            *(
-                [
-                    (
-                        "transforms",
-                        f"{', '.join(transforms)}: tensors of {size(tensor_bytes)} stored in {_ratio(tensor_bytes, stored_bytes)}",
-                    )
-                ]
-                if transforms
-                else []
-            ),
-        ]
-    )
-    if metadata is not None:
-        meta = Table(["metadata", "value"])
-        for p, v in metadata_values:
-            meta.add(p, short(v, 80))
-        out.line()
-        out.table(meta)
-    if values:
-        vt = Table(["value", "type", "repr"])
-        for p, v in values:
-            vt.add(p, type(v).__name__, short(v, 80))
-        out.line()
-        out.table(vt)
-    sharded = any(i.chunks > 1 for i in infos)  # the chunk count only where some tensor has several
-    t = Table(
-        ["tensor", "dtype", "shape", "bytes", *(["stored"] if transforms else []), *(["chunks"] if sharded else [])],
-        right=frozenset({"bytes", "stored", "chunks"}),
-    )
-    for i in infos:
-        extra = [size(stored[i.name][0])] if transforms else []
-        t.add(i.name, i.dtype, _shape(i.shape), size(i.nbytes), *extra, *([i.chunks] if sharded else []))
-    out.line()
-    if infos:
-        out.table(t)
-    if boxes:
-        ct = Table(
-            ["tensor", "offset", "shape", "file", "bytes", *(["transforms"] if transforms else [])],
-            right=frozenset({"bytes"}),
-        )
-        for name, found in boxes.items():
-            for b in found:
-                ct.add(
-                    name,
-                    _shape(b["offset"]),
-                    _shape(b["shape"]),
-                    b["file"],
-                    size(b["byte_range"][1] - b["byte_range"][0]),
-                    *([", ".join(b.get("transforms", []))] if transforms else []),
-                )
-        out.line()
-        out.table(ct)
-    shown = f"{len(infos)} of {head['tensor_count']} tensors match {pattern!r}" if pattern else f"{len(infos)} tensors"
-    on_disk = f", stored in {_ratio(tensor_bytes, stored_bytes)}" if transforms else ""
-    out.line(f"{shown}, {size(tensor_bytes)} ({tensor_bytes} bytes){on_disk}")
-    return 0
-
-
-def _shared_text(head: dict[str, Any]) -> str:
-    """For an incremental checkpoint: what its save wrote, and what it shares with earlier ones."""
-    shared = int(head["shared_nbytes"])
-    if not shared:
-        return ""
-    return (
-        f"; this save wrote {size(int(head['written_nbytes']))} (its new data files and the manifest), the rest is "
-        "shared with earlier checkpoints"
-    )
-
-
-def _ratio(raw: int, stored: int) -> str:
-    """``stored`` bytes and how many times smaller than ``raw`` that is."""
-    if not stored or stored >= raw:  # nothing compressed (encryption alone adds a 16-byte tag per chunk)
-        return size(stored)
-    return f"{size(stored)} ({raw / stored:.2f}x smaller)"
 
 
 def _pin_text(row: dict[str, Any]) -> str:

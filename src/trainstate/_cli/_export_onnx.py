@@ -19,13 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainstate._cli import UsageError
+from trainstate._cli._args import Subparsers, UsageError, command, overwrite_flag
 from trainstate._cli._output import Printer, size
 from trainstate.errors import CheckpointExistsError
 
 
-def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    p = command("export-onnx", "export a checkpoint's model to ONNX, checked in onnxruntime against torch")
+def add_parser(sub: Subparsers) -> None:
+    p = command(sub, "export-onnx", "export a checkpoint's model to ONNX, checked in onnxruntime against torch")
     p.add_argument("path", metavar="CKPT")
     p.add_argument("out", metavar="OUT", help="the .onnx file to write")
     p.add_argument(
@@ -68,8 +68,10 @@ def function(ref: str, what: str) -> Callable[..., Any]:
     return found  # type: ignore[no-any-return]
 
 
-def export_onnx(out: Printer, args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from trainstate import export_onnx as export
+
+    out = Printer(args.json)
 
     if Path(args.out).exists() and not args.overwrite:  # before importing the user's code and torch
         raise CheckpointExistsError(f"{args.out} already exists: pass --overwrite to replace it")
@@ -94,8 +96,8 @@ def export_onnx(out: Printer, args: argparse.Namespace) -> int:
                 overwrite=args.overwrite,
                 key_env=args.key_env,
             )
-    except CheckpointExistsError as e:  # the library names its argument; here it is a flag
-        raise CheckpointExistsError(str(e).replace("pass overwrite=True", "pass --overwrite")) from None
+    except CheckpointExistsError as e:
+        raise overwrite_flag(e) from None
     seconds = time.perf_counter() - start
     files = [p for p in (path, Path(f"{path}.data")) if p.is_file()]
     nbytes = sum(p.stat().st_size for p in files)

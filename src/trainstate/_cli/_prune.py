@@ -1,21 +1,50 @@
-"""``trainstate prune``, ``pin`` and ``unpin``: a CheckpointManager's retention, from the shell.
+"""``trainstate prune``: a CheckpointManager's retention policies applied now, from the shell.
 
-A writable CheckpointManager takes the directory's lock (so these refuse to run beside a training job
+A writable CheckpointManager takes the directory's lock (so prune refuses to run beside a training job
 that has the directory open) and sweeps leftovers of crashed saves when it starts; the output lists what
 that sweep removed. ``prune --dry-run`` uses a read-only manager and deletes nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from trainstate._cli import OK, UsageError
+from trainstate._cli._args import OK, Subparsers, UsageError, best_metric, command, positive_int, positive_minutes
+from trainstate._cli._ls import directory_rows, pool_bytes
+from trainstate._cli._open import require_dir
 from trainstate._cli._output import Printer, Table, local_time, metrics_text, size
-from trainstate._cli._show import _directory_rows, _pool_bytes, require_dir
 from trainstate._manager import CheckpointInfo, CheckpointManager
-from trainstate.errors import CheckpointNotFoundError
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = command(sub, "prune", "apply retention policies to a manager directory now")
+    p.add_argument("path", metavar="DIR")
+    p.add_argument("--keep-last", type=positive_int, metavar="N", help="keep the newest N")
+    p.add_argument("--keep-every-steps", type=positive_int, metavar="N", help="keep steps that are multiples of N")
+    p.add_argument("--keep-every-minutes", type=positive_minutes, metavar="M", help="keep one per M minutes")
+    p.add_argument(
+        "--keep-best",
+        type=best_metric,
+        metavar="METRIC:min|max:K",
+        help="keep the K best by a metric recorded at save time",
+    )
+    p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    return prune(
+        Printer(args.json),
+        args.path,
+        keep_last=args.keep_last,
+        keep_every_steps=args.keep_every_steps,
+        keep_every_minutes=args.keep_every_minutes,
+        keep_best=args.keep_best,
+        dry_run=args.dry_run,
+        key_env=args.key_env,
+    )
 
 
 @contextmanager
@@ -55,12 +84,12 @@ def prune(
             "prune needs at least one policy: --keep-last, --keep-every-steps, --keep-every-minutes or --keep-best"
         )
     require_dir(directory)
-    pool_before = _pool_bytes(directory)
+    pool_before = pool_bytes(directory)
     if dry_run:
         mgr = CheckpointManager(directory, read_only=True, key_env=key_env, **policies)  # no lock, sweep, deletes
         infos = mgr.list()
         plan = mgr.prune(dry_run=True)
-        swept = [r["name"] for r in _directory_rows(directory, key_env) if r["status"] == "incomplete"]
+        swept = [r["name"] for r in directory_rows(directory, key_env) if r["status"] == "incomplete"]
     else:
         with _writable(directory, key_env=key_env, **policies) as mgr:
             infos = mgr.list()
@@ -70,7 +99,7 @@ def prune(
     # an incremental checkpoint's bytes are in the shared pool: deleting it frees only what no kept one uses
     freed = sum(_size(by_name[n]) - by_name[n].pooled for n in plan.delete if n in by_name)
     if not dry_run:
-        freed += pool_before - _pool_bytes(directory)
+        freed += pool_before - pool_bytes(directory)
     if out.json_mode:
         out.json(
             {
@@ -108,40 +137,6 @@ def prune(
     verb = "would delete" if dry_run else "deleted"
     pooled = " outside the shared pool" if dry_run and any(by_name[n].pooled for n in deleting if n in by_name) else ""
     out.line(f"{len(infos) - len(deleting)} kept, {len(deleting)} {verb} ({size(freed)}{pooled})")
-    return OK
-
-
-def _find(directory: str, step: int, key_env: str | None) -> CheckpointInfo:
-    require_dir(directory)
-    for info in CheckpointManager(directory, read_only=True, key_env=key_env).list():
-        if info.step == step:
-            return info
-    raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {directory}")
-
-
-def pin(out: Printer, directory: str, step: int, reason: str, *, key_env: str | None = None) -> int:
-    info = _find(directory, step, key_env)
-    added = CheckpointManager(directory, read_only=True, key_env=key_env).pin(step, reason)  # safe beside a running job
-    kept = reason if added else info.pin_reason
-    if out.json_mode:
-        out.json({"path": directory, "name": info.name, "step": step, "pinned": True, "reason": kept, "changed": added})
-        return OK
-    if added:
-        out.line(f"pinned {info.name}" + (f" ({reason})" if reason else ""))
-    else:
-        note = f" (reason: {info.pin_reason})" if info.pin_reason else ""
-        change = "; its reason was not changed: unpin and pin again to change it" if reason != info.pin_reason else ""
-        out.line(f"{info.name} was already pinned{note}{change}")
-    return OK
-
-
-def unpin(out: Printer, directory: str, step: int, *, key_env: str | None = None) -> int:
-    info = _find(directory, step, key_env)
-    CheckpointManager(directory, read_only=True, key_env=key_env).unpin(step)
-    if out.json_mode:
-        out.json({"path": directory, "name": info.name, "step": step, "pinned": False, "was_pinned": info.pinned})
-        return OK
-    out.line(f"unpinned {info.name}" if info.pinned else f"{info.name} was not pinned")
     return OK
 
 
