@@ -15,7 +15,7 @@ import pytest
 
 import trainstate
 from helpers import reseal_manifest
-from trainstate._restore import read
+from trainstate._restore import files
 from trainstate._save.files import PIECE_BYTES
 
 FLOATS_PER_PIECE = PIECE_BYTES // 4
@@ -143,14 +143,14 @@ def test_one_large_tensor_is_split_across_reader_threads_and_restores_exactly(tm
     saved = _big(6.25, seed=3)
     trainstate.save(tmp_path / "c", {"w": saved}, threads=1)
     lanes: list[list[int]] = []
-    original = read._split_by_bytes
+    original = files._split_by_bytes
 
     def spy(jobs, sizes, n):  # the lanes the reader cut: pieces (by size) per lane
         out = original(jobs, sizes, n)
         lanes[:] = [[b.end - b.begin for b in lane] for lane in out]
         return out
 
-    monkeypatch.setattr(read, "_split_by_bytes", spy)
+    monkeypatch.setattr(files, "_split_by_bytes", spy)
     for threads in (1, 2, 3):
         target = {"w": np.zeros_like(saved)}
         trainstate.load(tmp_path / "c", target, threads=threads)
@@ -225,13 +225,13 @@ def test_a_tied_tensor_is_read_once_into_shared_memory_and_into_each_of_separate
     model.a = model.b = torch.nn.Parameter(saved.clone())
     trainstate.save(tmp_path / "c", {"m": model})  # stored once, named twice in the tree
     read_bytes: list[int] = []
-    original = read._run_batch
+    original = files._run_batch
 
     def spy(files, batch, verify):
         read_bytes.append(batch.end - batch.begin)
         return original(files, batch, verify)
 
-    monkeypatch.setattr(read, "_run_batch", spy)
+    monkeypatch.setattr(files, "_run_batch", spy)
     with torch.no_grad():
         model.a.zero_()
     trainstate.load(tmp_path / "c", {"m": model})

@@ -62,19 +62,22 @@ def cost(value: Any) -> int:
     from a pickle's memo) costs 2**depth to hash, one nested a million deep crashes the interpreter, and a
     tuple of many references to one long ``torch.Size`` hashes its items each time. Tuples and their
     subclasses, and frozen dataclasses (which hash the tuple of their fields), are walked; shared references
-    are counted each time. Walked without recursion, and stopped as soon as either limit is passed."""
+    are counted each time, and an int counts one item per 64 bits (its hash, never cached, reads every digit).
+    Walked without recursion, and stopped as soon as either limit is passed."""
     seen = 0
     todo: list[tuple[Any, int]] = [(value, 1)]
     while todo:
         item, depth = todo.pop()
         if depth > MAX_KEY_DEPTH:
             return MAX_KEY_ITEMS + 1
+        if type(item) is int:  # Python does not cache an int's hash: each hash reads all its digits
+            seen += item.bit_length() // 64
         for inner in _parts(item):
             seen += 1
             if seen > MAX_KEY_ITEMS:
                 return seen
             todo.append((inner, depth + 1))
-    return seen
+    return seen if seen <= MAX_KEY_ITEMS else MAX_KEY_ITEMS + 1
 
 
 def _parts(value: Any) -> tuple[Any, ...]:

@@ -31,6 +31,7 @@ from trainstate._tree import (
     dict_node,
     first,
     join,
+    key_text,
     new_stateful,
     new_tensor,
     new_value,
@@ -190,7 +191,7 @@ def encode(
             children: list[_Live] = []
             for k, v in value.items():
                 children.append((k, at, True))
-                children.append((v, at + (str(k),), False))
+                children.append((v, at + (key_text(k),), False))
             return Branch(children, dict_node)
         if isinstance(value, (list, tuple)):
             children = [(v, at + (str(i),), False) for i, v in enumerate(value)]
@@ -204,7 +205,7 @@ def encode(
             children = []
             for k, v in kids:
                 children.append((k, at, True))
-                children.append((v, at + (str(k),), False))
+                children.append((v, at + (key_text(k),), False))
             return Branch(children, dict_node)
         raise UnsupportedValueError(
             f"{join(at) or 'the state'}: {type(value).__qualname__} cannot be stored without pickle; "
@@ -240,7 +241,7 @@ def stateful_objects(state: Any) -> list[tuple[tuple[str, ...], Any]]:
             found.append((at, unwrapped(value)))
             return None
         if isinstance(value, Mapping):
-            return Branch([(v, at + (str(k),), False) for k, v in value.items()], nothing)
+            return Branch([(v, at + (key_text(k),), False) for k, v in value.items()], nothing)
         if isinstance(value, (list, tuple)):
             return Branch([(v, at + (str(i),), False) for i, v in enumerate(value)], nothing)
         return None

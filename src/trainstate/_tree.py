@@ -226,6 +226,17 @@ def nothing(results: list[Any]) -> None:
     return None
 
 
+def key_text(key: Any) -> str:
+    """A dict key as one part of a dotted path; an int of more digits than Python converts is refused."""
+    try:
+        return str(key)
+    except ValueError:  # sys.get_int_max_str_digits(): no reader could parse the manifest either
+        raise UnsupportedValueError(
+            f"a dict key, an int of {key.bit_length()} bits, cannot be stored: Python reads no more than "
+            f"{sys.get_int_max_str_digits()} digits of JSON"
+        ) from None
+
+
 def join(path: tuple[str, ...]) -> str:
     """A dotted path for messages and tensor names."""
     return ".".join(path)

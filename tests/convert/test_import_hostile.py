@@ -867,15 +867,15 @@ def test_a_long_string_a_pickle_encodes_again_and_again_is_refused(tmp_path):
         trainstate.import_checkpoint(src, tmp_path / "out")
 
 
-@pytest.mark.parametrize("name", ["__class__", "__dict__", "not a name"])
+@pytest.mark.parametrize("name", ["__class__", "__dict__", "not a name", "values"])
 def test_an_ordered_dict_is_given_plain_attributes_only(tmp_path, name):
-    """A state_dict's OrderedDict carries _metadata as an attribute (BUILD); any other attribute that is not
-    a plain name (its __class__) is refused."""
+    """A state_dict's OrderedDict carries _metadata as an attribute (BUILD); any other is refused: its
+    __class__, or a ``values`` that stood in for the method the import reads the dict with."""
     od = pickle.GLOBAL + b"collections\nOrderedDict\n" + pickle.EMPTY_TUPLE + pickle.REDUCE
     state = pickle.EMPTY_DICT + pickle.SHORT_BINUNICODE + bytes([len(name)]) + name.encode() + pickle.NONE
     src = tmp_path / "attrs.pt"
     _zip_of(src, pickle.PROTO + b"\x02" + od + state + pickle.SETITEM + pickle.BUILD + pickle.STOP)
-    with pytest.raises(trainstate.CorruptCheckpointError, match=r"attrs\.pt: .*not plain names"):
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"attrs\.pt: .*other than a state_dict's _metadata"):
         trainstate.import_checkpoint(src, tmp_path / "out")
 
 
@@ -896,3 +896,176 @@ def test_a_state_dict_with_its_metadata_parameters_and_a_conjugate_view_imports_
         assert torch.equal(back["model"][name], value), name
     assert torch.equal(back["p"], want["p"].detach()) and back["b"] == state["b"]
     assert torch.equal(back["c"], want["c"].resolve_conj())
+
+
+# -- a sixth attack: what the new reader allowed --------------------------------------------------------------
+
+
+def test_neg_and_conj_views_of_one_tensor_are_not_tied(tmp_path):
+    """A view with the negative or conjugate bit shares its tensor's memory, shape and strides: it was taken
+    for a tie of it and stored as the tensor itself, by import and by save, in silence."""
+    x = torch.arange(1.0, 5.0)
+    z = torch.complex(torch.tensor([1.0, 3.0]), torch.tensor([2.0, -4.0]))
+    state = {"x": x, "xn": x._neg_view(), "z": z, "zc": z.conj()}
+    torch.save(state, tmp_path / "views.pt")
+    trainstate.import_checkpoint(tmp_path / "views.pt", tmp_path / "imported")
+    trainstate.save(tmp_path / "saved", state)
+    for ckpt in ("imported", "saved"):
+        back = trainstate.load(tmp_path / ckpt, framework="torch")
+        for name, value in state.items():
+            assert torch.equal(back[name], value.resolve_neg().resolve_conj()), (ckpt, name)
+
+
+class _Named:
+    """A float32 storage the test picklers name by their own persistent id (``pid``)."""
+
+    def __init__(self, pid: tuple[Any, ...]) -> None:
+        self.pid = pid
+
+
+class _Over:
+    """Pickles as a float32 tensor of ``size`` elements over the storage ``named``."""
+
+    def __init__(self, named: _Named, size: int) -> None:
+        self.named, self.size = named, size
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        args = (self.named, 0, (self.size,), (1,), False, collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, args
+
+
+class _NamedPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if isinstance(obj, _Named) else None
+
+
+def test_legacy_views_of_one_storage_count_against_the_file(tmp_path):
+    """Each legacy view (the persistent id's sixth element) became a storage of its own, so the views budget
+    counted 300 overlapping views of one 1 MB storage as 300 MB stored: a 1 MB file imported 300 MB."""
+    total = 250_000
+    out = io.BytesIO()
+    for head in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True}):
+        pickle.dump(head, out, protocol=2)
+    views = {
+        f"t{i}": _Over(_Named(("storage", torch.FloatStorage, "s", "cpu", total, ("s", i, total - i))), total - i)
+        for i in range(300)
+    }
+    _NamedPickler(out, protocol=2).dump(views)
+    pickle.dump(["s"], out, protocol=2)
+    src = tmp_path / "views.bin"
+    src.write_bytes(out.getvalue() + struct.pack("<q", total) + torch.zeros(total).numpy().tobytes())
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"views\.bin: tensor 't\d+' is one view too many"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_zip_records_inside_one_another_are_refused(tmp_path):
+    """A record whose local header and bytes lie inside another record's bytes passes every CRC-32 (each
+    record's own), and each overlapping storage was imported in full: 692 kB became 657 MB."""
+    import zlib
+
+    def local(name: bytes, size: int) -> bytes:
+        return struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0, 0, size, size, len(name), 0) + name
+
+    floats = torch.arange(1024, dtype=torch.float32).numpy().tobytes()
+    inner = local(b"a/data/1", len(floats)) + floats + b"\0\0"  # record 1 inside record 0 (whole floats)
+    tensors = {
+        key: _Over(_Named(("storage", torch.FloatStorage, key, "cpu", n // 4)), n // 4)
+        for key, n in (("0", len(inner)), ("1", len(floats)))
+    }
+    buf = io.BytesIO()
+    _NamedPickler(buf, protocol=2).dump(tensors)
+    pickled = buf.getvalue()
+    out, records = bytearray(), []
+    for name, data in (
+        (b"a/data.pkl", pickled),
+        (b"a/data/0", inner),
+        (b"a/byteorder", b"little"),
+        (b"a/version", b"3\n"),
+    ):
+        records.append((name, len(out), data))
+        out += local(name, len(data)) + data
+    at = records[1][1] + len(local(b"a/data/0", len(inner)))
+    records.append((b"a/data/1", at, floats))
+    directory = b"".join(
+        struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            0x02014B50,
+            20,
+            20,
+            0,
+            0,
+            0,
+            0,
+            zlib.crc32(d),
+            len(d),
+            len(d),
+            len(n),
+            0,
+            0,
+            0,
+            0,
+            0,
+            o,
+        )
+        + n
+        for n, o, d in records
+    )
+    src = tmp_path / "nested.pt"
+    src.write_bytes(
+        bytes(out) + directory + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 5, 5, len(directory), len(out), 0)
+    )
+    import zipfile
+
+    assert zipfile.ZipFile(src).testzip() is None  # every record passes its CRC-32
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"nested\.pt: the records of storages .* overlap"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_huge_int_hashed_as_a_key_again_and_again_is_refused(tmp_path):
+    """Python never caches an int's hash: one 500 kB int set as a dict key 150,000 times (a memo reference
+    each) hashed every digit each time, minutes for a 1 MB file. An int counts as 64 bits an item."""
+    digits = (1 << (8 * 200_000)) - 1
+    body = pickle.LONG4 + len(digits.to_bytes(200_001, "little", signed=True)).to_bytes(4, "little")
+    body += digits.to_bytes(200_001, "little", signed=True) + pickle.BINPUT + b"\x00" + pickle.POP
+    items = (pickle.BINGET + b"\x00" + pickle.NONE) * 50_000
+    src = tmp_path / "bigkey.pt"
+    _zip_of(
+        src, pickle.PROTO + b"\x02" + body + pickle.EMPTY_DICT + pickle.MARK + items + pickle.SETITEMS + pickle.STOP
+    )
+    started = time.perf_counter()
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"bigkey\.pt: .*64 bits an item"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert time.perf_counter() - started < 5
+
+
+def test_an_int_key_of_more_digits_than_json_holds_is_refused_by_import_and_save(tmp_path):
+    torch.save({10**5000: torch.zeros(2)}, tmp_path / "big.pt")
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"big\.pt: a dict key, an int of \d+ bits"):
+        trainstate.import_checkpoint(tmp_path / "big.pt", tmp_path / "out")
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"a dict key, an int of \d+ bits"):
+        trainstate.save(tmp_path / "saved", {10**5000: 1})
+
+
+def test_many_legacy_storages_are_declared_in_linear_time(tmp_path):
+    """Each declaration summed every storage declared before it: 16,000 empty storages took 25 s."""
+    out = io.BytesIO()
+    for head in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True}):
+        pickle.dump(head, out, protocol=2)
+
+    class Empty:
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return ("storage", torch.FloatStorage, obj.key, "cpu", 0, None) if isinstance(obj, Empty) else None
+
+    Pickler(out, protocol=2).dump([Empty(str(i)) for i in range(16_000)])
+    pickle.dump([], out, protocol=2)
+    src = tmp_path / "many.bin"
+    src.write_bytes(out.getvalue())
+    started = time.perf_counter()
+    with pytest.raises(trainstate.CheckpointError, match=r"many\.bin"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+    assert time.perf_counter() - started < 10

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import io
+import warnings
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -122,7 +123,9 @@ def _load(path: Path, checked: Checked, state: dict[str, Any]) -> dict[str, Any]
     reader_class, planner_class = _classes()
     reader, planner = reader_class(path, checked), planner_class()
     try:
-        load(state, storage_reader=reader, planner=planner, no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled": no_dist=True is what is meant
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            load(state, storage_reader=reader, planner=planner, no_dist=True)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         cause = _cause(e)
         if isinstance(cause, (KeyboardInterrupt, SystemExit)):  # DCP wraps a Ctrl-C too
@@ -329,4 +332,22 @@ def _lists(node: Any, values: dict[str, Any]) -> Any:
     items = {k: _lists(v, values) for k, v in node.items()}
     if items and all(type(k) is int for k in items) and sorted(items) == list(range(len(items))):
         return [items[i] for i in range(len(items))]
-    return items
+    return _optimizer_positions(items)
+
+
+def _optimizer_positions(node: dict[Any, Any]) -> dict[Any, Any]:
+    """A torch optimizer's state_dict with its ``state`` keyed by position again: DCP writes every dict key
+    as a string (``"0"``), and an optimizer's ``load_state_dict`` would keep state keyed ``"0"`` beside the
+    parameter at position 0 without giving it to it. A key is turned back into an int only where it is the
+    decimal string of a position the ``param_groups`` list."""
+    state, groups = node.get("state"), node.get("param_groups")
+    if not isinstance(state, dict) or not isinstance(groups, list):
+        return node
+    positions = {p for g in groups if isinstance(g, dict) and isinstance(g.get("params"), list) for p in g["params"]}
+    if not positions or not all(type(p) is int for p in positions):
+        return node
+    node["state"] = {
+        int(k) if type(k) is str and k.isdecimal() and str(int(k)) == k and int(k) in positions else k: v
+        for k, v in state.items()
+    }
+    return node

@@ -85,7 +85,7 @@ def import_checkpoint(
     record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
     # torch tensors: a torch.save file's, a .bin shard's, or inside a value DCP pickled whole (a tuple)
     torch_tensors = (
-        partial(torch_file.source_tensor, where=path, views=torch_file.Views())
+        partial(torch_file.source_tensor, where=path, views=torch_file.Views(_size(path)))
         if kind in ("torch", "hf", "dcp")
         else None  # safetensors: no torch
     )
@@ -237,7 +237,7 @@ def _sharded(index: Path) -> dict[str, Any]:
         missing = sorted(wanted - set(tensors))
         if missing:
             raise CorruptCheckpointError(f"{index} maps {missing[:5]} to {shard}, which does not hold them")
-        views = torch_file.Views() if kind != "safetensors" else None
+        views = torch_file.Views(file.stat().st_size) if kind != "safetensors" else None
         for name, value in tensors.items():
             if name in wanted:
                 out[name] = (

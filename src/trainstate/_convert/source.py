@@ -102,7 +102,7 @@ def build(
             return tree.ValueNode(_plain(value))
         if isinstance(value, Mapping):
             keys = [_key(k, path) for k in value]
-            children = [(v, path + (str(k),)) for k, v in zip(keys, value.values())]
+            children = [(v, path + (tree.key_text(k),)) for k, v in zip(keys, value.values())]
             return tree.Branch(children, partial(_dict, tuple(keys), len(path) - len(at)))
         if isinstance(value, (list, tuple)):
             return tree.Branch(

@@ -184,9 +184,18 @@ def _read_zip(torch: Any, path: Path, held: bytes | None = None) -> Any:
         at = reader.get_record_offset(record)
         if at + nbytes > size:
             raise CorruptCheckpointError(f"{path}: storage {key!r:.40} lies past the end of the file")
+        spans.append((at, at + nbytes, key))
         return torch_pickle.Storage(whole[at : at + nbytes], dtype)
 
-    return torch_pickle.Unpickler(io.BytesIO(data), len(data), storage).load()
+    spans: list[tuple[int, int, str]] = []
+    obj = torch_pickle.Unpickler(io.BytesIO(data), len(data), storage).load()
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:  # torch.save writes each storage once, records one after another
+            raise CorruptCheckpointError(
+                f"{path}: the records of storages {first!r:.40} and {second!r:.40} overlap in the file: it is forged"
+            )
+    return obj
 
 
 class _Window:
@@ -223,10 +232,13 @@ def _read_legacy(torch: Any, path: Path) -> Any:
             window = _Window(mapped)
             size = len(mapped)
             declared: dict[str, torch_pickle.Storage] = {}
+            total = 0  # bytes of the storages declared so far
 
             def storage(key: str, dtype: Any, numel: int, location: str) -> torch_pickle.Storage:
+                nonlocal total
                 nbytes = numel * torch._utils._element_size(dtype)
-                if nbytes + sum(s.data.nbytes() for s in declared.values()) > size:
+                total += nbytes
+                if total > size:
                     raise CorruptCheckpointError(
                         f"{path}: its storages are declared larger than the whole file ({size} bytes): it is "
                         "truncated, damaged or forged"
@@ -389,29 +401,28 @@ def _errors(path: Path) -> Iterator[None]:
         raise CorruptCheckpointError(f"{path} is not a torch.save file ({said:.120})") from None
 
 
-VIEW_SLACK = 64 << 20  # bytes views may import beyond twice what their storages hold
+VIEW_SLACK = 64 << 20  # bytes views may import beyond twice the file's size
 
 
 class Views:
-    """What the tensors of one file imported so far take, beside what their storages hold: distinct views of
-    one storage (``x`` and ``x[0]``, or a fused ``qkv`` and its slices, under several names) are each imported
-    in full, so a file of many views of one storage could become a checkpoint many times its size. Together
-    the views may import twice their storages' bytes plus :data:`VIEW_SLACK`."""
+    """What the tensors of one file imported so far take: distinct views of one storage (``x`` and ``x[0]``,
+    or a fused ``qkv`` and its slices, under several names) are each imported in full, so a file of many views
+    of its bytes could become a checkpoint many times its size. Together the tensors of a file of ``size``
+    bytes may import twice that plus :data:`VIEW_SLACK`: counted against the file, not against its storages,
+    which a forged file can make overlap (legacy views, zip records inside one another)."""
 
-    def __init__(self) -> None:
-        self.stored: dict[int, int] = {}  # storage address -> its bytes
+    def __init__(self, size: int) -> None:
+        self.limit = 2 * size + VIEW_SLACK
         self.used = 0  # bytes imported so far
         self.seen: set[object] = set()  # tensor identities already counted (a tied name counts once)
 
-    def add(self, value: Any, identity: object, nbytes: int) -> int | None:
-        """Count a tensor; the bytes imported when that is over the budget, else None."""
+    def add(self, identity: object, nbytes: int) -> int | None:
+        """Count a tensor; the bytes imported when that is over the limit, else None."""
         if identity is None or identity in self.seen:
             return None
         self.seen.add(identity)
-        storage = value.untyped_storage()
-        self.stored.setdefault(storage.data_ptr(), storage.nbytes())
         self.used += nbytes
-        return self.used if self.used > 2 * sum(self.stored.values()) + VIEW_SLACK else None
+        return self.used if self.used > self.limit else None
 
 
 def source_tensor(value: Any, name: str, *, where: Path, views: Views | None = None) -> SourceTensor | None:
@@ -443,13 +454,13 @@ def source_tensor(value: Any, name: str, *, where: Path, views: Views | None = N
             "as its bytes in the file; save it with .contiguous() (or save the tensor before expand)"
         )
     identity = adapter.identity(value)
-    over = views.add(value, identity, numel * itemsize) if views is not None else None
+    over = views.add(identity, numel * itemsize) if views is not None else None
     if over is not None:
         raise UnsupportedValueError(
-            f"{where}: tensor {name!r:.80} is one view too many: the file's tensors would import {over} bytes from "
-            f"storages of {sum(views.stored.values()) if views else 0} bytes (views of one storage are imported each "
-            "in full; trainstate imports up to twice the stored bytes, plus 64 MiB). Save the tensors with "
-            ".clone() if they are meant to be separate"
+            f"{where}: tensor {name!r:.80} is one view too many: the file's tensors would import {over} bytes, more "
+            f"than {views.limit if views else 0} (views of one storage are imported each in full; trainstate imports "
+            "up to twice the file's bytes, plus 64 MiB). Save the tensors with .clone() if they are meant to be "
+            "separate"
         )
     return SourceTensor(code, shape, numel * itemsize, partial(_bytes_of, value), identity)
 

@@ -104,10 +104,12 @@ class Unpickler(unpickle.Restricted):
             return _Rebuild(name)
         if module == "torch" and isinstance(getattr(self.torch, name, None), (self.torch.dtype, self.torch.qscheme)):
             return getattr(self.torch, name)  # a dtype (torch.float32) or a quantization scheme, as a value
+        what = " (a NumPy array or scalar)" if module.split(".")[0] == "numpy" else ""
         raise UnsupportedValueError(
-            f"it holds a pickled object other than tensors, containers and plain values (a {module}.{name}); "
-            "trainstate never unpickles code. Save the weights as tensors (torch.save(model.state_dict(), ...)) "
-            "or as safetensors, and import that"
+            f"it holds a pickled object other than tensors, containers and plain values (a {module}.{name}"
+            f"{what}); trainstate never unpickles code. Turn NumPy arrays into tensors (torch.from_numpy) and "
+            "objects into plain values before torch.save, or import a file of the weights alone "
+            "(torch.save(model.state_dict(), ...), or safetensors)"
         )
 
     def persistent_load(self, pid: Any) -> Any:
@@ -182,8 +184,8 @@ class Unpickler(unpickle.Restricted):
         # An OrderedDict's attributes (a state_dict's _metadata); nothing else is ever given a state.
         if type(inst) is not collections.OrderedDict or type(state) is not dict:
             raise unpickle.Refused(f"it sets attributes of {unpickle.type_name(inst)}")
-        if not all(type(k) is str and k.isidentifier() and not k.startswith("__") for k in state):
-            raise unpickle.Refused("it gives an OrderedDict attributes that are not plain names")
+        if any(k != "_metadata" for k in state):  # anything else could stand in for a method (.values)
+            raise unpickle.Refused("it gives an OrderedDict attributes other than a state_dict's _metadata")
         inst.__dict__.update(state)
 
     def check_key(self, key: Any) -> None:

@@ -84,7 +84,7 @@ class Restricted(_PythonUnpickler):  # type: ignore[misc]
             if visited > _hashes.MAX_KEY_ITEMS:
                 raise Refused(
                     f"a key nests tuples deeper than {_hashes.MAX_KEY_DEPTH} levels or holds more than "
-                    f"{_hashes.MAX_KEY_ITEMS} items counted in full: no save holds such a key"
+                    f"{_hashes.MAX_KEY_ITEMS} items counted in full (an int: 64 bits an item): no save holds such a key"
                 )
             self.charge(visited * (_hashes.MAX_SHARING + 1))  # its hash, and its comparisons with its peers
             self.check_key(key)

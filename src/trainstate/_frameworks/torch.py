@@ -70,6 +70,8 @@ def identity(value: torch.Tensor) -> tuple[object, ...] | None:
         tuple(value.shape),
         value.stride(),
         str(value.dtype),
+        value.is_conj(),  # a conjugate or negative view of the same memory holds other values
+        value.is_neg(),
     )
 
 
