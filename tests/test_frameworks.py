@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -75,6 +76,19 @@ def test_the_restore_and_save_core_name_no_torch_class():
         if "torch." in line or "__module__" in line
     ]
     assert not found, "framework knowledge outside trainstate._frameworks:\n" + "\n".join(found)
+
+
+def test_the_save_restore_and_manager_core_import_no_framework():
+    """torch and JAX reach the core only through the adapter table (the async staging copy included)."""
+    core = [*CORE, SRC / "trainstate" / "_manager", SRC / "trainstate" / "_incremental"]
+    paths = [p for folder in core for p in sorted(folder.rglob("*.py"))] + [SRC / "trainstate" / "_state.py"]
+    found = [
+        f"{path.relative_to(SRC)}:{n}: {line.strip()}"
+        for path in paths
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.match(r"\s*(import|from)\s+(torch|jax|jaxlib)\b", line)
+    ]
+    assert found == []
 
 
 def test_the_object_hooks_know_torch_modules_and_data_loaders():

@@ -367,10 +367,6 @@ def watch(loader: DataLoader[Any], watcher: IteratorWatcher | None) -> None:
     hooks.watcher = watcher
 
 
-def is_loader(obj: Any) -> bool:
-    return isinstance(obj, DataLoader)
-
-
 def reapply_after_iterator_start(loader: DataLoader[Any], callback: Callable[[], None]) -> None:
     """Run ``callback`` once, right after ``loader``'s next iterator has started."""
     _hooks(loader).after_start.append(callback)

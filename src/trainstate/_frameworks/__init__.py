@@ -1,4 +1,7 @@
-"""Framework adapters: the only modules that import torch or jax, and all that trainstate knows of them.
+"""Framework adapters: all that the save and restore core (``_state``, ``_save``, ``_restore``, ``_manager``)
+knows of torch and JAX, found through one table (:data:`FRAMEWORKS`). Other modules import torch for torch's
+own concerns only: its file formats (``_convert``: torch.save, DCP, ONNX), its process groups
+(``_distributed``), its data loaders (``_data``, ``_replay``, ``_seeding``) and the integrations.
 
 An adapter knows, for its array type, how to describe a value (dtype code, shape), expose its bytes for
 writing, make an empty array to read into, and expose a live array's memory for in-place reads. It also

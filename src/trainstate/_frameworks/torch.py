@@ -1,5 +1,5 @@
-"""torch tensors and objects: with data.py, the only module that imports torch (rng.py uses it only if
-imported).
+"""torch tensors and objects, as the save and restore core sees them: its one adapter for torch (the other
+modules that import torch are listed in ``_frameworks/__init__.py``).
 
 Tensors on an accelerator are staged through host memory; reads into them go through a host buffer
 and ``copy_``, so a restored tensor keeps its device. The object hooks tell restore how to treat an

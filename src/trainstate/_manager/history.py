@@ -26,8 +26,6 @@ from trainstate.errors import CheckpointNotFoundError, InvalidArgumentError
 
 log = logging.getLogger("trainstate")
 
-STATUSES = ("kept", "deleted", "replaced", "failed", "damaged")
-
 
 @dataclass(frozen=True)
 class HistoryEntry:
