@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import trainstate
-from trainstate._storage.base import staged_target, staging_name
+from trainstate._format.run_dir import staged_target, staging_name
 
 CHILD = r"""
 import sys, numpy as np, trainstate

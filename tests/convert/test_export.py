@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 
 import trainstate
-from trainstate._storage.base import staged_target
+from trainstate._format.run_dir import staged_target
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ pytest.importorskip("torch.distributed")
 import dist_workers as workers  # noqa: E402
 import ranks  # noqa: E402
 import trainstate  # noqa: E402
-from trainstate._storage import is_staging_name  # noqa: E402
+from trainstate._format.run_dir import is_staging_name  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is missing")
 

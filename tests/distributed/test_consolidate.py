@@ -21,7 +21,7 @@ import dist_workers_consolidate as workers  # noqa: E402
 import ranks  # noqa: E402
 import trainstate  # noqa: E402
 from helpers import cli  # noqa: E402
-from trainstate._storage import is_staging_name  # noqa: E402
+from trainstate._format.run_dir import is_staging_name  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is missing")
 WORLD = 4

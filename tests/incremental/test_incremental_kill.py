@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import trainstate
-from trainstate._storage import is_staging_name
+from trainstate._format.run_dir import is_staging_name
 
 CHILD = r"""
 import os, signal, sys

@@ -13,7 +13,7 @@ import pytest
 
 import trainstate
 from helpers import reseal_manifest
-from trainstate._storage import is_staging_name
+from trainstate._format.run_dir import is_staging_name
 from trainstate._storage.faulty import FaultyStorage
 
 torch = pytest.importorskip("torch")

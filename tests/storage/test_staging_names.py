@@ -13,7 +13,7 @@ import pytest
 
 import trainstate
 from trainstate._convert.output import sweep_leftovers
-from trainstate._storage.base import is_staging_name, staged_target, staging_name
+from trainstate._format.run_dir import is_staging_name, staged_target, staging_name
 
 
 @pytest.mark.parametrize("name", ["hpc_ckpt_2.ckpt", "step_00000040", "last.ckpt", "模型", "a.tmp-b"])

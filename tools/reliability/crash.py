@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import trainstate
-from trainstate._storage import is_staging_name
+from trainstate._format.run_dir import is_staging_name
 
 from .common import FLAVORS, PLAIN, Flavor, Row, check_numpy_state, print_rows, spawn
 

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import trainstate
+from trainstate._format.run_dir import is_staging_name
 from trainstate._history.log import read as read_history
-from trainstate._storage import LocalStorage, is_staging_name
+from trainstate._storage import LocalStorage
 from trainstate._storage.faulty import OPERATIONS, FaultyStorage
 
 from .common import Row, check_numpy_state, numpy_state, print_rows

@@ -68,8 +68,8 @@ import ml_dtypes
 import numpy as np
 
 import trainstate
-from trainstate import _transforms as transforms
 from trainstate import _checksum as checksum
+from trainstate import _transforms as transforms
 from trainstate._format import datafile, manifest_mac
 from trainstate._keys import Key
 

@@ -14,12 +14,10 @@ from trainstate._cli._args import Subparsers, command
 from trainstate._cli._open import manifest_size, require_dir, shared_size
 from trainstate._cli._output import Printer, Table, clip, local_time, metrics_text, size
 from trainstate._format.manifest import MANIFEST_NAME
-from trainstate._format.run_dir import step_of
-from trainstate._incremental.pool import POOL_DIR
+from trainstate._format.run_dir import DELETE_MARKER, POOL_DIR, is_staging_name, staged_target, step_of
 from trainstate._manager import CheckpointInfo, CheckpointManager
 from trainstate._restore.checkpoint import Checkpoint
-from trainstate._storage import Storage, is_staging_name, resolve
-from trainstate._storage.base import DELETE_MARKER, staged_target
+from trainstate._storage import Storage, resolve
 from trainstate.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,

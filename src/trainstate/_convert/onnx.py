@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from trainstate import _keys
 from trainstate._convert.select import weights
+from trainstate._format.run_dir import staging_name
 from trainstate._optional import optional
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import Source
-from trainstate._storage.base import staging_name
 from trainstate._storage.local import fsync_path
 from trainstate.errors import (
     CheckpointExistsError,

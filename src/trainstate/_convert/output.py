@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trainstate._format.manifest import MANIFEST_NAME
-from trainstate._storage.base import staged_target, staging_name
+from trainstate._format.run_dir import staged_target, staging_name
 from trainstate._storage.local import fsync_path
 from trainstate.errors import (
     CheckpointError,

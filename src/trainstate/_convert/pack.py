@@ -20,9 +20,9 @@ from typing import BinaryIO, overload
 
 from trainstate import _keys
 from trainstate._format import archive, manifest
+from trainstate._format.run_dir import staging_name
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._storage import LocalStorage, Source, Storage
-from trainstate._storage.base import staging_name
 from trainstate.errors import CheckpointExistsError, CorruptCheckpointError, InvalidArgumentError, StorageError
 
 BLOCK = 16 << 20  # bytes copied at a time from a data file

@@ -33,13 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from trainstate._format.run_dir import HISTORY_DIR
 from trainstate._storage import Storage
 from trainstate._storage.local import ensure_directory
 from trainstate.errors import StorageError
 
 log = logging.getLogger("trainstate")
-
-HISTORY_DIR = "_history"  # never a checkpoint name (step_...) nor a staging name: managers and sweeps skip it
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ import re
 from collections.abc import Collection
 
 from trainstate._format import manifest
-from trainstate._incremental.pool import POOL_DIR, foreign, is_pool_file
+from trainstate._format.run_dir import POOL_DIR
+from trainstate._incremental.pool import foreign, is_pool_file
 from trainstate._storage import Storage
 from trainstate.errors import CheckpointError, CorruptCheckpointError, StorageError
 

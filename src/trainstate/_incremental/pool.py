@@ -16,10 +16,10 @@ import uuid
 from collections.abc import Iterable
 
 from trainstate._format.manifest import FileEntry
+from trainstate._format.run_dir import POOL_DIR
 from trainstate._storage import Storage
 from trainstate.errors import CorruptCheckpointError, InvalidArgumentError
 
-POOL_DIR = "_shared"  # a name the manager never gives a checkpoint (step_...), never a staging name
 PREFIX = "pool"  # pool files are pool-<12 hex digits, new per save>-NNNNN.safetensors
 
 

@@ -26,9 +26,10 @@ from dataclasses import replace
 
 from trainstate import _transforms as transforms
 from trainstate._format.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from trainstate._format.run_dir import POOL_DIR
 from trainstate._incremental.check import PoolCheck
 from trainstate._incremental.index import Index
-from trainstate._incremental.pool import POOL_DIR, refuse_foreign, save_prefix
+from trainstate._incremental.pool import refuse_foreign, save_prefix
 from trainstate._keys import Key
 from trainstate._save.encode import Entry, Snapshot
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_checkpoint, write_data

@@ -19,13 +19,12 @@ from trainstate import _tree as tree
 from trainstate._format import run_dir as naming
 from trainstate._format.added_keys import FACTS_KEY, declaration
 from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._format.run_dir import DELETE_MARKER, PIN_FILE, POOL_DIR, PROBE_PREFIX, staged_target
 from trainstate._incremental.gc import PoolCollector
-from trainstate._incremental.pool import POOL_DIR
 from trainstate._keys import Key
 from trainstate._manager.policies import CheckpointInfo
 from trainstate._restore.checkpoint import _read_manifest
 from trainstate._storage import Storage
-from trainstate._storage.base import DELETE_MARKER, PROBE_PREFIX, staged_target
 from trainstate.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -36,7 +35,6 @@ from trainstate.errors import (
 )
 
 log = logging.getLogger("trainstate")
-PIN_FILE = "pinned.json"
 META_KEY = FACTS_KEY  # the manager's facts inside the manifest metadata
 REMOTE_SWEEP_AGE = 3600.0
 PIN_SETTLE_SECONDS = 2.0  # how long a pin waits for a retention pass that is looking at it

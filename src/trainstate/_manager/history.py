@@ -18,7 +18,8 @@ from trainstate import _arguments as arguments
 from trainstate import _keys
 from trainstate._format import run_dir as naming
 from trainstate._format.manifest import MANIFEST_NAME
-from trainstate._history.log import HISTORY_DIR, Record, read
+from trainstate._format.run_dir import HISTORY_DIR
+from trainstate._history.log import Record, read
 from trainstate._manager.catalog import Catalog
 from trainstate._manager.policies import CheckpointInfo
 from trainstate._storage import Storage, resolve

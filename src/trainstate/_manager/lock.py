@@ -18,9 +18,8 @@ import threading
 import weakref
 from pathlib import Path
 
+from trainstate._format.run_dir import LOCK_FILE
 from trainstate.errors import CheckpointError, StorageError
-
-LOCK_FILE = ".trainstate.lock"
 
 _live: weakref.WeakSet[DirectoryLock] = weakref.WeakSet()
 _live_guard = threading.Lock()

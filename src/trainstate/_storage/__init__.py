@@ -12,7 +12,8 @@ import errno
 import os
 import uuid
 
-from trainstate._storage.base import PROBE_PREFIX, Capabilities, FileInfo, Storage, is_staging_name
+from trainstate._format.run_dir import PROBE_PREFIX, is_staging_name
+from trainstate._storage.base import Capabilities, FileInfo, Storage
 from trainstate._storage.local import LocalStorage
 from trainstate._storage.packed import Packed, PackedStorage, is_packed_file
 from trainstate.errors import InvalidArgumentError

@@ -30,8 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._format.run_dir import DELETE_MARKER
 from trainstate._optional import optional
-from trainstate._storage.base import DELETE_MARKER, Capabilities, FileInfo, Storage
+from trainstate._storage.base import Capabilities, FileInfo, Storage
 from trainstate.errors import CheckpointExistsError, MissingDependencyError, StorageError
 
 log = logging.getLogger("trainstate")

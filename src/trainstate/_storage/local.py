@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from trainstate._format.manifest import MANIFEST_NAME
-from trainstate._storage.base import Capabilities, FileInfo, Storage, staged_target, staging_name
+from trainstate._format.run_dir import staged_target, staging_name
+from trainstate._storage.base import Capabilities, FileInfo, Storage
 from trainstate.errors import CheckpointExistsError, StorageError
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)

@@ -37,6 +37,7 @@ from trainstate import _arguments as arguments
 from trainstate import _keys
 from trainstate import _transforms as transforms
 from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._format.run_dir import staged_target, staging_name
 from trainstate._optional import optional
 from trainstate._restore import ABSENT, restore
 from trainstate._restore.checkpoint import open_checkpoint
@@ -45,7 +46,6 @@ from trainstate._save.background import BackgroundSaver
 from trainstate._save.write import DEFAULT_THREADS
 from trainstate._saving import save as _save
 from trainstate._storage import LocalStorage, resolve
-from trainstate._storage.base import staged_target, staging_name
 from trainstate.errors import (
     CheckpointExistsError,
     InvalidArgumentError,
