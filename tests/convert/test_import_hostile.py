@@ -17,6 +17,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -1069,3 +1070,119 @@ def test_many_legacy_storages_are_declared_in_linear_time(tmp_path):
     with pytest.raises(trainstate.CheckpointError, match=r"many\.bin"):
         trainstate.import_checkpoint(src, tmp_path / "out")
     assert time.perf_counter() - started < 10
+
+
+# -- a seventh attack --------------------------------------------------------------------------------------
+
+
+def test_a_zip_that_torch_and_zipfile_read_as_two_archives_is_refused(tmp_path):
+    """torch's reader finds the zip64 end record where the locator points; zipfile takes the one just before
+    the locator. Two central directories gave the checks (zipfile's) a stored record and torch a deflated one,
+    whose compressed bytes were imported as the tensor."""
+    import zipfile
+    import zlib
+
+    torch.save({"w": torch.arange(4096, dtype=torch.float32)}, tmp_path / "genuine.pt")
+    with zipfile.ZipFile(tmp_path / "genuine.pt") as z:
+        records = [(i.filename, z.read(i)) for i in z.infolist()]
+    out = bytearray()
+
+    def local(name: str, data: bytes, method: int, size: int, crc: int) -> tuple[Any, ...]:
+        at, n = len(out), name.encode()
+        out.extend(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, method, 0, 0x21, crc, len(data), size, len(n), 0))
+        out.extend(n + data)
+        return n, method, crc, len(data), size, at
+
+    def central(entries: list[tuple[Any, ...]]) -> bytes:
+        return b"".join(
+            struct.pack(
+                "<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, m, 0, 0x21, c, cs, us, len(n), 0, 0, 0, 0, 0, a
+            )
+            + n
+            for n, m, c, cs, us, a in entries
+        )
+
+    common, torch_sees, zipfile_sees = [], [], []
+    for name, data in records:
+        crc = zlib.crc32(data)
+        if name.endswith("data/0"):
+            deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
+            torch_sees.append(local(name, deflate.compress(data) + deflate.flush(), 8, len(data), crc))
+            zipfile_sees.append(local(name, data, 0, len(data), crc))
+        else:
+            common.append(local(name, data, 0, len(data), crc))
+    ends = []
+    for entries in (common + torch_sees, common + zipfile_sees):
+        directory, at = central(entries), len(out)
+        out.extend(directory)
+        ends.append(len(out))
+        out.extend(
+            struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, len(entries), len(entries), len(directory), at)
+        )
+    out.extend(struct.pack("<4sIQI", b"PK\x06\x07", 0, ends[0], 1))  # the locator: the first zip64 end record
+    out.extend(struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
+    src = tmp_path / "two.pt"
+    src.write_bytes(bytes(out))
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"two\.pt: torch's zip reader and the zip's own"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_bit_a_dtype_cannot_carry_is_refused_when_the_file_is_read(tmp_path):
+    """A negative bit on a bool tensor was accepted, and resolving it when writing raised a raw
+    NotImplementedError out of import_checkpoint."""
+    bools = _Named(("storage", torch.BoolStorage, "0", "cpu", 4))
+
+    class NegBool:
+        def __reduce__(self) -> tuple[Any, ...]:
+            args = (bools, 0, (4,), (1,), False, collections.OrderedDict(), {"neg": True})
+            return torch._utils._rebuild_tensor_v2, args
+
+    buf = io.BytesIO()
+    _NamedPickler(buf, protocol=2).dump({"w": NegBool()})
+    src = tmp_path / "negbool.pt"
+    with open(src, "wb") as f:
+        writer = torch._C.PyTorchFileWriter(f, True, 64)
+        writer.write_record("data.pkl", buf.getvalue(), len(buf.getvalue()))
+        writer.write_record("byteorder", "little", 6)
+        writer.write_record("data/0", b"\x01\x00\x01\x00", 4)
+        writer.write_end_of_file()
+        del writer
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"negbool\.pt: .*torch\.bool tensor is given metadata"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_shape_no_reader_accepts_is_refused_by_every_writer(tmp_path):
+    """The manifest reader refuses more than 32 dimensions or a dimension of 2**48: import, save and the
+    manager wrote such tensors, reported success, and nothing could load them."""
+    torch.save({"w": torch.zeros([2, 3] + [1] * 38)}, tmp_path / "deep.pt")
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"40 dimensions \(a manifest holds at most 32\)"):
+        trainstate.import_checkpoint(tmp_path / "deep.pt", tmp_path / "out")
+    torch.save({"w": torch.empty((0, 2**50))}, tmp_path / "wide.pt")
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"a dimension of 2\*\*48 or more"):
+        trainstate.import_checkpoint(tmp_path / "wide.pt", tmp_path / "out")
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"33 dimensions"):
+        trainstate.save(tmp_path / "saved", {"w": np.zeros([1] * 33)})
+    with trainstate.CheckpointManager(tmp_path / "run") as mgr:
+        with pytest.raises(trainstate.UnsupportedValueError, match=r"33 dimensions"):
+            mgr.save(1, {"w": np.zeros([1] * 33)}, force=True)
+        assert mgr.list() == []
+
+
+def test_shards_that_are_links_to_one_file_share_one_budget(tmp_path):
+    """Each shard had a views budget of its own file: eight links to one 1 MB file of views imported 490 MB.
+    The folder's files are counted once each, however many names reach them."""
+    base = torch.zeros(250_000)
+    views = {f"v{i}": base[i:] for i in range(200)}
+    folder = tmp_path / "model"
+    folder.mkdir()
+    torch.save(views, folder / "real.bin")
+    weight_map = {}
+    for i in range(200):
+        shard = f"pytorch_model-{i % 8:05d}.bin"
+        if not (folder / shard).exists():
+            (folder / shard).symlink_to("real.bin")
+        weight_map[f"v{i}"] = shard
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"is one view too many"):
+        trainstate.import_checkpoint(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -25,14 +25,14 @@ from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 from typing import Any, NamedTuple
 
 from trainstate._convert import unpickle
-from trainstate._format import boxes, dtypes
+from trainstate._format import boxes, dtypes, manifest
 from trainstate._optional import optional
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 
 METADATA = ".metadata"
 ZSTD = "stream.zstd/1"  # DCP's zstd stream extension (torch.distributed.checkpoint._extension.ZStandard)
 ZSTD_RATIO = 1 << 15  # zstd's ceiling: a 4-byte RLE block stands for 128 KiB
-MAX_NDIM = 64  # the most dimensions a tensor may declare
+MAX_NDIM = manifest.MAX_RANK  # the most dimensions a tensor may declare: what a manifest holds
 BYTES_LIMIT = 64 << 20  # a compressed non-tensor value (a step count, param groups) decompresses to this at most
 FRAMING = 64 << 10  # torch.save's zip around a chunk's bytes (about 1.5 kB in practice)
 _DCP = "torch.distributed.checkpoint"

@@ -103,11 +103,13 @@ def import_checkpoint(
 
 
 def _size(path: Path) -> int:
-    """The bytes of the source: the file's, or those of the folder's files (what a pickle in it can be)."""
+    """The bytes of the source: the file's, or those of the folder's files (what a pickle in it can be), each
+    file counted once however many names (links) reach it."""
     try:
         if path.is_file():
             return path.stat().st_size
-        return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+        files = {(s.st_dev, s.st_ino): s.st_size for p in path.iterdir() if p.is_file() for s in [p.stat()]}
+        return sum(files.values())
     except OSError as e:
         raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
 
@@ -223,6 +225,7 @@ def _sharded(index: Path) -> dict[str, Any]:
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise CorruptCheckpointError(f"{index}: weight_map is not a mapping of tensor names to shard files")
     out: dict[str, Any] = {}
+    views = torch_file.Views(_size(index.parent))  # one budget for every shard: several may be one file
     for shard in sorted(set(weight_map.values())):
         plain = Path(shard).name == shard and "\\" not in shard and not shard.startswith(".")
         if not plain or not shard.endswith((".safetensors", ".bin")):
@@ -237,7 +240,6 @@ def _sharded(index: Path) -> dict[str, Any]:
         missing = sorted(wanted - set(tensors))
         if missing:
             raise CorruptCheckpointError(f"{index} maps {missing[:5]} to {shard}, which does not hold them")
-        views = torch_file.Views(file.stat().st_size) if kind != "safetensors" else None
         for name, value in tensors.items():
             if name in wanted:
                 out[name] = (

@@ -163,6 +163,7 @@ def _read_zip(torch: Any, path: Path, held: bytes | None = None) -> Any:
         raise CorruptCheckpointError(f"{path}: its pickle (data.pkl) claims more bytes than the whole file")
     _refuse_compressed(path, source)
     _check_crcs(path, source)
+    _same_archive(path, source, reader, records)
     if "byteorder" in records and bytes(reader.get_record("byteorder")) != b"little":
         raise UnsupportedValueError(f"{path} was saved on a big-endian machine; trainstate imports little-endian files")
     data = bytes(reader.get_record("data.pkl"))
@@ -339,6 +340,36 @@ def _check_crcs(path: Path, source: Any) -> None:
         raise CorruptCheckpointError(
             f"{path}: record {bad!r:.80} fails its CRC-32 (the zip's own checksum): the file was damaged after "
             "it was written"
+        )
+
+
+def _same_archive(path: Path, source: Any, reader: Any, records: set[str]) -> None:
+    """Refuse a file in which torch's zip reader and Python's ``zipfile`` (whose view the CRC and compression
+    checks read) see different archives: two central directories, one found through the zip64 locator's
+    offset (torch) and one just before it (zipfile), could give torch a record those checks never saw. Every
+    record must be listed by both, at the same offset, with the same size."""
+    seen: dict[str, tuple[int, int]] = {}
+    try:
+        with zipfile.ZipFile(source) as z:
+            infos = z.infolist()
+            fp = z.fp
+            assert fp is not None
+            for info in infos:
+                prefix, _, name = info.filename.partition("/")
+                fp.seek(info.header_offset)
+                head = fp.read(30)
+                if len(head) != 30 or not name:
+                    raise CorruptCheckpointError(f"{path}: its zip's record {info.filename!r:.80} is malformed")
+                n, m = struct.unpack("<HH", head[26:30])
+                seen[name] = (info.header_offset + 30 + n + m, info.file_size)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise CorruptCheckpointError(f"{path}: its zip cannot be read ({e!s:.80})") from None
+    theirs = {name: (reader.get_record_offset(name), reader.get_record_size(name)) for name in records}
+    if seen != theirs:
+        differ = sorted(seen.keys() ^ theirs.keys()) or sorted(k for k in seen if seen[k] != theirs[k])
+        raise CorruptCheckpointError(
+            f"{path}: torch's zip reader and the zip's own directory read different archives (record "
+            f"{differ[0]!r:.80} differs): the file is forged"
         )
 
 

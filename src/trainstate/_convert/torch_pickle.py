@@ -24,10 +24,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from trainstate._convert import unpickle
-from trainstate._format import dtypes
+from trainstate._format import dtypes, manifest
 from trainstate.errors import UnsupportedValueError
-
-MAX_NDIM = 64  # the most dimensions a tensor may have (torch's own limit is higher; no model has 64)
 
 
 class Storage(NamedTuple):
@@ -229,11 +227,14 @@ class Unpickler(unpickle.Restricted):
             or not isinstance(size, tuple)
             or not isinstance(stride, tuple)
             or len(size) != len(stride)
-            or len(size) > MAX_NDIM
             or not all(type(n) is int and n >= 0 for n in (offset, *size, *stride))
         ):
             raise unpickle.Refused(
                 f"a tensor is given offset {offset!r:.40}, sizes {size!r:.80} and strides {stride!r:.80}"
+            )
+        if len(size) > manifest.MAX_RANK:  # before the sizes are multiplied: no reader would load it
+            raise UnsupportedValueError(
+                f"it holds a tensor of {len(size)} dimensions (a manifest holds at most {manifest.MAX_RANK})"
             )
         itemsize = torch._utils._element_size(dtype)
         numel = math.prod(size)
@@ -249,6 +250,12 @@ class Unpickler(unpickle.Restricted):
         if meta is not None and meta != {}:
             if type(meta) is not dict or not all(k in ("conj", "neg") and type(v) is bool for k, v in meta.items()):
                 raise unpickle.Refused(f"a tensor is given metadata {meta!r:.80}")
+            try:  # a bit its dtype has no meaning for (neg on bool, conj on a real dtype) fails here, not later
+                probe = torch.zeros(1, dtype=dtype)
+                torch._utils.set_tensor_metadata(probe, meta)
+                probe.resolve_neg().resolve_conj()
+            except (RuntimeError, NotImplementedError, TypeError) as e:
+                raise unpickle.Refused(f"a {dtype} tensor is given metadata {meta!r:.40} ({e!s:.60})") from None
             torch._utils.set_tensor_metadata(tensor, meta)
         return tensor
 

@@ -424,13 +424,24 @@ MAX_WORLD_SIZE = 1 << 24
 MAX_DIM = 1 << 48
 
 
+def shape_refused(shape: tuple[int, ...]) -> str | None:
+    """Why a reader refuses a tensor of ``shape`` (one NumPy and torch cannot allocate), or None: writers
+    refuse the same shapes, so that nothing is saved that cannot load."""
+    if len(shape) > MAX_RANK:
+        return f"{len(shape)} dimensions (a manifest holds at most {MAX_RANK})"
+    if max(shape, default=0) >= MAX_DIM:
+        return "a dimension of 2**48 or more"
+    if math.prod(filter(None, shape)) >= MAX_DIM:
+        return "2**48 elements or more"
+    return None
+
+
 def _shape(value: Any, what: str) -> tuple[int, ...]:
     """A shape NumPy and torch can allocate: bounded rank, dimensions and element count."""
     shape = _ints(value, what)
-    if len(shape) > MAX_RANK or max(shape, default=0) >= MAX_DIM:
-        raise CorruptCheckpointError(f"manifest field {what} is not a plausible shape: {list(shape)[:8]}")
-    if math.prod(filter(None, shape)) >= MAX_DIM:
-        raise CorruptCheckpointError(f"manifest field {what} has too many elements: {list(shape)[:8]}")
+    refused = shape_refused(shape)
+    if refused is not None:
+        raise CorruptCheckpointError(f"manifest field {what} is not a plausible shape ({refused}): {list(shape)[:8]}")
     return shape
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainstate import _state, _tree
-from trainstate._format import dtypes
+from trainstate._format import dtypes, manifest
 from trainstate._format.added_keys import check_declaration
 from trainstate._frameworks import Adapter, adapter_for, bind
 from trainstate.errors import UnsupportedValueError
@@ -33,6 +33,9 @@ class Entry:
             self.global_shape = self.shape
         if len(self.offset) != len(self.shape):
             self.offset = (0,) * len(self.shape)
+        refused = manifest.shape_refused(self.global_shape)
+        if refused is not None:  # refused here, by every writer, not by the first reader of the checkpoint
+            raise UnsupportedValueError(f"{self.name}: a tensor of {refused} cannot be stored")
 
 
 class TensorTable:
