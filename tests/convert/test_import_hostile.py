@@ -1186,3 +1186,105 @@ def test_shards_that_are_links_to_one_file_share_one_budget(tmp_path):
     with pytest.raises(trainstate.UnsupportedValueError, match=r"is one view too many"):
         trainstate.import_checkpoint(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# -- an eighth attack ---------------------------------------------------------------------------------------
+
+
+def test_legacy_views_are_keyed_as_torch_keys_them(tmp_path):
+    """torch's legacy loader keeps views by their own key (in the table storages are kept in) and sizes a view
+    in the dtype its id names: the import sliced anew each time, in the storage's first dtype."""
+    fs = torch.FloatStorage
+    obj = {
+        "a": _Over(_Named(("storage", fs, "k", "cpu", 8, ("v", 0, 4))), 4),
+        "b": _Over(_Named(("storage", fs, "k", "cpu", 8, ("v", 4, 4))), 4),  # view "v" again: the first one
+        "c": _Over(_Named(("storage", fs, "j", "cpu", 4, None)), 4),
+        "d": _Over(_Named(("storage", fs, "k", "cpu", 8, ("j", 2, 4))), 4),  # a view key that is a storage's
+    }
+    out = io.BytesIO()
+    for head in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True}):
+        pickle.dump(head, out, protocol=2)
+    _NamedPickler(out, protocol=2).dump(obj)
+    pickle.dump(["k", "j"], out, protocol=2)
+    out.write(struct.pack("<q", 8) + torch.arange(8.0).numpy().tobytes())
+    out.write(struct.pack("<q", 4) + (100 + torch.arange(4.0)).numpy().tobytes())
+    src = tmp_path / "views.pt"
+    src.write_bytes(out.getvalue())
+    want = torch.load(src, weights_only=True)
+    trainstate.import_checkpoint(src, tmp_path / "out")
+    got = trainstate.load(tmp_path / "out", framework="torch")
+    assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in want.items()}
+
+
+def test_a_tied_alias_never_replaces_a_tensor_the_file_stores(tmp_path):
+    """Export names an alias only for a tensor it did not store; an alias naming a stored tensor replaced it."""
+    save_file(
+        {"a": torch.zeros(4), "b": torch.arange(4.0)},
+        tmp_path / "m.safetensors",
+        metadata={"trainstate.tied": '{"b": "a"}'},
+    )
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"m\.safetensors: __metadata__ trainstate\.tied"):
+        trainstate.import_checkpoint(tmp_path / "m.safetensors", tmp_path / "out")
+
+
+def test_a_shard_file_reached_by_many_names_is_read_once(tmp_path, monkeypatch):
+    """1,000 shard names linked to one file were each read in full, each read listing every tensor: 19 s for
+    an 80 kB folder, and 3,000 names never finished."""
+    from trainstate._convert import import_
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({f"t{i}": torch.zeros(1) for i in range(300)}, folder / "real.safetensors")
+    weight_map = {}
+    for i in range(300):
+        (folder / f"model-{i:05d}.safetensors").symlink_to("real.safetensors")
+        weight_map[f"t{i}"] = f"model-{i:05d}.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    reads = []
+    original = import_._read_file
+    monkeypatch.setattr(import_, "_read_file", lambda *a: reads.append(a) or original(*a))
+    trainstate.import_checkpoint(folder, tmp_path / "out")
+    assert len(reads) == 1
+    with trainstate.open(tmp_path / "out") as ck:
+        assert sorted(ck.keys()) == sorted(weight_map)
+
+
+def test_dcp_entries_reached_through_hard_links_are_one_file_s_bytes(tmp_path):
+    """The overlap check grouped byte ranges by path: hard links to one chunk file let many tensors declare its
+    bytes, and 8 MiB imported as 335 MB."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    src = tmp_path / "dcp"
+    dcp.save({"t0": torch.randn(1024)}, checkpoint_id=src, no_dist=True)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    ((index, info),) = md.storage_data.items()
+    for i in range(1, 4):
+        os.link(src / info.relative_path, src / f"h{i}.distcp")
+        md.state_dict_metadata[f"t{i}"] = copy.deepcopy(md.state_dict_metadata["t0"])
+        md.storage_data[MetadataIndex(f"t{i}", index.offset)] = type(info)(f"h{i}.distcp", info.offset, info.length)
+        if md.planner_data:
+            md.planner_data[f"t{i}"] = (f"t{i}",)
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(trainstate.CorruptCheckpointError, match=r"\.metadata: the bytes of 't\d' in .* overlap"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_dcp_values_that_decompress_past_the_source_are_refused(tmp_path):
+    """Each zstd-compressed DCP value may decompress to 64 MiB: ten of a few kB each made 2.9 GB of memory and
+    a 670 MB checkpoint. Together they may take twice the directory's bytes plus 16 MiB."""
+    pytest.importorskip("zstandard")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    text = "a" * (12 << 20)
+    src = tmp_path / "dcp"
+    dcp.save(
+        {f"v{i}": text for i in range(3)}, storage_writer=FileSystemWriter(src, _extensions=[ZStandard()]), no_dist=True
+    )
+    assert sum(p.stat().st_size for p in src.iterdir()) < 1 << 20
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"non-tensor values of this DCP directory decompress"):
+        trainstate.import_checkpoint(src, tmp_path / "out")

@@ -247,6 +247,7 @@ def _classes() -> tuple[Any, Any]:
             super().__init__(path)
             self.checked = checked
             self.failed: CheckpointError | None = None
+            self.values_left = 2 * _folder_bytes(path) + VALUES_SLACK  # what the non-tensor values may take
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return self.checked.md
@@ -276,12 +277,30 @@ def _classes() -> tuple[Any, Any]:
             done.set_result(None)
             return done
 
+        def _over(self, where: Stored) -> UnsupportedValueError:
+            return UnsupportedValueError(
+                f"{where.file}: the non-tensor values of this DCP directory decompress to more than twice its bytes "
+                "plus 16 MiB; trainstate imports no more from a source"
+            )
+
         def _read(self, f: BinaryIO, item: Any, what: str, planner: Any) -> None:
             where = self.checked.stored[item.storage_index]
-            data = _entry(f, where, what)
-            if item.type == LoadItemType.BYTE_IO:  # a plain value, read here: the planner never sees the file
+            value = item.type == LoadItemType.BYTE_IO
+            if value and where.compressed and where.limit > self.values_left:
+                where = where._replace(limit=self.values_left)  # decompressed no further than the values' budget
+            try:
+                data = _entry(f, where, what)
+            except CorruptCheckpointError:
+                if value and where.limit == self.values_left:
+                    raise self._over(where) from None
+                raise
+            if value:  # a plain value, read here: the planner never sees the file
+                raw = data.read()
+                self.values_left -= len(raw)
+                if self.values_left < 0:  # each may decompress to BYTES_LIMIT: together, no more than the source
+                    raise self._over(where)
                 try:
-                    planner.loaded[item.dest_index.fqn] = torch_file.read_bytes(data.read(), where.file)
+                    planner.loaded[item.dest_index.fqn] = torch_file.read_bytes(raw, where.file)
                 except UnsupportedValueError:
                     planner.refused = planner.refused or item.dest_index.fqn
                 return
@@ -308,6 +327,15 @@ def _classes() -> tuple[Any, Any]:
             raise AssertionError("the reader reads plain values itself (Reader._read)")
 
     return Reader, Planner
+
+
+VALUES_SLACK = 16 << 20  # bytes the non-tensor values may decompress to beyond twice the directory's
+
+
+def _folder_bytes(path: Path) -> int:
+    """The bytes of the directory's files, each file counted once however many names (links) reach it."""
+    files = {(s.st_dev, s.st_ino): s.st_size for p in path.iterdir() if p.is_file() for s in [p.stat()]}
+    return sum(files.values())
 
 
 def _put(path: Path, root: dict[Any, Any], fqn: str, where: tuple[Any, ...], value: Any) -> None:

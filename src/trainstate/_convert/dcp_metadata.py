@@ -295,10 +295,11 @@ def _stored(root: Path, storage: dict[Any, Any]) -> dict[Any, Stored]:
             real[name] = _inside(root, root / name, name)
         limit = min(length * ZSTD_RATIO, BYTES_LIMIT) if transforms else length  # a tensor's: its chunk's size
         out[key] = Stored(real[name], offset, length, bool(transforms), limit)
-    by_file: dict[Path, list[tuple[int, int, str]]] = {}
-    for key, s in out.items():
-        by_file.setdefault(s.file, []).append((s.offset, s.length, key.fqn))
-    for path, ranges in by_file.items():
+    by_file: dict[tuple[int, int], tuple[Path, list[tuple[int, int, str]]]] = {}
+    for key, s in out.items():  # by the file itself: hard links to one file are one file's bytes
+        st = s.file.stat()
+        by_file.setdefault((st.st_dev, st.st_ino), (s.file, []))[1].append((s.offset, s.length, key.fqn))
+    for path, ranges in by_file.values():
         size = path.stat().st_size
         ranges.sort()
         for (at, n, fqn), (then, _, other) in zip(ranges, ranges[1:] + [(size, 0, "its end")]):

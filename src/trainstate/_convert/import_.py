@@ -185,11 +185,15 @@ def _tie(tensors: dict[str, Any], meta: dict[str, str], path: Path) -> dict[str,
         return tensors
     try:
         aliases = json.loads(meta[TIED_KEY])
-        ok = isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors for v in aliases.values())
+        ok = isinstance(aliases, dict) and all(
+            isinstance(v, str) and v in tensors and k not in tensors for k, v in aliases.items()
+        )  # export names an alias only for a tensor it did not store: one the file holds is never replaced
     except (ValueError, RecursionError):
         ok = False
     if not ok:
-        raise CorruptCheckpointError(f"{path}: __metadata__ {TIED_KEY} does not map names to tensors of the file")
+        raise CorruptCheckpointError(
+            f"{path}: __metadata__ {TIED_KEY} does not map names the file lacks to tensors of the file"
+        )
     out = dict(tensors)
     for alias, kept in aliases.items():
         out[str(alias)] = tensors[kept]._replace(identity=("tied", str(path), kept))
@@ -226,25 +230,34 @@ def _sharded(index: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{index}: weight_map is not a mapping of tensor names to shard files")
     out: dict[str, Any] = {}
     views = torch_file.Views(_size(index.parent))  # one budget for every shard: several may be one file
-    for shard in sorted(set(weight_map.values())):
+    by_shard: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, set()).add(name)
+    read: dict[tuple[int, int], tuple[str, Any, dict[str, int]]] = {}  # each file read once, however many names
+    # reach it: its kind, its tensors, and each name's place in it (the order they are imported in)
+    for shard in sorted(by_shard):
         plain = Path(shard).name == shard and "\\" not in shard and not shard.startswith(".")
         if not plain or not shard.endswith((".safetensors", ".bin")):
             raise CorruptCheckpointError(f"{index} names shard {shard!r:.80}, which is not a file of its folder")
-        wanted = {name for name, f in weight_map.items() if f == shard}
+        wanted = by_shard[shard]
         if not (index.parent / shard).is_file():
             raise CorruptCheckpointError(f"{index} names shard {shard}, which is missing")
         file = confined(index.parent / shard, index.parent)
-        kind, tensors, _ = _read_file(file, shard)
-        if not isinstance(tensors, dict):
-            raise CorruptCheckpointError(f"{file} does not hold a mapping of names to tensors")
-        missing = sorted(wanted - set(tensors))
+        st = file.stat()
+        if (st.st_dev, st.st_ino) not in read:
+            kind, tensors, _ = _read_file(file, shard)
+            if not isinstance(tensors, dict):
+                raise CorruptCheckpointError(f"{file} does not hold a mapping of names to tensors")
+            read[st.st_dev, st.st_ino] = (kind, tensors, {name: i for i, name in enumerate(tensors)})
+        kind, tensors, place = read[st.st_dev, st.st_ino]
+        missing = sorted(wanted - tensors.keys())
         if missing:
             raise CorruptCheckpointError(f"{index} maps {missing[:5]} to {shard}, which does not hold them")
-        for name, value in tensors.items():
-            if name in wanted:
-                out[name] = (
-                    value
-                    if kind == "safetensors"
-                    else torch_file.source_tensor(value, name, where=file, views=views) or value
-                )
+        for name in sorted(wanted, key=place.__getitem__):
+            value = tensors[name]
+            out[name] = (
+                value
+                if kind == "safetensors"
+                else torch_file.source_tensor(value, name, where=file, views=views) or value
+            )
     return out

@@ -248,7 +248,7 @@ def _read_legacy(torch: Any, path: Path) -> Any:
                 return declared[key]
 
             def unpickle(make: Any = None) -> Any:
-                return torch_pickle.Unpickler(window, size, make or _no_storage).load()
+                return torch_pickle.Unpickler(window, size, make or _no_storage, legacy=True).load()
 
             try:
                 magic = unpickle()

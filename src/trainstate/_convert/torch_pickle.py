@@ -67,8 +67,11 @@ class Unpickler(unpickle.Restricted):
     dispatch: dict[int, Any] = dict(unpickle.Restricted.dispatch)
     dicts = (dict, collections.OrderedDict, collections.Counter)
 
-    def __init__(self, file: Any, size: int, storage: Callable[[str, Any, int, str], Storage]) -> None:
+    def __init__(
+        self, file: Any, size: int, storage: Callable[[str, Any, int, str], Storage], *, legacy: bool = False
+    ) -> None:
         super().__init__(file, size)
+        self.legacy = legacy  # the legacy format's storage ids have a sixth element: a view, or None
         import torch
 
         self.torch: Any = torch
@@ -111,7 +114,7 @@ class Unpickler(unpickle.Restricted):
         )
 
     def persistent_load(self, pid: Any) -> Any:
-        if type(pid) is not tuple or len(pid) not in (5, 6) or pid[0] != "storage":
+        if type(pid) is not tuple or len(pid) != (6 if self.legacy else 5) or pid[0] != "storage":
             raise unpickle.Refused(f"it names a storage as {pid!r:.80}")
         _, kind, key, location, numel = pid[:5]
         if type(kind) is not _StorageType or type(key) is not str or type(numel) is not int or numel < 0:
@@ -121,16 +124,26 @@ class Unpickler(unpickle.Restricted):
         held = self._storages.get(key)
         if held is None:
             held = self._storages[key] = self._storage(key, kind.dtype, numel, location)
-        view = pid[5] if len(pid) == 6 else None
+        elif held.data.nbytes() == 0:  # an empty storage takes the dtype it is named with (as torch's does)
+            held = Storage(held.data, kind.dtype)
+        view = pid[5] if self.legacy else None
         if view is None:
             return held
-        # the legacy format's view of a storage: (its own key, offset and size in elements)
-        if type(view) is not tuple or len(view) != 3 or not all(type(v) is int and v >= 0 for v in view[1:]):
+        # the legacy format's view (its own key, offset and size in elements of this id's dtype), kept in the
+        # same table as storages, by its key, as torch's legacy loader keeps it: the first one made is reused
+        if type(view) is not tuple or len(view) != 3 or type(view[0]) is not str:
             raise unpickle.Refused(f"it names a view of storage {key!r:.40} as {view!r:.80}")
-        itemsize = self.torch._utils._element_size(held.dtype)
-        if (view[1] + view[2]) * itemsize > held.data.nbytes():
-            raise unpickle.Refused(f"a view of storage {key!r:.40} reaches past its end")
-        return Storage(held.data[view[1] * itemsize : (view[1] + view[2]) * itemsize], held.dtype)
+        view_key, offset, size = view
+        if not all(type(v) is int and v >= 0 for v in (offset, size)):
+            raise unpickle.Refused(f"it names a view of storage {key!r:.40} as {view!r:.80}")
+        made = self._storages.get(view_key)
+        if made is None:
+            itemsize = self.torch._utils._element_size(kind.dtype)
+            if (offset + size) * itemsize > held.data.nbytes():
+                raise unpickle.Refused(f"a view of storage {key!r:.40} reaches past its end")
+            data = held.data[offset * itemsize : (offset + size) * itemsize]
+            made = self._storages[view_key] = Storage(data, kind.dtype)
+        return made
 
     def call(self, func: Any, args: tuple[Any, ...]) -> Any:
         torch = self.torch
