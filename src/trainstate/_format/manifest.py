@@ -432,7 +432,7 @@ def shape_refused(shape: tuple[int, ...]) -> str | None:
     if max(shape, default=0) >= MAX_DIM:
         return "a dimension of 2**48 or more"
     if math.prod(filter(None, shape)) >= MAX_DIM:
-        return "2**48 elements or more"
+        return "too many elements (2**48 or more)"
     return None
 
 
