@@ -111,7 +111,7 @@ def save_options(
     # The feature-combination matrix: every refusal of a combination is here, and only here.
     if together and flags["incremental"]:
         raise InvalidArgumentError(
-            "incremental=True is not supported for collective saves under torch.distributed yet: pass "
+            "incremental=True is not supported for collective saves (several ranks of a process group) yet: pass "
             "collective=False with a directory per rank, or save full checkpoints (incremental=False)"
         )
     resolved = _keys.resolve(key, key_env)
