@@ -7,18 +7,17 @@ import os
 import time
 from typing import Any
 
-from trainstate import _arguments as arguments
 from trainstate import _gc, _keys
-from trainstate import _transforms as transforms
-from trainstate._distributed import coordinator
+from trainstate._distributed import coordinator, rank_and_world
 from trainstate._save import (
     DEFAULT_THREADS,
+    SaveOptions,
     SaveResult,
     encode_state,
+    save_options,
     write_checkpoint,
 )
 from trainstate._storage import Storage, resolve
-from trainstate.errors import InvalidArgumentError
 
 
 def save(
@@ -70,41 +69,38 @@ def save(
         >>> trainstate.save("secret/step_1200", state, key_env="TRAINSTATE_KEY")  # encrypted
     """
     start = time.perf_counter()
-    threads = arguments.positive_int(threads, "threads")
-    resolved = _keys.resolve(key, key_env)
+    options = save_options(
+        overwrite=overwrite,
+        fsync=fsync,
+        threads=threads,
+        compression=compression,
+        key=key,
+        key_env=key_env,
+        collective=collective,
+        group_size=rank_and_world()[1],
+    )
     backend, root = resolve(path, storage)
-    pipeline = transforms.pipeline(transforms.compression(compression))  # encryption: write_checkpoint adds it
-    coord = coordinator(timeout=timeout) if collective is not False else None
-    if coord is not None and (pipeline is not None or resolved is not None):
-        raise InvalidArgumentError(
-            "compression and encryption are not supported in a collective save yet: save without them (or with "
-            "collective=False, each rank its own checkpoint)"
-        )
-    if coord is not None:
+    if options.collective:
         from trainstate._distributed.save import save_collective
 
-        return save_collective(
-            coord,
-            root,
-            state,
-            metadata=metadata,
-            overwrite=overwrite,
-            fsync=fsync,
-            threads=threads,
-            storage=backend,
-            start=start,
-            key=resolved,
-        )
+        coord = coordinator(timeout=timeout)
+        assert coord is not None  # a group of several ranks (group_size) has one
+        return save_collective(coord, root, state, metadata=metadata, storage=backend, options=options, start=start)
+    return save_alone(root, state, metadata=metadata, storage=backend, options=options, start=start)
+
+
+def save_alone(
+    path: str | os.PathLike[str],
+    state: Any,
+    *,
+    metadata: Any,
+    options: SaveOptions,
+    storage: Storage | None = None,
+    start: float | None = None,
+) -> SaveResult:
+    """:func:`save` by this process alone, with its write options already resolved (``save_options``)."""
+    start = time.perf_counter() if start is None else start
+    backend, root = resolve(path, storage)
     with _gc.paused():  # a state of many small tensors would otherwise spend a quarter of the save collecting
         snapshot = encode_state(state, metadata)
-        return write_checkpoint(
-            root,
-            snapshot,
-            storage=backend,
-            overwrite=overwrite,
-            fsync=fsync,
-            threads=threads,
-            start=start,
-            pipeline=pipeline,
-            key=resolved,
-        )
+        return write_checkpoint(root, snapshot, storage=backend, options=options, start=start)

@@ -260,24 +260,17 @@ def test_inspect_shows_transforms_and_stored_size(tmp_path: Path) -> None:
 
 def test_the_raw_checksum_of_every_chunk_is_known_to_the_writer_and_after_reopening(tmp_path: Path) -> None:
     """What incremental saves build on: each chunk's raw bytes' checksum, fresh from the writer and read back."""
-    from trainstate._save import encode_state
+    from trainstate._save import encode_state, save_options
     from trainstate._save.write import write_data
     from trainstate._storage import LocalStorage
 
     state = {"w": np.zeros(5000), "noise": np.random.default_rng(1).random(100)}
     snapshot = encode_state(state)
     (tmp_path / "d").mkdir()
-    pipeline = transforms.pipeline(transforms.compression("zstd"))
+    options = save_options(fsync=False, threads=1, compression="zstd")
     groups = [snapshot.entries]
     _, tensors = write_data(
-        LocalStorage(),
-        str(tmp_path / "d"),
-        snapshot.entries,
-        groups,
-        ["data-00000.safetensors"],
-        fsync=False,
-        threads=1,
-        pipeline=pipeline,
+        LocalStorage(), str(tmp_path / "d"), snapshot.entries, groups, ["data-00000.safetensors"], options
     )
     for name, value in state.items():
         (chunk,) = tensors[name].chunks

@@ -32,6 +32,7 @@ from trainstate._format.added_keys import FACTS_KEY
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.lazy import lazy_entry, stored_entry
 from trainstate._save.encode import Entry, Snapshot
+from trainstate._save.options import save_options
 from trainstate._save.write import SaveResult, write_checkpoint
 from trainstate._storage import resolve
 from trainstate.errors import InvalidArgumentError
@@ -68,7 +69,8 @@ def average(
     start = time.perf_counter()
     if isinstance(ckpts, (str, os.PathLike)) or len(ckpts) < 2:
         raise InvalidArgumentError(f"average needs two or more checkpoints, got {ckpts!r:.80}")
-    resolved = _keys.resolve(key, key_env)
+    options = save_options(overwrite=overwrite, threads=1, workers=1, key=key, key_env=key_env)
+    resolved = options.key  # reads the checkpoints too
     backend, root = resolve(out, None)
     with ExitStack() as stack, _gc.paused():
         cks = [stack.enter_context(Checkpoint(p, key=resolved)) for p in ckpts]
@@ -92,9 +94,7 @@ def average(
             else:
                 entries.append(stored_entry(newest, name, name))
         snapshot = Snapshot(newest.manifest.tree, _metadata(newest, cks), entries)
-        return write_checkpoint(
-            root, snapshot, storage=backend, overwrite=overwrite, threads=1, start=start, workers=1, key=resolved
-        )
+        return write_checkpoint(root, snapshot, storage=backend, options=options, start=start)
 
 
 def newest_index(cks: list[Checkpoint]) -> int:

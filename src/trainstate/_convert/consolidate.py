@@ -21,14 +21,13 @@ import time
 from functools import partial
 from typing import Any
 
-from trainstate import _arguments as arguments
 from trainstate import _gc, _keys
-from trainstate import _transforms as transforms
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.lazy import stored_entry
 from trainstate._save.encode import Snapshot, tensor_name
+from trainstate._save.options import save_options
 from trainstate._save.write import SaveResult, write_checkpoint
 from trainstate._storage import Storage, resolve
 from trainstate.errors import CorruptCheckpointError, InvalidArgumentError
@@ -87,10 +86,17 @@ def consolidate(
         >>> trainstate.load("ckpt/step_1200-single", plain_state)    # one process, no process group
     """
     start = time.perf_counter()
-    threads = arguments.positive_int(threads, "threads")
     resolved = _keys.resolve(key, key_env)
-    writing = _keys.resolve(new_key, new_key_env) if new_key is not None or new_key_env is not None else resolved
-    pipeline = transforms.pipeline(transforms.compression(compression))  # encryption: write_checkpoint adds it
+    rotating = new_key is not None or new_key_env is not None
+    options = save_options(
+        overwrite=overwrite,
+        fsync=fsync,
+        threads=threads,
+        workers=threads,  # each file in flight holds one tensor, read as the writer reaches it
+        compression=compression,
+        key=new_key if rotating else resolved,
+        key_env=new_key_env if rotating else None,
+    )
     backend, root = resolve(dst, dst_storage)
     with Checkpoint(src, storage, key=resolved) as ck, _gc.paused():
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ck.world_size:
@@ -106,18 +112,7 @@ def consolidate(
         root_node, names = one_process_tree(ck.manifest.tree, rank)
         entries = [stored_entry(ck, new, old) for old, new in names.items()]
         snapshot = Snapshot(root_node, ck.manifest.metadata, entries)
-        return write_checkpoint(
-            root,
-            snapshot,
-            storage=backend,
-            overwrite=overwrite,
-            fsync=fsync,
-            threads=threads,
-            start=start,
-            key=writing,
-            workers=threads,
-            pipeline=pipeline,
-        )
+        return write_checkpoint(root, snapshot, storage=backend, options=options, start=start)
 
 
 def one_process_tree(root: tree.Node, rank: int) -> tuple[tree.Node, dict[str, str]]:

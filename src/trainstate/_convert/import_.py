@@ -28,6 +28,7 @@ from typing import Any
 from trainstate import _gc, _keys
 from trainstate._convert import dcp, safetensors_file, source, torch_file
 from trainstate._format.manifest import MANIFEST_NAME
+from trainstate._save.options import save_options
 from trainstate._save.write import SaveResult, write_checkpoint
 from trainstate._storage import resolve
 from trainstate.errors import (
@@ -79,7 +80,7 @@ def import_checkpoint(
     start = time.perf_counter()
     if prefix is not None and (not isinstance(prefix, str) or not all(prefix.split("."))):
         raise InvalidArgumentError(f"prefix must be a key like 'model' (dotted nests deeper), got {prefix!r:.40}")
-    resolved = _keys.resolve(key, key_env)
+    options = save_options(overwrite=overwrite, threads=1, workers=1, key=key, key_env=key_env)
     path = Path(src)
     kind, state, meta = read_source(path)
     record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
@@ -97,9 +98,7 @@ def import_checkpoint(
         raise e if str(path) in str(e) else UnsupportedValueError(f"{path}: {e}") from None
     backend, root = resolve(ckpt, None)
     with _gc.paused():
-        return write_checkpoint(
-            root, snapshot, storage=backend, overwrite=overwrite, threads=1, start=start, workers=1, key=resolved
-        )
+        return write_checkpoint(root, snapshot, storage=backend, options=options, start=start)
 
 
 def _size(path: Path) -> int:

@@ -22,6 +22,7 @@ from trainstate import _keys
 from trainstate._format import archive, manifest
 from trainstate._format.run_dir import staging_name
 from trainstate._restore.checkpoint import Checkpoint
+from trainstate._save.options import SaveOptions, save_options
 from trainstate._storage import LocalStorage, Source, Storage
 from trainstate.errors import CheckpointExistsError, CorruptCheckpointError, InvalidArgumentError, StorageError
 
@@ -86,6 +87,7 @@ def pack(
         >>> trainstate.load(blob, state)                          # checked like the directory
         >>> trainstate.pack("ckpt/step_1200", "model.tsar")       # a file; trainstate.load("model.tsar")
     """
+    options = save_options(overwrite=overwrite, fsync=fsync)  # the archive's; key and key_env read ckpt
     with Checkpoint(ckpt, storage, key=key, key_env=key_env) as ck:
         if any(f.pool for f in ck.manifest.files):  # an archive holds one checkpoint's files, no run's pool
             raise InvalidArgumentError(
@@ -105,7 +107,7 @@ def pack(
             _write_all(buffer, views)
             return buffer.getvalue()  # CPython hands over its buffer: no second copy
         if isinstance(out, (str, os.PathLike)):
-            _write_file(out, views, overwrite=overwrite, fsync=fsync)
+            _write_file(out, views, options)
         elif hasattr(out, "write"):
             _write_all(out, views)
         else:
@@ -164,7 +166,7 @@ def _write_all(out: BinaryIO, views: Iterator[memoryview]) -> None:
             done += view.nbytes - done if n is None else n
 
 
-def _write_file(path: str | os.PathLike[str], views: Iterator[memoryview], *, overwrite: bool, fsync: bool) -> None:
+def _write_file(path: str | os.PathLike[str], views: Iterator[memoryview], options: SaveOptions) -> None:
     """Write a new file atomically: into a hidden temporary sibling, then renamed over ``path``."""
     text = os.fspath(path)
     if not isinstance(text, str) or not text or "://" in text:
@@ -175,14 +177,14 @@ def _write_file(path: str | os.PathLike[str], views: Iterator[memoryview], *, ov
     target = Path(text)
     if target.is_dir():
         raise CheckpointExistsError(f"{target} is a directory; pack writes one file: name the file")
-    if target.exists() and not overwrite:
+    if target.exists() and not options.overwrite:
         raise CheckpointExistsError(f"{target} exists; pass overwrite=True to replace it")
     tmp = target.parent / staging_name(target.name, "tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        LocalStorage().write(str(tmp), views, fsync=fsync)
+        LocalStorage().write(str(tmp), views, fsync=options.fsync)
         os.replace(tmp, target)
-        if fsync:  # the rename itself is durable
+        if options.fsync:  # the rename itself is durable
             fd = os.open(target.parent, os.O_RDONLY)
             try:
                 os.fsync(fd)

@@ -25,11 +25,11 @@ from trainstate._distributed.group import Coordinator, Failure
 from trainstate._distributed.plan import Assignment, RankPlan, assign, rank_plan
 from trainstate._format import manifest
 from trainstate._format.chunk_table import ChunkTable
-from trainstate._keys import Key
 from trainstate._save.encode import Snapshot, encode_state
+from trainstate._save.options import SaveOptions
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_data
 from trainstate._storage import Storage
-from trainstate.errors import DistributedError, InvalidArgumentError
+from trainstate.errors import DistributedError
 
 
 def save_collective(
@@ -38,12 +38,9 @@ def save_collective(
     state: Any,
     *,
     metadata: Any,
-    overwrite: bool,
-    fsync: bool,
-    threads: int,
     storage: Storage,
+    options: SaveOptions,
     start: float,
-    key: Key | None = None,
 ) -> SaveResult:
     """Encode this rank's ``state`` and write it with the other ranks' (:func:`write_collective`).
 
@@ -57,18 +54,7 @@ def save_collective(
             snapshot = encode_state(state, metadata, rank=coord.rank)
         except Exception as e:  # noqa: BLE001 - every rank still takes part, so the others hear why
             error = e
-        return write_collective(
-            coord,
-            root,
-            snapshot,
-            error,
-            overwrite=overwrite,
-            fsync=fsync,
-            threads=threads,
-            storage=storage,
-            start=start,
-            key=key,
-        )
+        return write_collective(coord, root, snapshot, error, storage=storage, options=options, start=start)
 
 
 def write_collective(
@@ -77,17 +63,16 @@ def write_collective(
     snapshot: Snapshot | None,
     error: Exception | None,
     *,
-    overwrite: bool,
-    fsync: bool,
-    threads: int,
     storage: Storage,
+    options: SaveOptions,
     start: float,
-    key: Key | None = None,
 ) -> SaveResult:
     """Write this rank's encoded ``snapshot`` (or report ``error``, its encoding's failure) with the other
-    ranks' as one checkpoint at ``root``; every rank returns the same result or raises."""
-    if key is not None:  # its chunks would be written in the clear under an authenticated manifest
-        raise InvalidArgumentError("encryption is not supported in a collective save yet")
+    ranks' as one checkpoint at ``root``; every rank returns the same result or raises.
+
+    ``options`` come from :func:`~trainstate._save.options.save_options`, which refuses chunk transforms
+    (compression, encryption) in a collective save: the merge of the ranks' entries assumes one chunk per
+    rank and tensor."""
     rank = coord.rank
     mine: Any
     if error is None:
@@ -104,7 +89,7 @@ def write_collective(
     plan: Assignment | None = None
     if rank == 0:
         assert sent is not None
-        reply, plan = _decide(sent, storage, root, overwrite)
+        reply, plan = _decide(sent, storage, root, options.overwrite)
     share = coord.scatter(reply, "checkpoint save (planning)")
     if isinstance(share, Failure):
         if error is not None:
@@ -113,11 +98,9 @@ def write_collective(
     tmp, indices = share
     assert snapshot is not None
     entries = [snapshot.entries[i] for i in indices]
-    groups, names = plan_data(storage, entries, threads, prefix=f"data-r{rank:05d}")
+    groups, names = plan_data(storage, entries, options, prefix=f"data-r{rank:05d}")
     try:
-        # No chunk transforms here: trainstate.save and the manager refuse compression and encryption in a
-        # collective save (the merge of the ranks' entries assumes one chunk per rank and tensor).
-        files, tensors = write_data(storage, tmp, entries, groups, names, fsync=fsync, threads=threads)
+        files, tensors = write_data(storage, tmp, entries, groups, names, options)
         result: Any = (_written(files, tensors), names, parts)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the save for every rank
         _remove(storage, tmp, names)
@@ -131,9 +114,7 @@ def write_collective(
     if rank == 0:
         assert written is not None
         assert plan is not None
-        outcome = _commit(
-            written, plan, snapshot, storage, tmp, root, overwrite=overwrite, fsync=fsync, start=start, key=key
-        )
+        outcome = _commit(written, plan, snapshot, storage, tmp, root, options, start)
     outcome = coord.broadcast(outcome, "checkpoint save (commit)")
     if isinstance(outcome, Failure):
         if error is not None:
@@ -189,11 +170,8 @@ def _commit(
     storage: Storage,
     tmp: str,
     root: str,
-    *,
-    overwrite: bool,
-    fsync: bool,
+    options: SaveOptions,
     start: float,
-    key: Key | None = None,
 ) -> Any:
     """Rank 0: merge every rank's entries into one manifest and commit; (bytes, seconds...) or a Failure."""
     names = [n for w in written if not isinstance(w, Failure) for n in w[1]]
@@ -204,19 +182,7 @@ def _commit(
     assert snapshot is not None
     try:
         full, files, tensors = merge(written, plan, snapshot)
-        nbytes, wrote = commit_manifest(
-            storage,
-            tmp,
-            root,
-            full,
-            files,
-            tensors,
-            names,
-            overwrite=overwrite,
-            fsync=fsync,
-            world_size=len(written),
-            key=key,
-        )
+        nbytes, wrote = commit_manifest(storage, tmp, root, full, files, tensors, names, options, len(written))
     except Exception as e:  # noqa: BLE001 - sent to every rank, which raises it
         storage.abort(tmp, names)
         return Failure(0, f"{type(e).__name__}: {e}")

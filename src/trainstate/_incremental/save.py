@@ -24,18 +24,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from trainstate import _transforms as transforms
 from trainstate._format.manifest import Chunk, FileEntry, Manifest, TensorEntry
 from trainstate._format.run_dir import POOL_DIR
 from trainstate._incremental.check import PoolCheck
 from trainstate._incremental.index import Index
 from trainstate._incremental.pool import refuse_foreign, save_prefix
-from trainstate._keys import Key
 from trainstate._save.encode import Entry, Snapshot
+from trainstate._save.options import SaveOptions
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_checkpoint, write_data
 from trainstate._storage import Storage
 from trainstate._storage.local import ensure_directory, fsync_path
-from trainstate._transforms import Pipeline
 from trainstate.errors import StorageError
 
 log = logging.getLogger("trainstate")
@@ -71,34 +69,21 @@ class IncrementalSaver:
             index = set(self._index.files) if self._index is not None else set()
             return self._busy | index
 
-    def save(
-        self,
-        final: str,
-        snapshot: Snapshot,
-        *,
-        overwrite: bool,
-        fsync: bool,
-        threads: int,
-        pipeline: Pipeline | None = None,
-        key: Key | None = None,
-    ) -> SaveResult:
+    def save(self, final: str, snapshot: Snapshot, options: SaveOptions) -> SaveResult:
         """Save ``snapshot`` as the checkpoint ``final``, writing only what changed since the index.
 
         ``SaveResult.nbytes`` is what this save wrote (new pool files and the manifest), not what the
         checkpoint refers to.
         """
         start = time.perf_counter()
-        pipeline = transforms.encrypting(pipeline, key)  # as write_checkpoint: a key always encrypts the chunks
         if not snapshot.entries:  # nothing to share: an ordinary checkpoint, with its one (empty) data file
-            result = write_checkpoint(
-                final, snapshot, storage=self.storage, overwrite=overwrite, fsync=fsync, pipeline=pipeline, key=key
-            )
+            result = write_checkpoint(final, snapshot, storage=self.storage, options=options)
             with self._lock:
                 self._index = Index.empty()
             return result
         index = self._index if self._index is not None else self._load_base()
-        reused = _unchanged(index, snapshot.entries, threads)
-        damaged = self._check.damaged((c for chunks in reused.values() for c in chunks), index.files, threads)
+        reused = _unchanged(index, snapshot.entries, options.threads)
+        damaged = self._check.damaged((c for chunks in reused.values() for c in chunks), index.files, options.threads)
         if damaged:  # never name bytes that are gone or wrong: those tensors are written again
             log.warning(
                 "pool files %s of %s are missing or damaged: the tensors stored there are written again",
@@ -109,14 +94,12 @@ class IncrementalSaver:
             index = index.without_files(damaged)
         new = [e for e in snapshot.entries if e.name not in reused]
         shared = {c.file for chunks in reused.values() for c in chunks}
-        groups, names = plan_data(self.storage, new, threads, save_prefix(self.storage)) if new else ([], [])
+        groups, names = plan_data(self.storage, new, options, save_prefix(self.storage)) if new else ([], [])
         with self._lock:
             self._busy = frozenset([*names, *shared])
             self.written.update(names)  # whatever becomes of the save: if nothing names them, they may go
         try:
-            tensors, files, nbytes, at = self._write(
-                final, snapshot, reused, new, groups, names, index, overwrite, fsync, threads, pipeline, key
-            )
+            tensors, files, nbytes, at = self._write(final, snapshot, reused, new, groups, names, index, options)
         finally:
             with self._lock:
                 self._busy = frozenset()
@@ -142,11 +125,7 @@ class IncrementalSaver:
         groups: list[list[Entry]],
         names: list[str],
         index: Index,
-        overwrite: bool,
-        fsync: bool,
-        threads: int,
-        pipeline: Pipeline | None,
-        key: Key | None,
+        options: SaveOptions,
     ) -> tuple[dict[str, TensorEntry], tuple[FileEntry, ...], int, float]:
         """Write the new tensors into the pool and commit the manifest: its tensors and files, the bytes
         written, and the clock when the manifest was written."""
@@ -154,15 +133,15 @@ class IncrementalSaver:
         refuse_foreign(storage, self.pool)
         if storage.capabilities.makedirs:  # real directories (object stores have prefixes instead)
             ensure_directory(self.pool, "the shared pool")
-        tmp = storage.begin(final, overwrite=overwrite)
+        tmp = storage.begin(final, overwrite=options.overwrite)
         try:
             written: tuple[FileEntry, ...] = ()
             fresh: dict[str, TensorEntry] = {}
             if new:
-                written, fresh = write_data(
-                    storage, self.pool, new, groups, names, fsync=fsync, threads=threads, pipeline=pipeline
-                )
-                if fsync and storage.capabilities.makedirs:  # the new names durable before a manifest names them
+                written, fresh = write_data(storage, self.pool, new, groups, names, options)
+                if (
+                    options.fsync and storage.capabilities.makedirs
+                ):  # the new names durable before a manifest names them
                     _fsync_directory(self.pool)
             used = {c.file for chunks in reused.values() for c in chunks}
             files = (
@@ -175,9 +154,7 @@ class IncrementalSaver:
                 else fresh[e.name]
                 for e in snapshot.entries
             }
-            size, at = commit_manifest(
-                storage, tmp, final, snapshot, files, tensors, [], overwrite=overwrite, fsync=fsync, key=key
-            )
+            size, at = commit_manifest(storage, tmp, final, snapshot, files, tensors, [], options)
         except BaseException:
             # Its pool files stay: whether a manifest names them (one whose write failed may still have
             # landed, or a commit may have failed after its rename) is the collection's to decide (gc.py).

@@ -106,7 +106,7 @@ class AsyncWriter:
             return
         buffer = self.queue.free_buffer()
         assert buffer is not None  # ready() made room
-        staged = buffer.stage(snapshot, threads=self.committer.config.threads)
+        staged = buffer.stage(snapshot, threads=self.committer.config.options.threads)
         blocking = time.perf_counter() - start
         # the background job holds the committer, never the manager: a manager dropped with a save in
         # flight is collected at once, and its finalizer waits for the save before letting go of the lock

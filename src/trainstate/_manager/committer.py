@@ -17,7 +17,6 @@ from trainstate._format import run_dir as naming
 from trainstate._format.manifest import Manifest
 from trainstate._history.log import HistoryLog, SaveRecord
 from trainstate._incremental.save import IncrementalSaver
-from trainstate._keys import Key
 from trainstate._manager.catalog import Catalog
 from trainstate._manager.policies import (
     CheckpointInfo,
@@ -29,9 +28,8 @@ from trainstate._manager.policies import (
 )
 from trainstate._manager.ranks import ManagerRanks
 from trainstate._restore.checkpoint import _read_manifest
-from trainstate._save import SaveResult, Snapshot, write_checkpoint
+from trainstate._save import SaveOptions, SaveResult, Snapshot, write_checkpoint
 from trainstate._storage import Storage
-from trainstate._transforms import Pipeline
 from trainstate.errors import CheckpointError, FormatVersionError, StorageError
 
 log = logging.getLogger("trainstate")
@@ -49,13 +47,8 @@ class Settings:
     max_in_flight: int
     staging_budget_bytes: int | None
     capture_rng: bool
-    fsync: bool
-    threads: int
     metadata: dict[str, Any]
-    read_only: bool
-    incremental: bool = False
-    pipeline: Pipeline | None = None  # chunk transforms of every save (compression)
-    key: Key | None = None  # encrypt every checkpoint, authenticate every manifest (its repr shows no bytes)
+    options: SaveOptions  # how every save writes (fsync, threads, compression, key, incremental...), checked
 
 
 class Committer:
@@ -69,7 +62,9 @@ class Committer:
         self.last_retention: RetentionPlan | None = None
         # incremental runs: unchanged tensors refer to the run's shared pool (trainstate._incremental)
         self.incremental = (
-            IncrementalSaver(config.storage, config.directory, self._newest_manifest) if config.incremental else None
+            IncrementalSaver(config.storage, config.directory, self._newest_manifest)
+            if config.options.incremental
+            else None
         )
         self.restored_from: str | None = None  # what restore_latest restored, if it ran
         self.unrestorable: set[str] = set()  # checkpoints restore_latest found damaged
@@ -78,7 +73,7 @@ class Committer:
 
     def list(self) -> builtins.list[CheckpointInfo]:
         items = self.catalog.list()
-        if self.catalog.newer and not self.config.read_only:
+        if self.catalog.newer and not self.config.options.read_only:
             name, why = next(iter(self.catalog.newer.items()))
             raise FormatVersionError(
                 f"{self.catalog.path(name)} was written by a newer trainstate ({why}). Resuming from an older "
@@ -124,30 +119,13 @@ class Committer:
         if self.ranks is None:
             if self.incremental is not None:
                 try:
-                    result = self.incremental.save(
-                        path,
-                        snapshot,
-                        overwrite=True,
-                        fsync=c.fsync,
-                        threads=c.threads,
-                        pipeline=c.pipeline,
-                        key=c.key,
-                    )
+                    result = self.incremental.save(path, snapshot, c.options)
                 except BaseException:
                     with contextlib.suppress(Exception):  # the save's own error is the one to report
                         self._collect_pool()  # what the failed save wrote, unless a manifest names it after all
                     raise
             else:
-                result = write_checkpoint(
-                    path,
-                    snapshot,
-                    storage=c.storage,
-                    overwrite=True,
-                    fsync=c.fsync,
-                    threads=c.threads,
-                    pipeline=c.pipeline,
-                    key=c.key,
-                )
+                result = write_checkpoint(path, snapshot, storage=c.storage, options=c.options)
             deleted = self.apply_retention()
         else:
             result, deleted = self._write_collective(step, path, snapshot, None)
@@ -185,16 +163,7 @@ class Committer:
         assert self.ranks is not None
         c = self.config
         result = write_collective(
-            self.ranks.saves,
-            path,
-            snapshot,
-            error,
-            overwrite=True,
-            fsync=c.fsync,
-            threads=c.threads,
-            storage=c.storage,
-            start=time.perf_counter(),
-            key=c.key,
+            self.ranks.saves, path, snapshot, error, storage=c.storage, options=c.options, start=time.perf_counter()
         )
         deleted: tuple[str, ...] = ()
         failure: Exception | None = None
@@ -267,7 +236,7 @@ class Committer:
             if info.name in self.unrestorable:
                 continue
             try:
-                return _read_manifest(self.config.storage, self.catalog.path(info.name), self.config.key)
+                return _read_manifest(self.config.storage, self.catalog.path(info.name), self.config.options.key)
             except CheckpointError as e:
                 log.warning("not deduplicating against %s: %s", info.name, e)
         return None

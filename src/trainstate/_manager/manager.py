@@ -20,7 +20,6 @@ from typing import Any
 
 from trainstate import _arguments as arguments
 from trainstate import _keys
-from trainstate import _transforms as transforms
 from trainstate._distributed import rank_and_world
 from trainstate._distributed.group import Failure
 from trainstate._format import run_dir as naming
@@ -52,7 +51,7 @@ from trainstate._manager.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from trainstate._manager.ranks import failed_elsewhere, manager_ranks
 from trainstate._manager.rng_capture import RNGCapture
 from trainstate._restore import load_from
-from trainstate._save import DEFAULT_THREADS, encode_state
+from trainstate._save import DEFAULT_THREADS, SaveOptions, encode_state, save_options
 from trainstate._save.background import raise_background
 from trainstate._storage import Storage, resolve
 from trainstate._storage.local import ensure_directory
@@ -69,6 +68,12 @@ from trainstate.errors import (
 
 log = logging.getLogger("trainstate")
 RELISTS = 20  # restore_latest lists again at most this often when checkpoints vanish under it (retention)
+# what `manager.X = ...` is told is fixed at construction: the settings, and the save options it takes
+_FIXED = (frozenset(Settings.__dataclass_fields__) | frozenset(SaveOptions.__dataclass_fields__)) - {
+    "options",
+    "overwrite",
+    "workers",
+}
 
 
 class CheckpointManager:
@@ -185,7 +190,6 @@ class CheckpointManager:
         if keep_best is not None:
             keep.append(KeepBest(*arguments.keep_best(keep_best)))
         max_in_flight = arguments.positive_int(max_in_flight, "max_in_flight")
-        threads = arguments.positive_int(threads, "threads")
         if staging_budget_bytes is not None and (
             isinstance(staging_budget_bytes, bool)
             or not isinstance(staging_budget_bytes, int)
@@ -198,21 +202,21 @@ class CheckpointManager:
         for name, value in (
             ("async_save", async_save),
             ("capture_rng", capture_rng),
-            ("fsync", fsync),
-            ("read_only", read_only),
             ("save_on_preemption", save_on_preemption),
-            ("incremental", incremental),
         ):
             arguments.flag(value, name)
-        if collective is not None:
-            arguments.flag(collective, "collective")
-        if incremental and not read_only and collective is not False and rank_and_world()[1] > 1:
-            raise InvalidArgumentError(
-                "incremental=True is not supported for collective saves under torch.distributed yet: pass "
-                "collective=False with a directory per rank, or save full checkpoints (incremental=False)"
-            )
-        resolved_key = _keys.resolve(key, key_env)
-        pipeline = transforms.pipeline(transforms.compression(compression))  # encryption: added from the key
+        options = save_options(
+            overwrite=True,  # a step saved again (after a resume) replaces its checkpoint
+            fsync=fsync,
+            threads=threads,
+            compression=compression,
+            key=key,
+            key_env=key_env,
+            collective=collective,
+            group_size=rank_and_world()[1],
+            incremental=incremental,
+            read_only=read_only,
+        )
         storage_, root = resolve(arguments.location(directory), storage)
         if storage_.stat_followed(storage_.join(root, MANIFEST_NAME)) is not None:
             raise InvalidArgumentError(
@@ -239,22 +243,12 @@ class CheckpointManager:
             max_in_flight=max_in_flight,
             staging_budget_bytes=staging_budget_bytes,
             capture_rng=bool(capture_rng),
-            fsync=bool(fsync),
-            threads=threads,
             metadata=dict(metadata or {}),
-            read_only=bool(read_only),
-            incremental=bool(incremental),
-            pipeline=pipeline,
-            key=resolved_key,
+            options=options,
         )
-        self.catalog = Catalog(storage_, root, resolved_key)
+        self.catalog = Catalog(storage_, root, options.key)
         # under a process group (collective): built on every rank, in the same order
-        self._ranks = None if read_only else manager_ranks(collective, timeout)
-        if self._ranks is not None and (pipeline is not None or resolved_key is not None):
-            raise InvalidArgumentError(
-                "compression and encryption are not supported in collective saves yet: build the manager without "
-                "them (or with collective=False, each rank with a directory of its own)"
-            )
+        self._ranks = None if options.read_only else manager_ranks(collective, timeout)
         self._committer = Committer(self.catalog, self._config, self._ranks)
         self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
         self._writer.agreed_errors_only = self._ranks is not None
@@ -271,7 +265,7 @@ class CheckpointManager:
         try:
             failed: BaseException | None = None
             try:
-                if not read_only and leader:  # one rank locks and sweeps; the others wait for it below
+                if not options.read_only and leader:  # one rank locks and sweeps; the others wait for it below
                     if storage_.capabilities.makedirs:
                         ensure_directory(root, "checkpoint directory")
                     if storage_.capabilities.locking:
@@ -283,7 +277,7 @@ class CheckpointManager:
                 self._ranks.setup(failed)
             elif failed is not None:
                 raise failed
-            if not read_only:
+            if not options.read_only:
                 self.list()  # refuses to start beside a checkpoint written by a newer trainstate
                 if save_on_preemption:
                     self._preemption = PreemptionWatcher(preemption_signals)
@@ -297,7 +291,7 @@ class CheckpointManager:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if "_finalizer" in self.__dict__ and not name.startswith("_") and name not in self.__dict__:
-            if name in Settings.__dataclass_fields__:
+            if name in _FIXED:
                 shown = "..." if name == "key" else f"{value!r:.40}"  # never echo a key
                 raise InvalidArgumentError(
                     f"CheckpointManager.{name} is fixed when the manager is built; create a new manager "
@@ -376,7 +370,7 @@ class CheckpointManager:
             >>> trainstate.CheckpointManager("runs/exp1", fsync=False).fsync
             False
         """
-        return self._config.fsync
+        return self._config.options.fsync
 
     @property
     def threads(self) -> int:
@@ -386,7 +380,7 @@ class CheckpointManager:
             >>> trainstate.CheckpointManager("runs/exp1", threads=4).threads
             4
         """
-        return self._config.threads
+        return self._config.options.threads
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -426,7 +420,7 @@ class CheckpointManager:
             >>> trainstate.CheckpointManager("runs/exp1", read_only=True).read_only
             True
         """
-        return self._config.read_only
+        return self._config.options.read_only
 
     @property
     def incremental(self) -> bool:
@@ -436,7 +430,7 @@ class CheckpointManager:
             >>> trainstate.CheckpointManager("runs/exp1", incremental=True).incremental
             True
         """
-        return self._config.incremental
+        return self._config.options.incremental
 
     # -- queries (manifests only) -----------------------------------------------------------------
 
@@ -676,7 +670,9 @@ class CheckpointManager:
         """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state
         (optional: a checkpoint saved with ``capture_rng=False`` has none); returns what that returned."""
         target, added = self._rng.wrap(state)
-        restored = load_from(path, target, storage=self.storage, optional=added, key=self._config.key, **load_kwargs)
+        restored = load_from(
+            path, target, storage=self.storage, optional=added, key=self._config.options.key, **load_kwargs
+        )
         self._rng.unwrap(target, state)
         return restored if target is state else state  # a new object where the root is immutable (a TrainState)
 

@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 from trainstate._save.encode import Snapshot, TensorTable, encode_state
+from trainstate._save.options import DEFAULT_THREADS, SaveOptions, save_options
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
-from trainstate._save.write import DEFAULT_THREADS, SaveResult, write_checkpoint
+from trainstate._save.write import SaveResult, write_checkpoint
 
 __all__ = [
     "DEFAULT_THREADS",
     "FILE_TEMPLATE",
+    "SaveOptions",
     "SaveResult",
     "Snapshot",
     "TensorTable",
     "encode_state",
     "plan_files",
+    "save_options",
     "write_checkpoint",
 ]

@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainstate import _gc, _keys
+from trainstate import _gc
 from trainstate._save.encode import encode_state
+from trainstate._save.options import SaveOptions
 from trainstate._save.queue import BackgroundQueue
 from trainstate._save.staging import StagingBuffer
-from trainstate._save.write import DEFAULT_THREADS, SaveResult, write_checkpoint
+from trainstate._save.write import SaveResult, write_checkpoint
 from trainstate._storage import Storage, resolve
-from trainstate._transforms import Pipeline
 from trainstate.errors import CheckpointError
 
 
@@ -35,9 +35,9 @@ class BackgroundSaver:
 
     Example:
         >>> saver = BackgroundSaver()
-        >>> saver.save("ckpt/epoch=0-step=10.ckpt", state, overwrite=True)   # returns once the arrays are copied
-        >>> saver.then(lambda: delete("ckpt/epoch=0-step=5.ckpt"))          # runs after that save committed
-        >>> saver.wait()                                                      # raises if a job failed
+        >>> saver.save("ckpt/epoch=0-step=10.ckpt", state, options=save_options(overwrite=True))  # once copied
+        >>> saver.then(lambda: delete("ckpt/epoch=0-step=5.ckpt"))  # runs after that save committed
+        >>> saver.wait()  # raises if a job failed
     """
 
     def __init__(self, *, max_in_flight: int = 1) -> None:
@@ -56,39 +56,26 @@ class BackgroundSaver:
         path: str,
         state: Any,
         *,
+        options: SaveOptions,
         metadata: Any = None,
-        overwrite: bool = False,
-        fsync: bool = True,
-        threads: int = DEFAULT_THREADS,
         storage: Storage | None = None,
-        pipeline: Pipeline | None = None,
-        key: _keys.Key | None = None,
         around: Callable[[Callable[[], Any]], Any] | None = None,
     ) -> float:
-        """Copy ``state``'s arrays and write them as a checkpoint at ``path`` in the background; returns the
-        seconds the caller was blocked. ``around``, if given, is called on the background thread with the
-        write (a function) and calls it: to prepare the path before and tidy up after."""
+        """Copy ``state``'s arrays and write them as a checkpoint at ``path`` in the background, as
+        ``options`` say; returns the seconds the caller was blocked. ``around``, if given, is called on the
+        background thread with the write (a function) and calls it: to prepare the path before and tidy up
+        after."""
         start = time.perf_counter()
         self._raise_pending()
         buffer = self._free_buffer()
         backend, root = resolve(path, storage)
         with _gc.paused():
             snapshot = encode_state(state, metadata)
-        staged = buffer.stage(snapshot, threads=threads)
+        staged = buffer.stage(snapshot, threads=options.threads)
         blocking = time.perf_counter() - start
 
         def write() -> SaveResult:
-            return write_checkpoint(
-                root,
-                staged,
-                storage=backend,
-                overwrite=overwrite,
-                fsync=fsync,
-                threads=threads,
-                start=time.perf_counter(),
-                pipeline=pipeline,
-                key=key,
-            )
+            return write_checkpoint(root, staged, storage=backend, options=options, start=time.perf_counter())
 
         self._submit(write if around is None else lambda: around(write), buffer, f"the background save of {path}")
         return blocking

@@ -29,6 +29,7 @@ from trainstate import _checksum as checksum
 from trainstate._format import datafile, dtypes, manifest
 from trainstate._save.encode import Entry
 from trainstate._save.files import PIECE_BYTES, each_file
+from trainstate._save.options import SaveOptions
 from trainstate._storage import Storage
 from trainstate._transforms import Pipeline, Place
 
@@ -226,17 +227,16 @@ def write_encoded(
     groups: list[list[Entry]],
     names: list[str],
     pipeline: Pipeline,
-    *,
-    fsync: bool,
-    workers: int,
+    options: SaveOptions,
 ) -> tuple[tuple[manifest.FileEntry, ...], dict[str, manifest.TensorEntry]]:
-    """:func:`~trainstate._save.write.write_data` with transforms: each group of entries as a data file of
-    encoded chunks, ``workers`` files at once; the files' and the tensors' manifest entries."""
+    """:func:`~trainstate._save.write.write_data` with transforms (``pipeline``: ``options.encoding``): each
+    group of entries as a data file of encoded chunks, ``options.writers(storage)`` files at once; the files'
+    and the tensors' manifest entries."""
 
     def write(name: str, group: list[Entry]) -> tuple[int, bytes, _Chunks]:
-        return _write_file(storage, storage.join(tmp, name), group, pipeline, fsync)
+        return _write_file(storage, storage.join(tmp, name), group, pipeline, options.fsync)
 
-    results = each_file(write, names, groups, workers)
+    results = each_file(write, names, groups, options.writers(storage))
     files = []
     found: dict[str, list[manifest.Chunk]] = {}
     for name, (size, header, chunks) in zip(names, results):

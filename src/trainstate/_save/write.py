@@ -19,22 +19,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from trainstate import _checksum as checksum
-from trainstate import _transforms as transforms
 from trainstate._format import datafile, dtypes, manifest
 from trainstate._save.encode import Entry, Snapshot
 from trainstate._save.files import PIECE_BYTES, each_file
+from trainstate._save.options import SaveOptions
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
 from trainstate._storage import Storage
 from trainstate._version import VERSION
 
 if TYPE_CHECKING:
     from trainstate._keys import Key
-    from trainstate._transforms import Pipeline
 
 log = logging.getLogger("trainstate")
 _R = TypeVar("_R")
-
-DEFAULT_THREADS = 2
 _GATHER_BYTES = 1 << 20  # tensors under _SMALL_BYTES are written through a buffer of this size
 _SMALL_BYTES = 64 << 10
 
@@ -68,42 +65,23 @@ def write_checkpoint(
     snapshot: Snapshot,
     *,
     storage: Storage,
-    overwrite: bool = False,
-    fsync: bool = True,
-    threads: int = DEFAULT_THREADS,
+    options: SaveOptions,
     start: float | None = None,
-    workers: int | None = None,
-    pipeline: Pipeline | None = None,
-    key: Key | None = None,
 ) -> SaveResult:
     """Write a snapshot as a checkpoint and commit it: the synchronous core of every single-process save.
 
     Data files first, the manifest last, then the backend's commit; on any failure the staging
-    location is thrown away and whatever was at ``final`` before is untouched. ``workers``, ``pipeline``:
-    see :func:`write_data`. With ``key`` the manifest is authenticated (docs/encryption.md); the pipeline
-    then holds the encryption transform that encrypts the chunks.
+    location is thrown away and whatever was at ``final`` before is untouched. With ``options.key`` the
+    manifest is authenticated (docs/encryption.md) and the chunks encrypted (``options.encoding``).
     """
     start = time.perf_counter() if start is None else start
-    pipeline = transforms.encrypting(pipeline, key)  # an authenticated manifest never names plaintext chunks
-    tmp = storage.begin(final, overwrite=overwrite)
-    groups, names = plan_data(storage, snapshot.entries, threads)
+    tmp = storage.begin(final, overwrite=options.overwrite)
+    groups, names = plan_data(storage, snapshot.entries, options)
     unnamed = names  # data files no manifest names yet: what a failure deletes
     try:
-        files, tensors = write_data(
-            storage,
-            tmp,
-            snapshot.entries,
-            groups,
-            names,
-            fsync=fsync,
-            threads=threads,
-            workers=workers,
-            pipeline=pipeline,
-        )
+        files, tensors = write_data(storage, tmp, snapshot.entries, groups, names, options)
         unnamed = []  # a manifest write that failed may still have landed, naming them
-        nbytes, written = commit_manifest(
-            storage, tmp, final, snapshot, files, tensors, names, overwrite=overwrite, fsync=fsync, key=key
-        )
+        nbytes, written = commit_manifest(storage, tmp, final, snapshot, files, tensors, names, options)
     except BaseException:
         storage.abort(tmp, unnamed)
         raise
@@ -120,22 +98,19 @@ def commit_manifest(
     files: tuple[manifest.FileEntry, ...],
     tensors: Mapping[str, manifest.TensorEntry],
     names: list[str],
-    *,
-    overwrite: bool,
-    fsync: bool,
+    options: SaveOptions,
     world_size: int = 1,
-    key: Key | None = None,
 ) -> tuple[int, float]:
     """Write the manifest naming ``files`` and ``tensors`` into ``tmp`` and commit it to ``final``.
 
-    ``world_size``: the ranks that wrote the files (a collective save), recorded in the manifest.
-    ``key``: the checkpoint is encrypted; its manifest is authenticated with a MAC from this key.
+    ``world_size``: the ranks that wrote the files (a collective save), recorded in the manifest. With
+    ``options.key`` the manifest is authenticated with a MAC from the key.
     Returns the checkpoint's bytes and the clock when the manifest was written (before the commit).
     """
-    raw = manifest_bytes(snapshot, files, tensors, world_size, key)
-    storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=fsync)
+    raw = manifest_bytes(snapshot, files, tensors, world_size, options.key)
+    storage.write(storage.join(tmp, manifest.MANIFEST_NAME), [memoryview(raw)], fsync=options.fsync)
     written = time.perf_counter()
-    storage.commit(tmp, final, [*names, manifest.MANIFEST_NAME], overwrite=overwrite, fsync=fsync)
+    storage.commit(tmp, final, [*names, manifest.MANIFEST_NAME], overwrite=options.overwrite, fsync=options.fsync)
     return sum(f.size for f in files) + len(raw), written
 
 
@@ -160,13 +135,13 @@ def manifest_bytes(
 
 
 def plan_data(
-    storage: Storage, entries: list[Entry], threads: int, prefix: str = "data"
+    storage: Storage, entries: list[Entry], options: SaveOptions, prefix: str = "data"
 ) -> tuple[list[list[Entry]], list[str]]:
     """The data files of this save (of this rank's part, under ``prefix``): the entries in each, and its name."""
     caps = storage.capabilities
-    n_files = threads
+    n_files = options.threads
     if caps.target_file_bytes:  # remote: many moderate files, uploaded several at a time
-        n_files = max(threads, -(-sum(e.nbytes for e in entries) // caps.target_file_bytes))
+        n_files = max(options.threads, -(-sum(e.nbytes for e in entries) // caps.target_file_bytes))
     groups = plan_files(entries, n_files)
     # Written in place beside a committed checkpoint: names of this save alone, never the old files'.
     if caps.in_place:
@@ -180,30 +155,23 @@ def write_data(
     entries: list[Entry],
     groups: list[list[Entry]],
     names: list[str],
-    *,
-    fsync: bool,
-    threads: int,
-    workers: int | None = None,
-    pipeline: Pipeline | None = None,
+    options: SaveOptions,
 ) -> tuple[tuple[manifest.FileEntry, ...], dict[str, manifest.TensorEntry]]:
     """Write each group of entries as its data file; the files' and the tensors' manifest entries.
 
-    ``workers``: files written at once; by default ``threads`` or the storage's ``write_parallelism``,
-    whichever is more. A writer that produces each tensor's bytes as it goes (``consolidate``) sets it,
-    since each file in flight holds one tensor. ``pipeline``: chunk transforms (compression, encryption),
-    each tensor cut into chunks and encoded on the way (``chunked.py``).
+    ``options.writers(storage)`` files are written at once. With chunk transforms (``options.encoding``:
+    compression, encryption) each tensor is cut into chunks and encoded on the way (``chunked.py``).
     """
 
     def write(name: str, group: list[Entry]) -> tuple[int, str, list[tuple[int, int]], _FileViews]:
-        return _write_group(storage, storage.join(tmp, name), group, fsync)
+        return _write_group(storage, storage.join(tmp, name), group, options.fsync)
 
-    if workers is None:
-        workers = max(threads, storage.capabilities.write_parallelism)
+    pipeline = options.encoding
     if pipeline is not None:
         from trainstate._save.chunked import write_encoded  # imports this module
 
-        return write_encoded(storage, tmp, entries, groups, names, pipeline, fsync=fsync, workers=workers)
-    results = each_file(write, names, groups, workers)
+        return write_encoded(storage, tmp, entries, groups, names, pipeline, options)
+    results = each_file(write, names, groups, options.writers(storage))
     files = []
     tensors: dict[str, manifest.TensorEntry] = {}
     for name, group, (size, header_sum, ranges, views) in zip(names, groups, results):

@@ -33,9 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from trainstate import _arguments as arguments
 from trainstate import _keys
-from trainstate import _transforms as transforms
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._format.run_dir import staged_target, staging_name
 from trainstate._optional import optional
@@ -43,8 +41,8 @@ from trainstate._restore import ABSENT, restore
 from trainstate._restore.checkpoint import open_checkpoint
 from trainstate._rng import RNGState
 from trainstate._save.background import BackgroundSaver
-from trainstate._save.write import DEFAULT_THREADS
-from trainstate._saving import save as _save
+from trainstate._save.options import DEFAULT_THREADS, save_options
+from trainstate._saving import save_alone
 from trainstate._storage import LocalStorage, resolve
 from trainstate.errors import (
     CheckpointExistsError,
@@ -135,16 +133,18 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
         read_torch_files: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("async_save", async_save), ("fsync", fsync), ("read_torch_files", read_torch_files)):
+        for name, value in (("async_save", async_save), ("read_torch_files", read_torch_files)):
             if not isinstance(value, bool):
                 raise InvalidArgumentError(f"TrainstateCheckpointIO: {name} must be True or False, got {value!r:.40}")
+        # every save replaces what is at its path (Lightning saves last.ckpt again and again)
+        self._options = save_options(
+            overwrite=True, fsync=fsync, threads=threads, compression=compression, key=key, key_env=key_env
+        )
         self.async_save = async_save
-        self.fsync = fsync
+        self.fsync = self._options.fsync
         self.compression = compression
-        self.threads = arguments.positive_int(threads, "threads")
+        self.threads = self._options.threads
         self.read_torch_files = read_torch_files
-        self._pipeline = transforms.pipeline(transforms.compression(compression))  # a bad spec fails here
-        self._key = _keys.resolve(key, key_env)
         self._saver: BackgroundSaver | None = BackgroundSaver() if async_save else None
         self._reserved: set[str] = set()  # names an async save in flight holds (empty directories)
         _register_with_lightning()
@@ -169,16 +169,9 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
         try:
             state, conversions = lightning_dict.to_state(checkpoint)
             metadata = _metadata(checkpoint, conversions)
-            common: dict[str, Any] = {
-                "metadata": metadata,
-                "overwrite": True,
-                "fsync": self.fsync,
-                "threads": self.threads,
-                "key": self._key,
-            }
             if self._saver is None:
                 # under DDP only rank 0 saves Lightning's checkpoint: never a collective
-                write = partial(_save, target, state, collective=False, compression=self.compression, **common)
+                write = partial(save_alone, target, state, metadata=metadata, options=self._options)
                 _replacing(target, write)
                 return
             local = _local(target)
@@ -193,7 +186,7 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
                     self._release(target)
 
             try:
-                self._saver.save(target, state, pipeline=self._pipeline, around=around, **common)
+                self._saver.save(target, state, metadata=metadata, options=self._options, around=around)
             except BaseException:
                 self._release(target)
                 raise
@@ -227,7 +220,7 @@ class TrainstateCheckpointIO(CheckpointIO):  # type: ignore[misc]  # Lightning's
                 "checkpoint; to resume from it once, pass TrainstateCheckpointIO(read_torch_files=True): it is read "
                 "with torch.load and the checkpoints after it are trainstate's"
             )
-        with open_checkpoint(target, key=self._key) as ck:
+        with open_checkpoint(target, key=self._options.key) as ck:
             metadata = ck.metadata if isinstance(ck.metadata, Mapping) else {}
             state = restore(ck, ABSENT, framework=None)  # each array as it was saved: torch or NumPy
         facts = metadata.get(lightning_dict.META_KEY)
