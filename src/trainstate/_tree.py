@@ -227,7 +227,15 @@ def nothing(results: list[Any]) -> None:
 
 
 def key_text(key: Any) -> str:
-    """A dict key as one part of a dotted path; an int of more digits than Python converts is refused."""
+    """A dict key as one part of a dotted path; an int of more digits than Python converts, and a string that
+    is not Unicode (a lone surrogate, which no safetensors header or JSON reader takes back), are refused."""
+    if isinstance(key, str):
+        try:
+            key.encode()
+        except UnicodeEncodeError:
+            raise UnsupportedValueError(
+                f"a dict key that is not valid Unicode ({key!r:.60}: a lone surrogate) cannot be stored"
+            ) from None
     try:
         return str(key)
     except ValueError:  # sys.get_int_max_str_digits(): no reader could parse the manifest either

@@ -1288,3 +1288,67 @@ def test_dcp_values_that_decompress_past_the_source_are_refused(tmp_path):
     assert sum(p.stat().st_size for p in src.iterdir()) < 1 << 20
     with pytest.raises(trainstate.UnsupportedValueError, match=r"non-tensor values of this DCP directory decompress"):
         trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+# -- a ninth attack -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch"])
+def test_a_source_truncated_while_it_is_imported_is_an_error_not_a_crash(tmp_path, kind):
+    """Tensor bytes were read through a map of the source: a file truncated mid-import killed the process
+    (SIGBUS) when a page past its new end was touched. They are read from the open file: a short read."""
+    from trainstate._convert import safetensors_file, torch_file
+
+    src = tmp_path / f"w.{kind}"
+    tensors = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+    if kind == "safetensors":
+        save_file(tensors, src)
+        read = safetensors_file.read(src)[0]["w"].read
+    else:
+        torch.save(tensors, src)
+        try:
+            read = torch_file.source_tensor(torch_file.read(src)["w"], "w", where=src).read
+        except BaseException:
+            torch_file.forget()
+            raise
+    try:
+        with open(src, "r+b") as f:
+            f.truncate(4096)
+        with pytest.raises(trainstate.CorruptCheckpointError, match=r"was truncated while it was read"):
+            read()
+    finally:
+        torch_file.forget()
+
+
+@pytest.mark.parametrize("layout", ["folder", "legacy tail"])
+def test_a_sparse_file_does_not_lift_the_import_s_budgets(tmp_path, layout):
+    """Budgets counted st_size, holes included: a terabyte hole beside (or after) a small file of views let 4 MB
+    import 1.26 GB. Only the bytes really there count."""
+    base = torch.zeros(1 << 20)
+    views = {f"v{i}": base[i:] for i in range(300)}
+    if layout == "folder":
+        src = tmp_path / "model"
+        src.mkdir()
+        torch.save(views, src / "pytorch_model.bin")
+        with open(src / "optimizer.pt", "wb") as f:
+            f.truncate(1 << 40)
+    else:
+        src = tmp_path / "legacy.bin"
+        torch.save(views, src, _use_new_zipfile_serialization=False)
+        with open(src, "r+b") as f:
+            f.truncate(1 << 40)
+    with pytest.raises(trainstate.UnsupportedValueError, match=r"is one view too many"):
+        trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_name_that_is_not_unicode_is_refused(tmp_path):
+    """A lone surrogate (a JSON escape) as a tensor name imported, and export then wrote a safetensors file no
+    reader opens."""
+    header = b'{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    header += b" " * (-len(header) % 8)
+    src = tmp_path / "odd.safetensors"
+    src.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(
+        trainstate.UnsupportedValueError, match=r"odd\.safetensors: a dict key that is not valid Unicode"
+    ):
+        trainstate.import_checkpoint(src, tmp_path / "out")

@@ -30,7 +30,7 @@ import numpy as np
 from trainstate._convert import torch_file
 from trainstate._convert.dcp_metadata import METADATA, Checked, Stored
 from trainstate._convert.dcp_metadata import read as read_metadata
-from trainstate._convert.source import SourceTensor
+from trainstate._convert.source import SourceTensor, real_size
 from trainstate._optional import optional
 from trainstate._tree import MAX_DEPTH
 from trainstate.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
@@ -333,8 +333,9 @@ VALUES_SLACK = 16 << 20  # bytes the non-tensor values may decompress to beyond 
 
 
 def _folder_bytes(path: Path) -> int:
-    """The bytes of the directory's files, each file counted once however many names (links) reach it."""
-    files = {(s.st_dev, s.st_ino): s.st_size for p in path.iterdir() if p.is_file() for s in [p.stat()]}
+    """The bytes of the directory's files, each file counted once however many names (links) reach it, and
+    only the bytes really there (:func:`~trainstate._convert.source.real_size`)."""
+    files = {(s.st_dev, s.st_ino): real_size(s) for p in path.iterdir() if p.is_file() for s in [p.stat()]}
     return sum(files.values())
 
 

@@ -82,6 +82,13 @@ def import_checkpoint(
         raise InvalidArgumentError(f"prefix must be a key like 'model' (dotted nests deeper), got {prefix!r:.40}")
     options = save_options(overwrite=overwrite, threads=1, workers=1, key=key, key_env=key_env)
     path = Path(src)
+    try:
+        return _imported(path, ckpt, prefix, options, start)
+    finally:
+        torch_file.forget()  # the files a torch.save read left open for its tensors' bytes
+
+
+def _imported(path: Path, ckpt: str | os.PathLike[str], prefix: str | None, options: Any, start: float) -> SaveResult:
     kind, state, meta = read_source(path)
     record = {"source": str(path), "format": kind, **({"metadata": meta} if meta else {})}
     # torch tensors: a torch.save file's, a .bin shard's, or inside a value DCP pickled whole (a tuple)
@@ -106,8 +113,8 @@ def _size(path: Path) -> int:
     file counted once however many names (links) reach it."""
     try:
         if path.is_file():
-            return path.stat().st_size
-        files = {(s.st_dev, s.st_ino): s.st_size for p in path.iterdir() if p.is_file() for s in [p.stat()]}
+            return source.real_size(path.stat())
+        files = {(s.st_dev, s.st_ino): source.real_size(s) for p in path.iterdir() if p.is_file() for s in [p.stat()]}
         return sum(files.values())
     except OSError as e:
         raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e

@@ -13,12 +13,11 @@ same code as trainstate's own data files (``_format/datafile.py``), which ``safe
 from __future__ import annotations
 
 import math
-import mmap
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -78,7 +77,7 @@ def read(path: Path) -> tuple[dict[str, SourceTensor], dict[str, str]]:
             if not 8 < n <= min(size, datafile.MAX_HEADER + 8):
                 raise CorruptCheckpointError(f"{what}: no safetensors header (a header length of {n - 8} bytes)")
             blob = prefix + f.read(n - 8)
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # the bytes stay the page cache's
+        handle = open(path, "rb")  # noqa: SIM115 - kept open by the tensors' readers: the file's inode, not its name
     except OSError as e:
         raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
     header = datafile.parse_header(blob, size, what)
@@ -95,7 +94,7 @@ def read(path: Path) -> tuple[dict[str, SourceTensor], dict[str, str]]:
                 f"{what}: tensor {name!r:.80} ({code}{list(shape)}, {nbytes} bytes) has data_offsets "
                 f"[{begin}, {end}] in a data section of {data_size} bytes"
             )
-        found.append((begin, name, SourceTensor(code, shape, nbytes, partial(_view, mapped, path, n + begin, nbytes))))
+        found.append((begin, name, SourceTensor(code, shape, nbytes, partial(_view, handle, path, n + begin, nbytes))))
     found.sort(key=lambda x: x[0])
     _refuse_overlaps([(begin, t.nbytes, name) for begin, name, t in found], what)
     return {name: t for _, name, t in found}, meta
@@ -137,11 +136,28 @@ def _entry(entry: object, name: str, what: str) -> tuple[str, tuple[int, ...], t
     raise CorruptCheckpointError(f"{what}: malformed header entry for {name!r:.80}: {entry!r:.120}")
 
 
-def _view(mapped: mmap.mmap, path: Path, offset: int, nbytes: int) -> np.ndarray:
-    """Bytes of the mapped file, once the file is known to still hold them: touching a page past the end of
-    a file truncated since it was mapped would kill the process (SIGBUS) instead of raising."""
-    if mapped.size() < offset + nbytes:  # the file's size now, not the map's
+def _view(handle: BinaryIO, path: Path, offset: int, nbytes: int) -> np.ndarray:
+    """A tensor's bytes, read (a copy) from the file opened when its header was read. Not a map: a file
+    truncated while it is imported would kill the process (SIGBUS) at a page past its new end, where a read
+    comes back short and is an error."""
+    return read_range(handle, path, offset, nbytes)
+
+
+def read_range(handle: BinaryIO, path: Path, offset: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` bytes of an open file from ``offset``, as a new array; CorruptCheckpointError if the file
+    no longer holds them (truncated while it was read)."""
+    out = np.empty(nbytes, np.uint8)
+    got = 0
+    try:
+        while got < nbytes:
+            n = os.preadv(handle.fileno(), [out.data[got:]], offset + got)
+            if n <= 0:
+                break
+            got += n
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot read {path}: {e.strerror}") from e
+    if got != nbytes:
         raise CorruptCheckpointError(
             f"{path} was truncated while it was read: it no longer holds byte {offset + nbytes}"
         )
-    return np.frombuffer(mapped, np.uint8, count=nbytes, offset=offset)
+    return out

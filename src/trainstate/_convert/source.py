@@ -14,6 +14,7 @@ stay plain dicts.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, NamedTuple
@@ -150,3 +151,10 @@ def _dict(keys: tuple[tree.Key, ...], depth: int, values: list[tree.Node]) -> tr
 
 def _seq(is_tuple: bool, items: list[tree.Node]) -> tree.Node:
     return tree.SeqNode(tuple(items), is_tuple)
+
+
+def real_size(st: os.stat_result) -> int:
+    """A file's bytes that are really there: a sparse file's holes (a terabyte of them costs nothing to ship
+    in a sparse tar) would otherwise size the budgets that keep an import in proportion to its source."""
+    blocks = getattr(st, "st_blocks", None)
+    return st.st_size if blocks is None else min(st.st_size, blocks * 512)

@@ -31,11 +31,11 @@ import zipfile
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from trainstate._convert import torch_pickle, unpickle
+from trainstate._convert import safetensors_file, torch_pickle, unpickle
 from trainstate._convert.source import SourceTensor
 from trainstate._format import dtypes
 from trainstate._optional import optional
@@ -169,6 +169,8 @@ def _read_zip(torch: Any, path: Path, held: bytes | None = None) -> Any:
     data = bytes(reader.get_record("data.pkl"))
     if held is None:
         whole = torch.UntypedStorage.from_file(str(path), False, size)  # private and lazy: pages read on use
+        # the tensors' bytes are read (copied) from this open file, not through the map (see _bytes_of)
+        _OPEN[path] = (open(path, "rb"), whole.data_ptr(), size, whole)  # noqa: SIM115 - closed by forget()
     else:
         whole = torch.frombuffer(bytearray(held), dtype=torch.uint8).untyped_storage()
 
@@ -456,6 +458,15 @@ class Views:
         return self.used if self.used > self.limit else None
 
 
+_OPEN: dict[Path, tuple[BinaryIO, int, int, Any]] = {}  # a zip read: its file, its map's address and size
+
+
+def forget() -> None:
+    """Close the files :func:`read` left open for their tensors' bytes (an import calls it when done)."""
+    while _OPEN:
+        _OPEN.popitem()[1][0].close()
+
+
 def source_tensor(value: Any, name: str, *, where: Path, views: Views | None = None) -> SourceTensor | None:
     """A torch tensor of a loaded file as a :class:`SourceTensor` (None for anything else): its bytes are
     read from the file's map when the writer reaches it; names of one tied tensor share an identity.
@@ -493,10 +504,28 @@ def source_tensor(value: Any, name: str, *, where: Path, views: Views | None = N
             "up to twice the file's bytes, plus 64 MiB). Save the tensors with .clone() if they are meant to be "
             "separate"
         )
-    return SourceTensor(code, shape, numel * itemsize, partial(_bytes_of, value), identity)
+    return SourceTensor(code, shape, numel * itemsize, partial(_bytes_of, value, where), identity)
 
 
-def _bytes_of(t: Any) -> np.ndarray:
+def _bytes_of(t: Any, where: Path) -> np.ndarray:
+    """A tensor's bytes. One of a zip-format file is read (a copy) from the file, the span its view covers, not
+    through the map its tensor was built on: a file truncated while it is imported would kill the process
+    (SIGBUS) at a page past its new end, where a read comes back short and is an error."""
     from trainstate._frameworks import torch as adapter
 
-    return np.frombuffer(adapter.byte_view(t), np.uint8)
+    opened = _OPEN.get(where)
+    storage = t.untyped_storage()
+    if opened is None or not opened[1] <= storage.data_ptr() < opened[1] + opened[2] or t.numel() == 0:
+        return np.frombuffer(adapter.byte_view(t), np.uint8)  # the legacy format: read into memory already
+    torch = _torch()
+    handle, base, _, _ = opened
+    itemsize = t.element_size()
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    at = storage.data_ptr() - base + t.storage_offset() * itemsize
+    raw = safetensors_file.read_range(handle, where, at, span * itemsize)
+    view = torch.as_strided(torch.from_numpy(raw).view(t.dtype), t.shape, t.stride())
+    if t.is_conj():
+        view = view.conj()
+    if t.is_neg():
+        view = view._neg_view()
+    return np.frombuffer(adapter.byte_view(view), np.uint8)
