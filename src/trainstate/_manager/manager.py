@@ -546,6 +546,8 @@ class CheckpointManager:
             InvalidArgumentError: ``state`` cannot be restored in place (a JAX array or pytree, such as a Flax
                 ``TrainState``, at its top): keep it in a dict, or use :meth:`restore`, which returns it.
             FormatVersionError: a checkpoint here was written by a newer trainstate.
+            EncryptionKeyError: the manager's key does not fit the checkpoints (not damage: raised at once).
+            DistributedError: under a process group, another rank failed or fell silent.
 
         Example:
             >>> start = mgr.restore_latest(state) or 0   # 0 on a fresh run

@@ -76,8 +76,8 @@ def newest_restorable(
       :class:`EncryptionKeyError` (the key does not fit; every checkpoint of a run has the same key),
       :class:`FormatVersionError` (a newer trainstate wrote it: resuming from an older one would save over
       it), :class:`DistributedError` (another rank failed or fell silent: not this checkpoint's fault);
-    * any other CheckpointError (corrupt, incomplete, a data file missing, an unreadable manifest): the
-      checkpoint is damaged; a warning, and the one before it is tried;
+    * any other CheckpointError (corrupt, incomplete, a data file missing, an unreadable manifest, a storage
+      error reading it): the checkpoint is damaged; a warning, and the one before it is tried;
     * a checkpoint that is no longer committed when its attempt failed was deleted while it was read (a
       running job's retention, beside a read-only reader): not damage; the directory is listed again
       (at most :data:`RELISTS` times).
