@@ -30,6 +30,7 @@ from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
 from trainstate._manager.committer import Committer, Settings
 from trainstate._manager.lock import DirectoryLock
+from trainstate._manager.newest import FATAL, first_line, newest_restorable
 from trainstate._manager.policies import (
     AtSteps,
     CheckpointInfo,
@@ -48,7 +49,7 @@ from trainstate._manager.policies import (
     saved_order,
 )
 from trainstate._manager.preemption import DEFAULT_SIGNALS, PreemptionWatcher
-from trainstate._manager.ranks import failed_elsewhere, manager_ranks
+from trainstate._manager.ranks import ManagerRanks, SingleProcess, manager_ranks
 from trainstate._manager.rng_capture import RNGCapture
 from trainstate._restore import load_from
 from trainstate._save import DEFAULT_THREADS, SaveOptions, encode_state, save_options
@@ -60,14 +61,10 @@ from trainstate.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
     DistributedError,
-    EncryptionKeyError,
-    FormatVersionError,
     InvalidArgumentError,
-    StateMismatchError,
 )
 
 log = logging.getLogger("trainstate")
-RELISTS = 20  # restore_latest lists again at most this often when checkpoints vanish under it (retention)
 # what `manager.X = ...` is told is fixed at construction: the settings, and the save options it takes
 _FIXED = (frozenset(Settings.__dataclass_fields__) | frozenset(SaveOptions.__dataclass_fields__)) - {
     "options",
@@ -248,11 +245,11 @@ class CheckpointManager:
         )
         self.catalog = Catalog(storage_, root, options.key)
         # under a process group (collective): built on every rank, in the same order
-        self._ranks = None if options.read_only else manager_ranks(collective, timeout)
-        self._committer = Committer(self.catalog, self._config, self._ranks)
+        group = None if options.read_only else manager_ranks(collective, timeout)
+        self._ranks: ManagerRanks | SingleProcess = group or SingleProcess()  # no "is there a group?" below
+        self._committer = Committer(self.catalog, self._config, group)
         self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
-        self._writer.agreed_errors_only = self._ranks is not None
-        self._refused: int | None = None  # an async save this rank could not encode, not yet reported by all
+        self._writer.agreed_errors_only = group is not None
         self._rng = RNGCapture(bool(capture_rng))
         self._closed = False
         self._preemption_saved = False
@@ -261,7 +258,7 @@ class CheckpointManager:
         self.swept: builtins.list[str] = []
         self._lock: DirectoryLock | None = None
         self._preemption: PreemptionWatcher | None = None
-        leader = self._ranks is None or self._ranks.leader
+        leader = self._ranks.leader
         try:
             failed: BaseException | None = None
             try:
@@ -273,10 +270,7 @@ class CheckpointManager:
                     self.swept = self.catalog.sweep(locked=self._lock is not None)
             except Exception as e:  # noqa: BLE001 - raised on every rank by setup()
                 failed = e
-            if self._ranks is not None:
-                self._ranks.setup(failed)
-            elif failed is not None:
-                raise failed
+            self._ranks.setup(failed)
             if not options.read_only:
                 self.list()  # refuses to start beside a checkpoint written by a newer trainstate
                 if save_on_preemption:
@@ -546,6 +540,8 @@ class CheckpointManager:
             InvalidArgumentError: ``state`` cannot be restored in place (a JAX array or pytree, such as a Flax
                 ``TrainState``, at its top): keep it in a dict, or use :meth:`restore`, which returns it.
             FormatVersionError: a checkpoint here was written by a newer trainstate.
+            EncryptionKeyError: the manager's key does not fit the checkpoints (not damage: raised at once).
+            DistributedError: under a process group, another rank failed or fell silent.
 
         Example:
             >>> start = mgr.restore_latest(state) or 0   # 0 on a fresh run
@@ -559,59 +555,30 @@ class CheckpointManager:
                 "immutable): put it in a dict, state = {'train': train_state}, restore that and take it back out "
                 "(state['train']), or use mgr.restore(step, train_state), which returns the restored value"
             )
-        # A reader beside a running job sees its retention delete checkpoints between the listing and the
-        # reading: one that vanished is neither damage nor proof that there is nothing; list again.
-        for _ in range(RELISTS):
-            candidates = [(info.name, info.step) for info in sorted(self.list(), key=saved_order, reverse=True)]
-            failures = [(name, f"unreadable manifest: {why}") for name, why in self.catalog.damaged.items()]
-            vanished = bool(self.catalog.vanished)
-            if self._ranks is not None:  # rank 0's list, on every rank; ranks do not list again on their own
-                candidates, failures = self._ranks.from_leader((candidates, failures), "restore_latest (listing)")
-                vanished = False
-            for name, step in candidates:
-                why = self._try_restore(name, state, load_kwargs)
-                if why is not None:
-                    if self._ranks is None and not self.catalog.committed(name):
-                        log.info("checkpoint %s was deleted while it was being restored; trying another", name)
-                        vanished = True
-                        continue
-                    log.warning("checkpoint %s cannot be restored (%s); trying the one before it", name, why)
-                    failures.append((name, why))
-                    continue
-                log.info("resumed from %s", name)
-                self._committer.resumed(name, [n for n, _ in failures])
-                self._writer.last_step = step
-                self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
-                return step + 1
-            if self._ranks is None and any(not self.catalog.committed(name) for name, _ in failures):
-                vanished = True  # what looked damaged was being deleted (a remote store's delete is not atomic)
-            if not vanished:
-                break
-        if failures:
-            lines = "\n".join(f"  {name}: {why}" for name, why in failures)
-            shared = (
-                " In an incremental run the checkpoints share the pool's files, so one damaged pool file damages "
-                "every checkpoint that names it: restore_latest(state, exclude=[the tensors named above]) "
-                "restores the rest (keep the live values of those), and the next save writes them again."
-                if any("pool-" in why for _, why in failures)
-                else ""
-            )
-            raise CorruptCheckpointError(
-                f"none of the {len(failures)} checkpoint(s) in {self.directory} could be restored:\n{lines}\n"
-                "The state may be partly overwritten by the attempts; do not train from it. Restore a copy, "
-                f"or move the damaged checkpoints away to start over.{shared}"
-            )
-        self.prepare(state)
-        return None
+        found = newest_restorable(
+            self.list,
+            self.catalog,
+            lambda name: self._try_restore(name, state, load_kwargs),
+            ranks=self._ranks,
+            advice=_restore_advice,
+        )
+        if found is None:
+            self.prepare(state)
+            return None
+        log.info("resumed from %s", found.name)
+        self._committer.resumed(found.name, found.skipped)
+        self._writer.last_step = found.step
+        self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
+        return found.step + 1
 
-    def _try_restore(self, name: str, state: Any, load_kwargs: dict[str, Any]) -> str | None:
-        """Restore checkpoint ``name`` into ``state``: None when it worked (on every rank), or why not.
+    def _try_restore(self, name: str, state: Any, load_kwargs: dict[str, Any]) -> None:
+        """Restore checkpoint ``name`` into ``state`` (on every rank), or raise why not (newest_restorable
+        decides what that means).
 
         Under a process group, a rank that could not read its part makes every rank move on; a user error
         (a state that does not fit) on any rank raises on every rank.
         """
-        fatal: Exception | None = None
-        why: str | None = None
+        mine: CheckpointError | None = None
         try:
             if self._restore_into(self.catalog.path(name), state, **load_kwargs) is not state:
                 # what the check before listing cannot tell: a tuple at the top holding an immutable part
@@ -621,26 +588,18 @@ class CheckpointManager:
                     "state in a dict, state = {'state': ...}, and read state['state'] after restoring; or restore "
                     "with mgr.restore(step, state), which returns the restored state"
                 )
-        except (StateMismatchError, FormatVersionError, InvalidArgumentError, EncryptionKeyError) as e:
-            fatal = e  # (a key that does not fit is not damage: trying older checkpoints would not help)
         except CheckpointError as e:
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__  # the first line says what failed
-        if self._ranks is None:
-            if fatal is not None:
-                raise fatal
-            return why
-        mine = (
-            None if fatal is None and why is None else Failure(self._ranks.rank, str(fatal or why), fatal is not None)
-        )
-        failures = self._ranks.outcomes(mine, f"restore_latest ({name})")
-        if fatal is not None:
-            raise fatal
+            mine = e
+        fatal = isinstance(mine, FATAL)
+        shared = None if mine is None else Failure(self._ranks.rank, str(mine) if fatal else first_line(mine), fatal)
+        failures = self._ranks.outcomes(shared, f"restore_latest ({name})")
+        if mine is not None:
+            raise mine
         for f in failures:
             if f.fatal:
                 raise DistributedError(f"restore_latest: rank {f.rank} could not restore {name}: {f.message}")
-        if why is None and failures:
-            why = f"rank {failures[0].rank}: {failures[0].message}"
-        return why
+        if failures:
+            raise CorruptCheckpointError(f"rank {failures[0].rank}: {failures[0].message}")
 
     def prepare(self, state: Any) -> None:
         """Get async saving ready for ``state``: allocate and touch its staging buffer on a helper thread.
@@ -653,8 +612,8 @@ class CheckpointManager:
             >>> mgr.prepare(state)   # a fresh run that does not call restore_latest
         """
         if not self.read_only:
-            rank = None if self._ranks is None else self._ranks.rank  # as save() encodes: a shard is a part
-            self._writer.reserve(lambda: encode_state(self._rng.wrap(state)[0], rank=rank))  # no array is copied
+            shard = self._ranks.shard  # as save() encodes: a rank's part under a process group
+            self._writer.reserve(lambda: encode_state(self._rng.wrap(state)[0], rank=shard))  # no array is copied
 
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
         """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`); returns the restored
@@ -713,20 +672,16 @@ class CheckpointManager:
         values = arguments.metrics(metrics)
         preempting = self._preemption_pending()
         by_policy = reason_to_save(self.save_policies, step, time.monotonic(), self._writer.last_save_time)
-        if self._ranks is not None:  # the same answers on every rank
-            agreed = self._ranks.decide(step, by_policy is not None, preempting, force, self._writer.failed())
-            preempting, force = agreed.preempting, agreed.forced
-            if agreed.by_policy and by_policy is None:
-                by_policy = "rank 0's save policy"
-            elif not agreed.by_policy:
-                by_policy = None
-            if agreed.failed and not preempting:
-                self._writer.wait()  # raises this rank's error; every rank's part of that save failed
-                refused, self._refused = self._refused, None
-                raise failed_elsewhere(self._ranks.world, refused)
+        # the same answers on every rank
+        agreed = self._ranks.decide(step, by_policy is not None, preempting, force, self._writer.failed())
+        preempting, force = agreed.preempting, agreed.forced
+        if agreed.by_policy and by_policy is None:
+            by_policy = "rank 0's save policy"
+        elif not agreed.by_policy:
+            by_policy = None
+        if agreed.failed and not preempting:
+            self._ranks.raise_failed(self._writer)
         stale = self._writer.take_error() if preempting else None
-        if not preempting and self._ranks is None:  # under ranks: raised above, where every rank agreed
-            self._writer.raise_pending()
         if preempting:
             reason: str | None = f"preemption ({self._preemption_signal()})"
         elif force:
@@ -748,8 +703,6 @@ class CheckpointManager:
 
     def _pinned(self, step: int) -> bool:
         """Whether ``step`` is pinned, as rank 0 sees it under a process group."""
-        if self._ranks is None:
-            return self.catalog.is_pinned(naming.name_for(step))
         mine = self.catalog.is_pinned(naming.name_for(step)) if self._ranks.leader else None
         return bool(self._ranks.from_leader(mine, "CheckpointManager.save() (pins)"))
 
@@ -808,15 +761,11 @@ class CheckpointManager:
         saved, added = self._rng.wrap(state)
         recorded = facts(step, epoch, metrics, reason, time.time(), self._seq, added)
         meta = {**self._config.metadata, **(metadata or {}), META_KEY: recorded}
-        if self._ranks is None:
-            self._writer.write(step, reason, encode_state(saved, meta), background, start, recorded)
-            return
         try:
-            snapshot = encode_state(saved, meta, rank=self._ranks.rank)
-        except Exception as e:  # noqa: BLE001 - the other ranks wait for its share: tell them why there is none
-            self._writer.ready(background=False)
-            self._refused = step if background else None  # the others learn of it at a later save()
-            self._committer.refuse(step, e)
+            snapshot = encode_state(saved, meta, rank=self._ranks.shard)
+        except Exception as e:  # noqa: BLE001 - other ranks wait for its share: tell them why there is none
+            self._ranks.refuse(step, e, background, self._writer, self._committer)
+            raise
         self._writer.write(step, reason, snapshot, background, start, recorded)
 
     def prune(self, *, dry_run: bool = False) -> RetentionPlan:
@@ -833,17 +782,14 @@ class CheckpointManager:
             return plan_retention(self.list(), self.retention, self.catalog.damaged_list())
         self._check_open()
         self._writer.collect(block=True)
-        if self._ranks is None:
-            self._committer.apply_retention()
-        else:  # rank 0 deletes; every rank learns what
-            failed: Exception | None = None
-            if self._ranks.leader:
-                try:
-                    self._committer.apply_retention()
-                except Exception as e:  # noqa: BLE001 - raised on every rank just below
-                    failed = e
-            self._ranks.control.agree(failed, "prune()")
-            self._committer.last_retention = self._ranks.from_leader(self.last_retention, "prune()")
+        failed: Exception | None = None  # rank 0 deletes; every rank learns what
+        if self._ranks.leader:
+            try:
+                self._committer.apply_retention()
+            except Exception as e:  # noqa: BLE001 - raised on every rank just below
+                failed = e
+        self._ranks.agree(failed, "prune()")
+        self._committer.last_retention = self._ranks.from_leader(self.last_retention, "prune()")
         assert self.last_retention is not None
         return self.last_retention
 
@@ -927,6 +873,20 @@ class CheckpointManager:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _restore_advice(failures: builtins.list[tuple[str, str]]) -> str:
+    shared = (
+        " In an incremental run the checkpoints share the pool's files, so one damaged pool file damages every "
+        "checkpoint that names it: restore_latest(state, exclude=[the tensors named above]) restores the rest "
+        "(keep the live values of those), and the next save writes them again."
+        if any("pool-" in why for _, why in failures)
+        else ""
+    )
+    return (
+        "\nThe state may be partly overwritten by the attempts; do not train from it. Restore a copy, "
+        f"or move the damaged checkpoints away to start over.{shared}"
+    )
 
 
 def _release(lock: DirectoryLock | None, preemption: PreemptionWatcher | None, writer: AsyncWriter) -> None:

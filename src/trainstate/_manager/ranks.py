@@ -14,17 +14,25 @@ When they save, rank 0 says whether the step is pinned (every rank then refuses)
 Two gloo groups per manager: one for these foreground decisions, one for the saves the background thread
 runs, so the two never interleave. ``restore_latest`` tries the checkpoints rank 0 lists, newest first, and
 moves every rank on to the older one when any rank could not restore its part.
+
+A manager outside a process group (or with ``collective=False``, or read-only) has a :class:`SingleProcess`
+instead: the same methods, doing the one-process thing (rank 0 of 1, its own values are everyone's), so the
+manager asks no "is there a group?" question after it has built one or the other.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainstate._distributed import Coordinator, coordinator
 from trainstate._distributed.group import Failure
 from trainstate.errors import DistributedError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from trainstate._manager.async_writer import AsyncWriter
+    from trainstate._manager.committer import Committer
 
 _managers = itertools.count()  # managers are built in the same order on every rank: same channel names
 
@@ -42,11 +50,15 @@ class Decision:
 class ManagerRanks:
     """The ranks of one manager's process group: its two coordinators and the decisions they make."""
 
+    relists = False  # restore_latest works from rank 0's one listing: a rank never lists again on its own
+
     def __init__(self, control: Coordinator, saves: Coordinator) -> None:
         self.control = control
         self.saves = saves
         self.rank = control.rank
         self.world = control.world
+        self.shard: int | None = self.rank  # what save() encodes: this rank's part of the state
+        self.refused: int | None = None  # an async save this rank could not encode, not yet reported by all
 
     @property
     def leader(self) -> bool:
@@ -71,12 +83,65 @@ class ManagerRanks:
         """After rank 0 locked and swept (or failed to): raise on every rank if any rank failed."""
         self.control.agree(error, "CheckpointManager setup")
 
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank if any rank failed (``error``: this rank's failure, or None)."""
+        self.control.agree(error, what)
+
     def from_leader(self, value: Any, what: str) -> Any:
         return self.control.broadcast(value, what)
 
     def outcomes(self, mine: Failure | None, what: str) -> list[Failure]:
         """Every rank's failure at one step (an empty list when all went well)."""
         return [f for f in self.control.all_gather(mine, what) if f is not None]
+
+    def raise_failed(self, writer: AsyncWriter) -> None:
+        """Every rank agreed that a background save failed: each waits for its own saves and raises."""
+        writer.wait()  # raises this rank's error; every rank's part of that save failed
+        refused, self.refused = self.refused, None
+        raise failed_elsewhere(self.world, refused)
+
+    def refuse(self, step: int, error: Exception, background: bool, writer: AsyncWriter, committer: Committer) -> None:
+        """This rank could not encode its state for ``step``: the other ranks wait for its share, so it takes
+        part in the save with its failure (they raise too), then raises ``error``."""
+        writer.ready(background=False)
+        self.refused = step if background else None  # the others learn of it at a later save()
+        committer.refuse(step, error)
+
+
+class SingleProcess:
+    """A manager's stand-in for :class:`ManagerRanks` in one process: rank 0 of 1, and what it decides is what
+    every rank decides."""
+
+    rank = 0
+    world = 1
+    leader = True
+    shard: int | None = None  # save() encodes the whole state, not a rank's part
+    relists = True  # restore_latest lists again when retention deleted what it was reading
+
+    def decide(self, step: int, by_policy: bool, preempting: bool, forced: bool, failed: bool) -> Decision:
+        return Decision(by_policy, preempting, forced, failed)
+
+    def setup(self, error: BaseException | None) -> None:
+        if error is not None:
+            raise error
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        if error is not None:
+            raise error
+
+    def from_leader(self, value: Any, what: str) -> Any:
+        return value
+
+    def outcomes(self, mine: Failure | None, what: str) -> list[Failure]:
+        return [] if mine is None else [mine]
+
+    def raise_failed(self, writer: AsyncWriter) -> None:
+        """A background save failed: its error, at once (saves still in flight go on)."""
+        writer.raise_pending()
+
+    def refuse(self, step: int, error: Exception, background: bool, writer: AsyncWriter, committer: Committer) -> None:
+        """The state could not be encoded: nobody else waits for it."""
+        raise error
 
 
 def manager_ranks(collective: bool | None, timeout: float | None) -> ManagerRanks | None:

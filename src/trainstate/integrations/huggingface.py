@@ -47,13 +47,11 @@ with optional("transformers", extra="huggingface", needed_for="trainstate.integr
 
 from trainstate._frameworks import load_takes_strict, unwrapped
 from trainstate._manager import CheckpointManager
-from trainstate._manager.policies import CheckpointInfo, KeepBest, saved_order
+from trainstate._manager.newest import newest_restorable
+from trainstate._manager.policies import CheckpointInfo, KeepBest
 from trainstate._restore.checkpoint import open_checkpoint
 from trainstate.errors import (
     CheckpointError,
-    CorruptCheckpointError,
-    EncryptionKeyError,
-    FormatVersionError,
     InvalidArgumentError,
     StateMismatchError,
 )
@@ -217,7 +215,9 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         Returns None when the directory has no checkpoint (a fresh run: ``train(resume_from_checkpoint=None)``
         starts from scratch), else the path of a stand-in folder for ``resume_from_checkpoint``: the Trainer
         sets its loop from it, and this callback restores the state when training begins. The newest checkpoint
-        is verified (every checksum) first; a damaged one is skipped, with a warning, for the one before it.
+        is verified (every checksum) first; a damaged one is skipped, with a warning, for the one before it, by the
+        same rule as :meth:`CheckpointManager.restore_latest` (one deleted meanwhile by a running job's retention is
+        not damage: the directory is listed again).
         Call it in every run of the script, fresh or resumed: it also lets the callback save the states of the
         Trainer's ``ExportableState`` callbacks (``EarlyStoppingCallback``).
 
@@ -225,6 +225,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             InvalidArgumentError: this callback is not among ``trainer``'s callbacks (the Trainer would train
                 from the stand-in's empty weights index without it), or another TrainstateCallback is.
             CorruptCheckpointError: there are checkpoints, but none verifies.
+            EncryptionKeyError, FormatVersionError: not damage, raised at once (as restore_latest does).
 
         Example:
             >>> trainer.train(resume_from_checkpoint=cb.resume_point(trainer))
@@ -255,38 +256,28 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
 
     def _pick(self, manager: CheckpointManager, trainer: Any) -> str | None:
         """The stand-in folder of the newest checkpoint that verifies (resume_point)."""
-        # a checkpoint whose manifest does not read is not listed, but it is one that failed (restore_latest too)
-        failures = [f"  {name}: unreadable manifest: {why}" for name, why in manager.catalog.damaged.items()]
-        for info in sorted(manager.list(), key=saved_order, reverse=True):
-            path = manager.path_for(info.step)
-            try:
-                with open_checkpoint(
-                    path, manager.storage, key=self._options.get("key"), key_env=self._options.get("key_env")
-                ) as ck:
-                    ck.verify()
-                    try:
-                        saved = ck.load(include=["trainer_state.*"])["trainer_state"]
-                    except InvalidArgumentError:  # the pattern matched nothing
-                        raise InvalidArgumentError(
-                            f"{path} holds no trainer_state: it was not written by TrainstateCallback; give the "
-                            "callback a run directory of its own"
-                        ) from None
-            except (InvalidArgumentError, FormatVersionError, EncryptionKeyError):
-                raise  # not damage: an older checkpoint would not do better (as restore_latest decides)
-            except CheckpointError as e:  # damaged, or deleted meanwhile
-                why = str(e).splitlines()[0]
-                log.warning("checkpoint %s cannot be resumed from (%s); trying the one before it", info.name, why)
-                failures.append(f"  {info.name}: {why}")
-                continue
+        key, key_env = self._options.get("key"), self._options.get("key_env")
+
+        def trainer_state(name: str) -> Any:
+            path = manager.catalog.path(name)
+            with open_checkpoint(path, manager.storage, key=key, key_env=key_env) as ck:
+                ck.verify()
+                try:
+                    return ck.load(include=["trainer_state.*"])["trainer_state"]
+                except InvalidArgumentError:  # the pattern matched nothing
+                    raise InvalidArgumentError(
+                        f"{path} holds no trainer_state: it was not written by TrainstateCallback; give the "
+                        "callback a run directory of its own"
+                    ) from None
+
+        # the same choice, and the same fatal errors, as the restore_latest that train() runs (newest.py)
+        found = newest_restorable(manager.list, manager.catalog, trainer_state, doing="resumed from")
+        if found is not None:
             weights = list(trainer.model.state_dict().keys())
-            folder = stand_in.write(plain(saved), weights, path)
-            self._resume, self.resumed_from = (info.step, folder), info.step
+            folder = stand_in.write(plain(found.value), weights, manager.catalog.path(found.name))
+            self._resume, self.resumed_from = (found.step, folder), found.step
             self._stand_in_cleanup = weakref.finalize(self, stand_in.remove, folder)
             return folder
-        if failures:
-            raise CorruptCheckpointError(
-                f"none of the {len(failures)} checkpoint(s) in {manager.directory} verifies:\n" + "\n".join(failures)
-            )
         theirs = _trainer_checkpoints(getattr(getattr(trainer, "args", None), "output_dir", None))
         if theirs:
             log.warning(
