@@ -1352,3 +1352,10 @@ def test_a_name_that_is_not_unicode_is_refused(tmp_path):
         trainstate.UnsupportedValueError, match=r"odd\.safetensors: a dict key that is not valid Unicode"
     ):
         trainstate.import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_prefix_that_is_not_unicode_is_an_argument_error(tmp_path):
+    """A non-UTF-8 byte in argv becomes a lone surrogate: as a prefix it wrote a key save() refuses."""
+    torch.save({"w": torch.zeros(2)}, tmp_path / "m.pt")
+    with pytest.raises(trainstate.InvalidArgumentError, match=r"prefix must be a key like 'model'"):
+        trainstate.import_checkpoint(tmp_path / "m.pt", tmp_path / "out", prefix="m\udc80")

@@ -78,8 +78,10 @@ def import_checkpoint(
         >>> trainstate.load("ckpt/imported", {"model": model})
     """
     start = time.perf_counter()
-    if prefix is not None and (not isinstance(prefix, str) or not all(prefix.split("."))):
-        raise InvalidArgumentError(f"prefix must be a key like 'model' (dotted nests deeper), got {prefix!r:.40}")
+    if prefix is not None and (not isinstance(prefix, str) or not all(prefix.split(".")) or not _unicode(prefix)):
+        raise InvalidArgumentError(
+            f"prefix must be a key like 'model' (dotted nests deeper; valid Unicode), got {prefix!r:.40}"
+        )
     options = save_options(overwrite=overwrite, threads=1, workers=1, key=key, key_env=key_env)
     path = Path(src)
     try:
@@ -106,6 +108,15 @@ def _imported(path: Path, ckpt: str | os.PathLike[str], prefix: str | None, opti
     backend, root = resolve(ckpt, None)
     with _gc.paused():
         return write_checkpoint(root, snapshot, storage=backend, options=options, start=start)
+
+
+def _unicode(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (no lone surrogate: what a non-UTF-8 byte in argv becomes)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _size(path: Path) -> int:
