@@ -190,6 +190,7 @@ def test_a_failed_background_save_raises_on_the_next_call(tmp_path, monkeypatch)
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
 def test_preemption_signal_saves_at_the_next_call(tmp_path):
     state = small_state()
+    before = signal.getsignal(signal.SIGUSR1)  # SIG_DFL, or a manager's of an earlier test not yet collected
     with trainstate.CheckpointManager(tmp_path, every_steps=100, async_save=True) as mgr:
         assert not mgr.save(1, state)
         os.kill(os.getpid(), signal.SIGUSR1)  # the handler only sets a flag
@@ -198,7 +199,7 @@ def test_preemption_signal_saves_at_the_next_call(tmp_path):
         assert (tmp_path / "step_00000002" / "manifest.json").exists()  # saved synchronously
         with trainstate.open(tmp_path / "step_00000002") as ck:
             assert ck.metadata["trainstate"]["reason"] == "preemption (SIGUSR1)"
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers put back on close
+    assert signal.getsignal(signal.SIGUSR1) is before  # handlers put back on close
 
 
 def test_close_saves_a_final_checkpoint_and_history_has_timings(tmp_path):
