@@ -1,10 +1,11 @@
 """CheckpointManager: when to save, what to keep, and resuming from the newest good checkpoint.
 
-The manager is thin: policies decide (policies.py), the catalog lists and deletes (catalog.py), the
-committer writes, commits and applies retention (committer.py), the writer runs those saves in order, in
-the background when asked, after the state was copied into a reused host buffer (async_writer.py,
-staging.py), and the RNG capture adds the process's RNG to what is saved (rng_capture.py). Retention runs
-only after a new checkpoint has committed, so nothing is deleted before its replacement exists.
+The manager is thin: its arguments are checked into fixed settings (settings.py), policies decide
+(policies.py), the catalog lists and deletes (catalog.py), the committer writes, commits and applies retention
+(committer.py), the writer runs those saves in order, in the background when asked, after the state was
+copied into a reused host buffer (async_writer.py, staging.py), the RNG capture adds the process's RNG to
+what is saved (rng_capture.py), and the restorer resumes (resume.py). Retention runs only after a new
+checkpoint has committed, so nothing is deleted before its replacement exists.
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ from typing import Any
 
 from trainstate import _arguments as arguments
 from trainstate import _keys
-from trainstate._distributed.group import Failure
 from trainstate._format import run_dir as naming
-from trainstate._frameworks import replaced_on_restore
 from trainstate._history.log import SaveRecord
 from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
 from trainstate._manager.committer import Committer
 from trainstate._manager.lock import DirectoryLock
-from trainstate._manager.newest import FATAL, first_line, newest_restorable
 from trainstate._manager.policies import (
     CheckpointInfo,
     KeepBest,
@@ -42,9 +40,9 @@ from trainstate._manager.policies import (
 )
 from trainstate._manager.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from trainstate._manager.ranks import ManagerRanks, SingleProcess, manager_ranks
+from trainstate._manager.resume import Restorer
 from trainstate._manager.rng_capture import RNGCapture
 from trainstate._manager.settings import Configured, settings
-from trainstate._restore import load_from
 from trainstate._save import DEFAULT_THREADS, encode_state
 from trainstate._save.background import raise_background
 from trainstate._storage import Storage
@@ -52,8 +50,6 @@ from trainstate._storage.local import ensure_directory
 from trainstate.errors import (
     CheckpointError,
     CheckpointExistsError,
-    CorruptCheckpointError,
-    DistributedError,
     InvalidArgumentError,
 )
 
@@ -162,6 +158,7 @@ class CheckpointManager(Configured):
         self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
         self._writer.agreed_errors_only = group is not None
         self._rng = RNGCapture(bool(capture_rng))
+        self._restorer = Restorer(self.catalog, self._ranks, self._rng, self._config)
         self._closed = False
         self._preemption_saved = False
         self._seq = 0  # the highest commit sequence number this manager has handed out
@@ -314,20 +311,7 @@ class CheckpointManager(Configured):
             >>> for step in range(start, total_steps):
             ...     ...
         """
-        if replaced_on_restore(state):
-            raise InvalidArgumentError(
-                f"restore_latest restores the state in place and returns the step to continue from, but the state "
-                f"given is a {type(state).__name__}, which cannot change in place (JAX arrays and pytrees are "
-                "immutable): put it in a dict, state = {'train': train_state}, restore that and take it back out "
-                "(state['train']), or use mgr.restore(step, train_state), which returns the restored value"
-            )
-        found = newest_restorable(
-            self.list,
-            self.catalog,
-            lambda name: self._try_restore(name, state, load_kwargs),
-            ranks=self._ranks,
-            advice=_restore_advice,
-        )
+        found = self._restorer.newest(state, self.list, load_kwargs)
         if found is None:
             self.prepare(state)
             return None
@@ -336,36 +320,6 @@ class CheckpointManager(Configured):
         self._writer.last_step = found.step
         self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
         return found.step + 1
-
-    def _try_restore(self, name: str, state: Any, load_kwargs: dict[str, Any]) -> None:
-        """Restore checkpoint ``name`` into ``state`` (on every rank), or raise why not (newest_restorable
-        decides what that means).
-
-        Under a process group, a rank that could not read its part makes every rank move on; a user error
-        (a state that does not fit) on any rank raises on every rank.
-        """
-        mine: CheckpointError | None = None
-        try:
-            if self._restore_into(self.catalog.path(name), state, **load_kwargs) is not state:
-                # what the check before listing cannot tell: a tuple at the top holding an immutable part
-                raise InvalidArgumentError(
-                    f"restore_latest restores in place and returns a step, but a {type(state).__name__} cannot "
-                    "change in place (JAX arrays and pytrees such as a Flax TrainState are immutable): keep the "
-                    "state in a dict, state = {'state': ...}, and read state['state'] after restoring; or restore "
-                    "with mgr.restore(step, state), which returns the restored state"
-                )
-        except CheckpointError as e:
-            mine = e
-        fatal = isinstance(mine, FATAL)
-        shared = None if mine is None else Failure(self._ranks.rank, str(mine) if fatal else first_line(mine), fatal)
-        failures = self._ranks.outcomes(shared, f"restore_latest ({name})")
-        if mine is not None:
-            raise mine
-        for f in failures:
-            if f.fatal:
-                raise DistributedError(f"restore_latest: rank {f.rank} could not restore {name}: {f.message}")
-        if failures:
-            raise CorruptCheckpointError(f"rank {failures[0].rank}: {failures[0].message}")
 
     def prepare(self, state: Any) -> None:
         """Get async saving ready for ``state``: allocate and touch its staging buffer on a helper thread.
@@ -389,17 +343,7 @@ class CheckpointManager(Configured):
             >>> mgr.restore(1000, state)                          # roll back to step 1000
             >>> mgr.restore(mgr.best().step, {"model": model}, include="model.*")   # the best weights only
         """
-        return self._restore_into(self.path_for(step), state, **load_kwargs)
-
-    def _restore_into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
-        """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state
-        (optional: a checkpoint saved with ``capture_rng=False`` has none); returns what that returned."""
-        target, added = self._rng.wrap(state)
-        restored = load_from(
-            path, target, storage=self.storage, optional=added, key=self._config.options.key, **load_kwargs
-        )
-        self._rng.unwrap(target, state)
-        return restored if target is state else state  # a new object where the root is immutable (a TrainState)
+        return self._restorer.into(self.path_for(step), state, **load_kwargs)
 
     # -- save ---------------------------------------------------------------------------------------
 
@@ -639,20 +583,6 @@ class CheckpointManager(Configured):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def _restore_advice(failures: builtins.list[tuple[str, str]]) -> str:
-    shared = (
-        " In an incremental run the checkpoints share the pool's files, so one damaged pool file damages every "
-        "checkpoint that names it: restore_latest(state, exclude=[the tensors named above]) restores the rest "
-        "(keep the live values of those), and the next save writes them again."
-        if any("pool-" in why for _, why in failures)
-        else ""
-    )
-    return (
-        "\nThe state may be partly overwritten by the attempts; do not train from it. Restore a copy, "
-        f"or move the damaged checkpoints away to start over.{shared}"
-    )
 
 
 def _release(lock: DirectoryLock | None, preemption: PreemptionWatcher | None, writer: AsyncWriter) -> None:
