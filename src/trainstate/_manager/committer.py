@@ -10,7 +10,6 @@ import builtins
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from trainstate._format import run_dir as naming
@@ -21,34 +20,16 @@ from trainstate._manager.catalog import Catalog
 from trainstate._manager.policies import (
     CheckpointInfo,
     RetentionPlan,
-    RetentionPolicy,
-    SavePolicy,
     plan_retention,
     saved_order,
 )
 from trainstate._manager.ranks import ManagerRanks
+from trainstate._manager.settings import Settings
 from trainstate._restore.checkpoint import _read_manifest
-from trainstate._save import SaveOptions, SaveResult, Snapshot, write_checkpoint
-from trainstate._storage import Storage
+from trainstate._save import SaveResult, Snapshot, write_checkpoint
 from trainstate.errors import CheckpointError, FormatVersionError, StorageError
 
 log = logging.getLogger("trainstate")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """A manager's configuration, fixed at construction."""
-
-    directory: str
-    storage: Storage
-    save_policies: tuple[SavePolicy, ...]
-    retention: tuple[RetentionPolicy, ...]
-    async_save: bool
-    max_in_flight: int
-    staging_budget_bytes: int | None
-    capture_rng: bool
-    metadata: dict[str, Any]
-    options: SaveOptions  # how every save writes (fsync, threads, compression, key, incremental...), checked
 
 
 class Committer:

@@ -1,10 +1,11 @@
 """CheckpointManager: when to save, what to keep, and resuming from the newest good checkpoint.
 
-The manager is thin: policies decide (policies.py), the catalog lists and deletes (catalog.py), the
-committer writes, commits and applies retention (committer.py), the writer runs those saves in order, in
-the background when asked, after the state was copied into a reused host buffer (async_writer.py,
-staging.py), and the RNG capture adds the process's RNG to what is saved (rng_capture.py). Retention runs
-only after a new checkpoint has committed, so nothing is deleted before its replacement exists.
+The manager is thin: its arguments are checked into fixed settings (settings.py), policies decide
+(policies.py), the catalog lists and deletes (catalog.py), the committer writes, commits and applies retention
+(committer.py), the writer runs those saves in order, in the background when asked, after the state was
+copied into a reused host buffer (async_writer.py, staging.py), the RNG capture adds the process's RNG to
+what is saved (rng_capture.py), and the restorer resumes (resume.py). Retention runs only after a new
+checkpoint has committed, so nothing is deleted before its replacement exists.
 """
 
 from __future__ import annotations
@@ -20,26 +21,15 @@ from typing import Any
 
 from trainstate import _arguments as arguments
 from trainstate import _keys
-from trainstate._distributed import rank_and_world
-from trainstate._distributed.group import Failure
 from trainstate._format import run_dir as naming
-from trainstate._format.manifest import MANIFEST_NAME
-from trainstate._frameworks import replaced_on_restore
 from trainstate._history.log import SaveRecord
 from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
-from trainstate._manager.committer import Committer, Settings
+from trainstate._manager.committer import Committer
 from trainstate._manager.lock import DirectoryLock
-from trainstate._manager.newest import FATAL, first_line, newest_restorable
 from trainstate._manager.policies import (
-    AtSteps,
     CheckpointInfo,
-    EverySeconds,
-    EverySteps,
     KeepBest,
-    KeepEveryMinutes,
-    KeepEverySteps,
-    KeepLast,
     RetentionPlan,
     RetentionPolicy,
     SavePolicy,
@@ -50,30 +40,23 @@ from trainstate._manager.policies import (
 )
 from trainstate._manager.preemption import DEFAULT_SIGNALS, PreemptionWatcher
 from trainstate._manager.ranks import ManagerRanks, SingleProcess, manager_ranks
+from trainstate._manager.resume import Restorer
 from trainstate._manager.rng_capture import RNGCapture
-from trainstate._restore import load_from
-from trainstate._save import DEFAULT_THREADS, SaveOptions, encode_state, save_options
+from trainstate._manager.settings import Configured, settings
+from trainstate._save import DEFAULT_THREADS, encode_state
 from trainstate._save.background import raise_background
-from trainstate._storage import Storage, resolve
+from trainstate._storage import Storage
 from trainstate._storage.local import ensure_directory
 from trainstate.errors import (
     CheckpointError,
     CheckpointExistsError,
-    CorruptCheckpointError,
-    DistributedError,
     InvalidArgumentError,
 )
 
 log = logging.getLogger("trainstate")
-# what `manager.X = ...` is told is fixed at construction: the settings, and the save options it takes
-_FIXED = (frozenset(Settings.__dataclass_fields__) | frozenset(SaveOptions.__dataclass_fields__)) - {
-    "options",
-    "overwrite",
-    "workers",
-}
 
 
-class CheckpointManager:
+class CheckpointManager(Configured):
     """Saves a training run's state on a schedule, keeps what the retention policies say, and resumes.
 
     Args:
@@ -165,84 +148,8 @@ class CheckpointManager:
         key_env: str | None = None,
     ) -> None:
         # Every argument is checked before anything is acquired (lock, signal handlers, threads).
-        for given, what in ((save_policies, "save_policies"), (retention_policies, "retention_policies")):
-            if given is not None and not isinstance(given, (list, tuple)):
-                raise InvalidArgumentError(f"{what} takes a list of policies, got {given!r:.60}")
-        save_list: list[SavePolicy] = list(save_policies or [])
-        if every_steps is not None:
-            save_list.append(EverySteps(arguments.positive_int(every_steps, "every_steps")))
-        if every_seconds is not None:
-            save_list.append(EverySeconds(arguments.positive_number(every_seconds, "every_seconds")))
-        if at_steps:
-            save_list.append(AtSteps(frozenset(arguments.step(s, "at_steps[]") for s in at_steps)))
-        if not save_list and at_steps is None:  # no schedule given: each save() saves (a notebook's manager
-            save_list.append(EverySteps(1))  # that saved nothing, silently, lost work)
-        keep: list[RetentionPolicy] = list(retention_policies or [])
-        if keep_last is not None:
-            keep.append(KeepLast(arguments.positive_int(keep_last, "keep_last")))
-        if keep_every_steps is not None:
-            keep.append(KeepEverySteps(arguments.positive_int(keep_every_steps, "keep_every_steps")))
-        if keep_every_minutes is not None:
-            keep.append(KeepEveryMinutes(arguments.positive_number(keep_every_minutes, "keep_every_minutes")))
-        if keep_best is not None:
-            keep.append(KeepBest(*arguments.keep_best(keep_best)))
-        max_in_flight = arguments.positive_int(max_in_flight, "max_in_flight")
-        if staging_budget_bytes is not None and (
-            isinstance(staging_budget_bytes, bool)
-            or not isinstance(staging_budget_bytes, int)
-            or staging_budget_bytes < 0
-        ):
-            raise InvalidArgumentError(f"staging_budget_bytes must be a non-negative int, got {staging_budget_bytes!r}")
-        for name in preemption_signals:
-            if not isinstance(name, str) or not name.startswith("SIG"):
-                raise InvalidArgumentError(f"preemption_signals takes names like 'SIGTERM', got {name!r}")
-        for name, value in (
-            ("async_save", async_save),
-            ("capture_rng", capture_rng),
-            ("save_on_preemption", save_on_preemption),
-        ):
-            arguments.flag(value, name)
-        options = save_options(
-            overwrite=True,  # a step saved again (after a resume) replaces its checkpoint
-            fsync=fsync,
-            threads=threads,
-            compression=compression,
-            key=key,
-            key_env=key_env,
-            collective=collective,
-            group_size=rank_and_world()[1],
-            incremental=incremental,
-            read_only=read_only,
-        )
-        storage_, root = resolve(arguments.location(directory), storage)
-        if storage_.stat_followed(storage_.join(root, MANIFEST_NAME)) is not None:
-            raise InvalidArgumentError(
-                f"{directory} is a checkpoint, not a run directory: a CheckpointManager keeps its checkpoints "
-                "inside a directory of its own (pass the run directory, e.g. its parent); to load this one, "
-                "use trainstate.load"
-            )
-        for policy in save_list:
-            if not callable(getattr(policy, "reason_to_save", None)):
-                raise InvalidArgumentError(
-                    f"save_policies takes save policies (e.g. EverySteps(500)), got {policy!r:.60}"
-                )
-        for kept in keep:
-            if not callable(getattr(kept, "votes", None)):
-                raise InvalidArgumentError(
-                    f"retention_policies takes retention policies (e.g. KeepLast(3)), got {kept!r:.60}"
-                )
-        self._config = Settings(
-            directory=root,
-            storage=storage_,
-            save_policies=tuple(save_list),
-            retention=tuple(keep),
-            async_save=bool(async_save),
-            max_in_flight=max_in_flight,
-            staging_budget_bytes=staging_budget_bytes,
-            capture_rng=bool(capture_rng),
-            metadata=dict(metadata or {}),
-            options=options,
-        )
+        self._config = settings(**{name: value for name, value in locals().items() if name not in ("self", "timeout")})
+        options, storage_, root = self._config.options, self._config.storage, self._config.directory
         self.catalog = Catalog(storage_, root, options.key)
         # under a process group (collective): built on every rank, in the same order
         group = None if options.read_only else manager_ranks(collective, timeout)
@@ -251,6 +158,7 @@ class CheckpointManager:
         self._writer = AsyncWriter(self._committer)  # starts no thread before the first async save
         self._writer.agreed_errors_only = group is not None
         self._rng = RNGCapture(bool(capture_rng))
+        self._restorer = Restorer(self.catalog, self._ranks, self._rng, self._config)
         self._closed = False
         self._preemption_saved = False
         self._seq = 0  # the highest commit sequence number this manager has handed out
@@ -280,151 +188,6 @@ class CheckpointManager:
             raise
         # Dropped without close() (a notebook cell run again): let go of the lock and the signal handlers.
         self._finalizer = weakref.finalize(self, _release, self._lock, self._preemption, self._writer)
-
-    # -- configuration (fixed at construction) ----------------------------------------------------
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if "_finalizer" in self.__dict__ and not name.startswith("_") and name not in self.__dict__:
-            if name in _FIXED:
-                shown = "..." if name == "key" else f"{value!r:.40}"  # never echo a key
-                raise InvalidArgumentError(
-                    f"CheckpointManager.{name} is fixed when the manager is built; create a new manager "
-                    f"with {name}={shown} (close() this one first)"
-                )
-            raise InvalidArgumentError(
-                f"CheckpointManager has no setting {name!r} to change: settings are arguments of the "
-                "constructor and fixed once it is built"
-            )
-        super().__setattr__(name, value)
-
-    @property
-    def directory(self) -> str:
-        """Where the checkpoints go: the directory (or URL) the manager was built with.
-
-        Example:
-            >>> trainstate.CheckpointManager("runs/exp1").directory
-            'runs/exp1'
-        """
-        return self._config.directory
-
-    @property
-    def storage(self) -> Storage:
-        """The storage backend the checkpoints are read from and written to.
-
-        Example:
-            >>> mgr.storage.capabilities.locking  # True on a local disk: one writer at a time
-        """
-        return self._config.storage
-
-    @property
-    def async_save(self) -> bool:
-        """Whether saves are written on a background thread (``async_save=``).
-
-        Example:
-            >>> trainstate.CheckpointManager("runs/exp1", async_save=True).async_save
-            True
-        """
-        return self._config.async_save
-
-    @property
-    def max_in_flight(self) -> int:
-        """How many async saves may be in flight at once, each with its own staging buffer (``max_in_flight=``).
-
-        Example:
-            >>> mgr.max_in_flight
-            1
-        """
-        return self._config.max_in_flight
-
-    @property
-    def staging_budget_bytes(self) -> int | None:
-        """The cap on one staging buffer; a larger state is saved synchronously (None: no cap).
-
-        Example:
-            >>> trainstate.CheckpointManager("runs/exp1", async_save=True, staging_budget_bytes=2**30).staging_budget_bytes
-            1073741824
-        """
-        return self._config.staging_budget_bytes
-
-    @property
-    def capture_rng(self) -> bool:
-        """Whether the RNG is saved under ``_rng`` when the state has no :class:`RNGState` (``capture_rng=``).
-
-        Example:
-            >>> mgr.capture_rng
-            True
-        """
-        return self._config.capture_rng
-
-    @property
-    def fsync(self) -> bool:
-        """Whether each save is flushed to stable storage before its commit (``fsync=``).
-
-        Example:
-            >>> trainstate.CheckpointManager("runs/exp1", fsync=False).fsync
-            False
-        """
-        return self._config.options.fsync
-
-    @property
-    def threads(self) -> int:
-        """Writer threads per save (``threads=``).
-
-        Example:
-            >>> trainstate.CheckpointManager("runs/exp1", threads=4).threads
-            4
-        """
-        return self._config.options.threads
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        """A copy of the metadata every save records (``metadata=``).
-
-        Example:
-            >>> trainstate.CheckpointManager("runs/exp1", metadata={"run": "exp1"}).metadata
-            {'run': 'exp1'}
-        """
-        return dict(self._config.metadata)
-
-    @property
-    def save_policies(self) -> tuple[SavePolicy, ...]:
-        """The save policies, from the keywords (``every_steps=`` ...) and ``save_policies=``.
-
-        Example:
-            >>> trainstate.CheckpointManager("runs/exp1", every_steps=500).save_policies
-            (EverySteps(n=500),)
-        """
-        return self._config.save_policies
-
-    @property
-    def retention(self) -> tuple[RetentionPolicy, ...]:
-        """The retention policies, from the keywords (``keep_last=`` ...) and ``retention_policies=``.
-
-        Example:
-            >>> trainstate.CheckpointManager("runs/exp1", keep_last=3).retention
-            (KeepLast(n=3),)
-        """
-        return self._config.retention
-
-    @property
-    def read_only(self) -> bool:
-        """Whether this manager only lists, restores and pins (``read_only=``).
-
-        Example:
-            >>> trainstate.CheckpointManager("runs/exp1", read_only=True).read_only
-            True
-        """
-        return self._config.options.read_only
-
-    @property
-    def incremental(self) -> bool:
-        """Whether unchanged tensors are shared with earlier checkpoints (``incremental=``).
-
-        Example:
-            >>> trainstate.CheckpointManager("runs/exp1", incremental=True).incremental
-            True
-        """
-        return self._config.options.incremental
 
     # -- queries (manifests only) -----------------------------------------------------------------
 
@@ -548,20 +311,7 @@ class CheckpointManager:
             >>> for step in range(start, total_steps):
             ...     ...
         """
-        if replaced_on_restore(state):
-            raise InvalidArgumentError(
-                f"restore_latest restores the state in place and returns the step to continue from, but the state "
-                f"given is a {type(state).__name__}, which cannot change in place (JAX arrays and pytrees are "
-                "immutable): put it in a dict, state = {'train': train_state}, restore that and take it back out "
-                "(state['train']), or use mgr.restore(step, train_state), which returns the restored value"
-            )
-        found = newest_restorable(
-            self.list,
-            self.catalog,
-            lambda name: self._try_restore(name, state, load_kwargs),
-            ranks=self._ranks,
-            advice=_restore_advice,
-        )
+        found = self._restorer.newest(state, self.list, load_kwargs)
         if found is None:
             self.prepare(state)
             return None
@@ -570,36 +320,6 @@ class CheckpointManager:
         self._writer.last_step = found.step
         self.prepare(state)  # now that optimizer moments exist, the buffer gets its full size
         return found.step + 1
-
-    def _try_restore(self, name: str, state: Any, load_kwargs: dict[str, Any]) -> None:
-        """Restore checkpoint ``name`` into ``state`` (on every rank), or raise why not (newest_restorable
-        decides what that means).
-
-        Under a process group, a rank that could not read its part makes every rank move on; a user error
-        (a state that does not fit) on any rank raises on every rank.
-        """
-        mine: CheckpointError | None = None
-        try:
-            if self._restore_into(self.catalog.path(name), state, **load_kwargs) is not state:
-                # what the check before listing cannot tell: a tuple at the top holding an immutable part
-                raise InvalidArgumentError(
-                    f"restore_latest restores in place and returns a step, but a {type(state).__name__} cannot "
-                    "change in place (JAX arrays and pytrees such as a Flax TrainState are immutable): keep the "
-                    "state in a dict, state = {'state': ...}, and read state['state'] after restoring; or restore "
-                    "with mgr.restore(step, state), which returns the restored state"
-                )
-        except CheckpointError as e:
-            mine = e
-        fatal = isinstance(mine, FATAL)
-        shared = None if mine is None else Failure(self._ranks.rank, str(mine) if fatal else first_line(mine), fatal)
-        failures = self._ranks.outcomes(shared, f"restore_latest ({name})")
-        if mine is not None:
-            raise mine
-        for f in failures:
-            if f.fatal:
-                raise DistributedError(f"restore_latest: rank {f.rank} could not restore {name}: {f.message}")
-        if failures:
-            raise CorruptCheckpointError(f"rank {failures[0].rank}: {failures[0].message}")
 
     def prepare(self, state: Any) -> None:
         """Get async saving ready for ``state``: allocate and touch its staging buffer on a helper thread.
@@ -623,17 +343,7 @@ class CheckpointManager:
             >>> mgr.restore(1000, state)                          # roll back to step 1000
             >>> mgr.restore(mgr.best().step, {"model": model}, include="model.*")   # the best weights only
         """
-        return self._restore_into(self.path_for(step), state, **load_kwargs)
-
-    def _restore_into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
-        """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state
-        (optional: a checkpoint saved with ``capture_rng=False`` has none); returns what that returned."""
-        target, added = self._rng.wrap(state)
-        restored = load_from(
-            path, target, storage=self.storage, optional=added, key=self._config.options.key, **load_kwargs
-        )
-        self._rng.unwrap(target, state)
-        return restored if target is state else state  # a new object where the root is immutable (a TrainState)
+        return self._restorer.into(self.path_for(step), state, **load_kwargs)
 
     # -- save ---------------------------------------------------------------------------------------
 
@@ -873,20 +583,6 @@ class CheckpointManager:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def _restore_advice(failures: builtins.list[tuple[str, str]]) -> str:
-    shared = (
-        " In an incremental run the checkpoints share the pool's files, so one damaged pool file damages every "
-        "checkpoint that names it: restore_latest(state, exclude=[the tensors named above]) restores the rest "
-        "(keep the live values of those), and the next save writes them again."
-        if any("pool-" in why for _, why in failures)
-        else ""
-    )
-    return (
-        "\nThe state may be partly overwritten by the attempts; do not train from it. Restore a copy, "
-        f"or move the damaged checkpoints away to start over.{shared}"
-    )
 
 
 def _release(lock: DirectoryLock | None, preemption: PreemptionWatcher | None, writer: AsyncWriter) -> None:
