@@ -24,15 +24,28 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from trainstate._distributed import Coordinator, coordinator
 from trainstate._distributed.group import Failure
 from trainstate.errors import DistributedError, InvalidArgumentError
 
-if TYPE_CHECKING:
-    from trainstate._manager.async_writer import AsyncWriter
-    from trainstate._manager.committer import Committer
+
+class AsyncWriter(Protocol):
+    """What the ranks ask of the manager's background writer (``async_writer.py``, which imports this module)."""
+
+    def wait(self) -> None: ...
+
+    def ready(self, background: bool) -> None: ...
+
+    def raise_pending(self) -> None: ...
+
+
+class Committer(Protocol):
+    """What the ranks ask of the manager's committer (``committer.py``, which imports this module)."""
+
+    def refuse(self, step: int, error: Exception) -> None: ...
+
 
 _managers = itertools.count()  # managers are built in the same order on every rank: same channel names
 

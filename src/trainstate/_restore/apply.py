@@ -4,22 +4,20 @@ all restore through it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainstate import _state
 from trainstate._distributed import rank_and_world
 from trainstate._frameworks import after_restore, bind
+from trainstate._restore.files import Opened
 from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector, unmatched
 from trainstate.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from trainstate._restore.checkpoint import Checkpoint
 
 __all__ = ["ABSENT", "restore"]
 
 
 def restore(
-    ck: Checkpoint,
+    ck: Opened,
     target: Any,
     *,
     strict: bool = True,

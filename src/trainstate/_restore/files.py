@@ -11,13 +11,14 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from trainstate import _checksum as checksum
 from trainstate._format import manifest
 from trainstate._storage import Storage
+from trainstate._transforms import Decoders
 from trainstate.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 
 BATCH_BYTES = 1 << 20  # small chunks read together, up to this many bytes: one size check, one range
@@ -290,3 +291,18 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # offset and shape of a part of a
 
 def meets(c: manifest.Chunk, region: Box) -> bool:
     return all(co < ro + rs and ro < co + cs for co, cs, ro, rs in zip(c.offset, c.shape, *region)) and all(region[1])
+
+
+class Opened(Protocol):
+    """What reading, planning and restoring need of an open checkpoint (:class:`~trainstate._restore.checkpoint.
+    Checkpoint` is one): the modules below ``checkpoint.py`` name this, never the class that imports them."""
+
+    storage: Storage
+    files: DataFiles
+    decoders: Decoders
+    manifest: manifest.Manifest
+
+    @property
+    def metadata(self) -> Any: ...
+
+    def verify_headers(self) -> None: ...

@@ -26,7 +26,7 @@ import fnmatch
 import logging
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 from trainstate import _state
 from trainstate import _tree as tree
@@ -45,6 +45,7 @@ from trainstate._frameworks import (
 )
 from trainstate._restore import scalar_leaf
 from trainstate._restore.by_path import keyed_like
+from trainstate._restore.files import Opened
 from trainstate._restore.read import Job as _Job
 from trainstate._restore.read import fill
 from trainstate.errors import (
@@ -54,9 +55,6 @@ from trainstate.errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
-
-if TYPE_CHECKING:
-    from trainstate._restore.checkpoint import Checkpoint
 
 Finisher = Callable[[], Any]
 # what the plan walk visits (a node, its part of the target, its path, free) and what a visit answers
@@ -124,7 +122,7 @@ def _describe(value: Any) -> str:
 class Restorer:
     def __init__(
         self,
-        ck: Checkpoint,
+        ck: Opened,
         *,
         strict: bool,
         selected: Callable[[str], bool] | None,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,6 +42,7 @@ from trainstate._restore.files import (
     Batch,
     Box,
     DataFiles,
+    Opened,
     Span,
     batch_spans,
     check_span,
@@ -53,13 +54,8 @@ from trainstate._restore.transformed import batches as transformed_batches
 from trainstate._restore.transformed import transformed, verify_chunk
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 
-if TYPE_CHECKING:
-    from trainstate._restore.checkpoint import Checkpoint
 
-
-def read_views(
-    ck: Checkpoint, reads: Sequence[tuple[str, memoryview, Box | None]], *, verify: bool, threads: int
-) -> None:
+def read_views(ck: Opened, reads: Sequence[tuple[str, memoryview, Box | None]], *, verify: bool, threads: int) -> None:
     """Fill flat byte views from the checkpoint: each the whole tensor (box None) or the box of it given."""
     files = ck.files
     caps = ck.storage.capabilities
@@ -146,7 +142,7 @@ def _box_filler(
     return fill
 
 
-def read_into(ck: Checkpoint, name: str, out: Any, *, verify: bool = True) -> None:
+def read_into(ck: Opened, name: str, out: Any, *, verify: bool = True) -> None:
     """Read tensor ``name`` into the contiguous host array ``out`` of the right size."""
     t = ck.manifest.tensors[name]
     view = flat_view(out)
@@ -155,7 +151,7 @@ def read_into(ck: Checkpoint, name: str, out: Any, *, verify: bool = True) -> No
     read_views(ck, [(name, view, None)], verify=verify, threads=1)
 
 
-def read_tensor(ck: Checkpoint, name: str, *, framework: str, verify: bool) -> Any:
+def read_tensor(ck: Opened, name: str, *, framework: str, verify: bool) -> Any:
     """One tensor: a read-only NumPy view of the map (``"numpy"``) or an array of its own."""
     t = ck.manifest.tensors[name]
     c = t.chunks[0] if len(t.chunks) == 1 and t.nbytes and not t.chunks[0].transforms else None
@@ -178,7 +174,7 @@ def read_tensor(ck: Checkpoint, name: str, *, framework: str, verify: bool) -> A
     return adapter.finish(out, t.kind)
 
 
-def verify_all(ck: Checkpoint) -> None:
+def verify_all(ck: Opened) -> None:
     """Check every tensor against every checksum the manifest has for it: whole chunks and pieces."""
     for name, t in ck.manifest.tensors.items():
         for c in t.chunks:
@@ -231,7 +227,7 @@ def _code(adapter: Adapter, value: Any) -> str:
 
 
 def fill(
-    ck: Checkpoint, jobs: list[tuple[str, Job]], *, framework: str | None, absent: object, verify: bool, threads: int
+    ck: Opened, jobs: list[tuple[str, Job]], *, framework: str | None, absent: object, verify: bool, threads: int
 ) -> None:
     """Read every planned tensor: straight into the target's memory where its layout allows, else
     through a host buffer (absent targets, accelerator tensors, non-contiguous ones, casts)."""
@@ -308,7 +304,7 @@ class _Staged(NamedTuple):
     nbytes: int
 
 
-def _read_to_device(ck: Checkpoint, staged: list[_Staged], *, verify: bool, threads: int) -> None:
+def _read_to_device(ck: Opened, staged: list[_Staged], *, verify: bool, threads: int) -> None:
     """Read accelerator targets through one reused host buffer, in rounds that fill it.
 
     Host memory stays near :data:`STAGE_BYTES` (or the largest tensor) instead of the state's size -- a

@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from trainstate import _checksum as checksum
 from trainstate._format import dtypes, manifest, manifest_mac
-from trainstate._restore.files import Batch, Box, meets
+from trainstate._restore.files import Batch, Box, Opened, meets
 from trainstate._transforms import Place
 from trainstate.errors import CorruptCheckpointError
-
-if TYPE_CHECKING:
-    from trainstate._restore.checkpoint import Checkpoint
 
 
 def transformed(t: manifest.TensorEntry) -> bool:
@@ -34,7 +30,7 @@ def transformed(t: manifest.TensorEntry) -> bool:
 
 
 def batches(
-    ck: Checkpoint, name: str, t: manifest.TensorEntry, dst: memoryview, box: Box | None, verify: bool
+    ck: Opened, name: str, t: manifest.TensorEntry, dst: memoryview, box: Box | None, verify: bool
 ) -> list[Batch]:
     """One batch per chunk of ``name`` meeting ``box`` (None: the whole tensor), each filling its part of
     ``dst`` (the flat bytes of the box); ``verify``: check the chunks' checksums."""
@@ -52,7 +48,7 @@ def batches(
 
 
 def _decoded(
-    ck: Checkpoint, name: str, t: manifest.TensorEntry, c: manifest.Chunk, stored: memoryview, verify: bool, what: str
+    ck: Opened, name: str, t: manifest.TensorEntry, c: manifest.Chunk, stored: memoryview, verify: bool, what: str
 ) -> bytes | bytearray | memoryview:
     """A chunk's raw bytes from its stored bytes (checked already): its transforms undone."""
     if not c.transforms:
@@ -72,7 +68,7 @@ def _decoded(
 
 
 def _fill(
-    ck: Checkpoint,
+    ck: Opened,
     name: str,
     t: manifest.TensorEntry,
     c: manifest.Chunk,
@@ -93,7 +89,7 @@ def _fill(
         del src  # a view of the stored bytes where the chunk was not transformed: released with them
 
 
-def verify_chunk(ck: Checkpoint, name: str, t: manifest.TensorEntry, c: manifest.Chunk) -> None:
+def verify_chunk(ck: Opened, name: str, t: manifest.TensorEntry, c: manifest.Chunk) -> None:
     """``verify``: a transformed chunk's stored checksums (whole and pieces), then that it decodes (and to
     the raw checksum recorded, if any)."""
     what = f"tensor {name} ({c.file})"
