@@ -45,6 +45,7 @@ def save(
         overwrite: replace an existing checkpoint at ``path`` (atomically).
         fsync: flush files and directories to stable storage before the commit.
         threads: writer threads; tensors are spread over this many data files.
+            Default: this process's share of its cores (``TRAINSTATE_THREADS`` sets it; README, "Threads").
         storage: where to write (default: chosen from ``path``; the local filesystem for plain paths).
         collective: inside an initialized process group of several ranks (torch distributed), every rank
             calls ``save`` with its own state and the ranks write one checkpoint together

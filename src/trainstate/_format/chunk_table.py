@@ -19,6 +19,7 @@ from json.encoder import encode_basestring_ascii
 
 import numpy as np
 
+from trainstate._cores import DEFAULT_THREADS
 from trainstate._format.entries import Chunk, Pieces, TensorEntry
 
 Header = tuple[str, str, tuple[int, ...]]  # dtype code, kind, global shape
@@ -198,7 +199,7 @@ class _Rows:
                 self.lengths += keep
             self.digits(columns[:, j], keep)
 
-    def squeezed(self, threads: int = 2) -> tuple[memoryview, np.ndarray]:
+    def squeezed(self, threads: int = DEFAULT_THREADS) -> tuple[memoryview, np.ndarray]:
         """Every row's text end to end, and where each row begins (then where the last one ends).
 
         A block of rows at a time (the block's matrix stays in cache while it is turned row-major and

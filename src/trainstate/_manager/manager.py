@@ -21,6 +21,7 @@ from typing import Any
 
 from trainstate import _arguments as arguments
 from trainstate import _keys
+from trainstate._cores import DEFAULT_THREADS
 from trainstate._format import run_dir as naming
 from trainstate._history.log import SaveRecord
 from trainstate._manager.async_writer import AsyncWriter
@@ -43,7 +44,7 @@ from trainstate._manager.ranks import ManagerRanks, SingleProcess, manager_ranks
 from trainstate._manager.resume import Restorer
 from trainstate._manager.rng_capture import RNGCapture
 from trainstate._manager.settings import Configured, settings
-from trainstate._save import DEFAULT_THREADS, encode_state
+from trainstate._save import encode_state
 from trainstate._save.background import raise_background
 from trainstate._storage import Storage
 from trainstate._storage.local import ensure_directory
@@ -78,6 +79,7 @@ class CheckpointManager(Configured):
         save_on_preemption: on SIGTERM / SIGINT / SIGUSR1, save at the next ``save()`` call.
         fsync: flush to stable storage before each commit.
         threads: writer threads per save.
+            Default: this process's share of its cores (``TRAINSTATE_THREADS`` sets it; README, "Threads").
         metadata: plain values recorded in every checkpoint's manifest.
         storage: where the checkpoints live (default: chosen from ``directory``).
         save_policies: more save policies (:class:`EverySteps`, :class:`EverySeconds`, :class:`AtSteps`, or

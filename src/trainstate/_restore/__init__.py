@@ -7,6 +7,7 @@ from typing import Any
 from trainstate import _arguments as arguments
 from trainstate import _frameworks as frameworks
 from trainstate import _gc, _keys
+from trainstate._cores import DEFAULT_THREADS
 from trainstate._restore.apply import restore
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector
@@ -25,7 +26,7 @@ def load_from(
     exclude: str | list[str] | None = None,
     framework: str | None = None,
     verify: bool = True,
-    threads: int = 2,
+    threads: int = DEFAULT_THREADS,
     optional: tuple[str, ...] = (),
     key: _keys.Key | None = None,
 ) -> Any:
@@ -61,7 +62,7 @@ def load(
     exclude: str | list[str] | None = None,
     framework: str = "numpy",
     verify: bool = True,
-    threads: int = 2,
+    threads: int = DEFAULT_THREADS,
     storage: Storage | None = None,
     key: _keys.KeyLike | None = None,
     key_env: str | None = None,
@@ -82,6 +83,7 @@ def load(
         framework: with no target, the array type returned: ``"numpy"``, ``"torch"`` or ``"jax"``.
         verify: check every tensor's checksum.
         threads: reader threads.
+            Default: this process's share of its cores (``TRAINSTATE_THREADS`` sets it; README, "Threads").
         storage: where to read from (default: chosen from ``path``).
         key: the key of an encrypted checkpoint (32 bytes, 64 hex digits or base64; docs/encryption.md).
         key_env: the name of an environment variable that holds the key, instead of ``key``.

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainstate import _state
+from trainstate._cores import DEFAULT_THREADS
 from trainstate._distributed import rank_and_world
 from trainstate._frameworks import after_restore, bind
 from trainstate._restore.files import Opened
@@ -24,7 +25,7 @@ def restore(
     include: str | list[str] | None = None,
     exclude: str | list[str] | None = None,
     verify: bool = True,
-    threads: int = 2,
+    threads: int = DEFAULT_THREADS,
     framework: str | None = None,
     optional: tuple[str, ...] = (),
 ) -> Any:

@@ -21,6 +21,7 @@ from trainstate import _checksum as checksum
 from trainstate import _frameworks as frameworks
 from trainstate import _keys
 from trainstate import _tree as tree
+from trainstate._cores import DEFAULT_THREADS
 from trainstate._format import datafile, manifest
 from trainstate._frameworks import adapter_for
 from trainstate._incremental import pool
@@ -232,7 +233,7 @@ class Checkpoint:
         *,
         framework: str = "numpy",
         verify: bool = True,
-        threads: int = 2,
+        threads: int = DEFAULT_THREADS,
         include: str | list[str] | None = None,
         exclude: str | list[str] | None = None,
     ) -> Any:
@@ -252,7 +253,7 @@ class Checkpoint:
             self, ABSENT, include=include, exclude=exclude, framework=framework, verify=verify, threads=threads
         )
 
-    def read_many(self, jobs: list[tuple[str, Any]], *, verify: bool = True, threads: int = 2) -> None:
+    def read_many(self, jobs: list[tuple[str, Any]], *, verify: bool = True, threads: int = DEFAULT_THREADS) -> None:
         """``read_into`` for many ``(name, out)`` pairs, in file order, on ``threads`` threads.
 
         Example:

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from trainstate._cores import DEFAULT_THREADS
 from trainstate._save.encode import Snapshot, TensorTable, encode_state
-from trainstate._save.options import DEFAULT_THREADS, SaveOptions, save_options
+from trainstate._save.options import SaveOptions, save_options
 from trainstate._save.plan import FILE_TEMPLATE, plan_files
 from trainstate._save.write import SaveResult, write_checkpoint
 

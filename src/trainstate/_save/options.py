@@ -18,10 +18,9 @@ from typing import Any
 
 from trainstate import _arguments as arguments
 from trainstate import _keys, _transforms
+from trainstate._cores import DEFAULT_THREADS
 from trainstate._storage import Storage
 from trainstate.errors import InvalidArgumentError
-
-DEFAULT_THREADS = 2
 
 
 @dataclass(frozen=True)

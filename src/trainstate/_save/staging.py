@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from trainstate._cores import DEFAULT_THREADS
 from trainstate._frameworks import numpy_adapter
 from trainstate._save.encode import Entry, Snapshot
 
@@ -80,7 +81,7 @@ class StagingBuffer:
             if fresh:
                 buf[::4096] = 0
 
-    def stage(self, snapshot: Snapshot, threads: int = 2) -> Snapshot:
+    def stage(self, snapshot: Snapshot, threads: int = DEFAULT_THREADS) -> Snapshot:
         """A snapshot whose arrays live in this buffer; the originals may change freely afterwards."""
         offsets, total = _layout(snapshot)
         with self._lock:  # through the copy: nothing reallocates or writes the buffer meanwhile

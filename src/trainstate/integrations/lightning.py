@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from trainstate import _keys
+from trainstate._cores import DEFAULT_THREADS
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._format.run_dir import staged_target, staging_name
 from trainstate._optional import optional
@@ -41,7 +42,7 @@ from trainstate._restore import ABSENT, restore
 from trainstate._restore.checkpoint import open_checkpoint
 from trainstate._rng import RNGState
 from trainstate._save.background import BackgroundSaver
-from trainstate._save.options import DEFAULT_THREADS, save_options
+from trainstate._save.options import save_options
 from trainstate._saving import save_alone
 from trainstate._storage import LocalStorage, resolve
 from trainstate.errors import (

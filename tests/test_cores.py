@@ -1,0 +1,53 @@
+"""The default thread count: this process's share of the cores it may use (trainstate._cores)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+import trainstate
+from trainstate import _cores
+
+
+@pytest.mark.parametrize(
+    ("environ", "cores", "expected"),
+    [
+        ({}, 16, 16),  # one process on a 16-core host: every core
+        ({"LOCAL_WORLD_SIZE": "8"}, 64, 8),  # 8 ranks on 64 cores: 8 each
+        ({"LOCAL_WORLD_SIZE": "8"}, 4, 1),  # more ranks than cores: still one thread each
+        ({}, 128, _cores.MAX_DEFAULT),  # more cores than a checkpoint keeps busy
+        ({"TRAINSTATE_THREADS": "3", "LOCAL_WORLD_SIZE": "8"}, 64, 3),  # set outright
+        ({"TRAINSTATE_THREADS": "zero", "LOCAL_WORLD_SIZE": "-2"}, 16, 16),  # nonsense is ignored, never fatal
+        ({"TRAINSTATE_THREADS": "0"}, 2, 2),
+    ],
+)
+def test_the_default_is_this_process_s_share_of_its_cores(environ, cores, expected):
+    assert _cores.default_threads(environ, cores) == expected
+
+
+def test_usable_cores_are_the_affinity_mask_not_the_machine_s_count():
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no sched_getaffinity here")
+    assert _cores.usable_cores() == len(os.sched_getaffinity(0))
+
+
+def test_every_entry_point_defaults_to_it():
+    for fn in (trainstate.save, trainstate.load, trainstate.CheckpointManager):
+        assert inspect.signature(fn).parameters["threads"].default == _cores.DEFAULT_THREADS, fn
+
+
+def test_a_process_pinned_to_one_core_or_launched_beside_others_defaults_to_its_share():
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity here")
+    code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+    code += "from trainstate import _cores; print(_cores.default_threads())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "1"
+    env = {**os.environ, "TRAINSTATE_THREADS": "5"}
+    code = "from trainstate import _cores; print(_cores.DEFAULT_THREADS)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == "5"
