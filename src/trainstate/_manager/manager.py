@@ -27,6 +27,7 @@ from trainstate._history.log import SaveRecord
 from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
 from trainstate._manager.committer import Committer
+from trainstate._manager.keep_best import warn_missing_metrics
 from trainstate._manager.lock import DirectoryLock
 from trainstate._manager.policies import (
     CheckpointInfo,
@@ -164,7 +165,7 @@ class CheckpointManager(Configured):
         self._closed = False
         self._preemption_saved = False
         self._seq = 0  # the highest commit sequence number this manager has handed out
-        self._warned: set[str] = set()  # keep_best metrics warned about, or seen in a save: never warned about
+        self._warned: set[str] = set()  # keep_best metrics warned about, or seen in a save (keep_best.py)
         self.swept: builtins.list[str] = []
         self._lock: DirectoryLock | None = None
         self._preemption: PreemptionWatcher | None = None
@@ -427,35 +428,6 @@ class CheckpointManager(Configured):
         name = self._preemption.signal_name if self._preemption is not None else None
         return name or "signalled on another rank"
 
-    def _warn_missing_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Warn once per metric when a keep_best metric is missing from a save and no save of the run has passed
-        it: a misspelt name (or a metric logged under another) would otherwise leave keep_best keeping nothing,
-        silently. A save without it in a run that passes it elsewhere (evaluation less often than saves, the
-        final save of ``close(step, state)``) is normal and says nothing."""
-        for policy in self.retention:
-            if not isinstance(policy, KeepBest) or policy.metric in self._warned:
-                continue
-            if policy.metric in metrics or self._run_has_metric(policy.metric):
-                self._warned.add(policy.metric)  # the run passes it: never a warning for it
-                continue
-            self._warned.add(policy.metric)
-            log.warning(
-                "keep_best ranks checkpoints by %r, but the save of step %d has no such metric (it has: %s), nor "
-                "has any checkpoint of the run. A checkpoint without it is neither kept nor let go by keep_best "
-                "(never counted as worse than the best); if the name is wrong, nothing is kept as the best: pass "
-                "metrics={%r: value} to save() (or to close(step, state, metrics=...))",
-                policy.metric,
-                step,
-                ", ".join(sorted(metrics)) or "none",
-                policy.metric,
-            )
-
-    def _run_has_metric(self, metric: str) -> bool:
-        try:
-            return any(metric in c.metrics for c in self.catalog.list())
-        except CheckpointError:  # a listing that fails here fails where it matters too; warn meanwhile
-            return False
-
     def _save(
         self,
         step: int,
@@ -467,7 +439,7 @@ class CheckpointManager(Configured):
         background: bool,
     ) -> None:
         start = time.perf_counter()
-        self._warn_missing_metrics(step, metrics)
+        warn_missing_metrics(self.retention, self._warned, self.catalog, step, metrics)
         self._writer.ready(background)  # a free staging buffer, or (synchronous) no save in flight
         self._seq = max(self._seq, self.catalog.next_seq() - 1) + 1
         saved, added = self._rng.wrap(state)
