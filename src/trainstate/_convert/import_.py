@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainstate import _gc, _keys
+from trainstate import _tree as tree
 from trainstate._convert import dcp, safetensors_file, source, torch_file
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._save.options import save_options
@@ -111,10 +112,11 @@ def _imported(path: Path, ckpt: str | os.PathLike[str], prefix: str | None, opti
 
 
 def _unicode(text: str) -> bool:
-    """Whether ``text`` is valid Unicode (no lone surrogate: what a non-UTF-8 byte in argv becomes)."""
+    """Whether ``text`` is a key trainstate stores (valid Unicode: no lone surrogate, which a non-UTF-8 byte
+    in argv becomes); the tree's own rule (:func:`trainstate._tree.key_text`)."""
     try:
-        text.encode()
-    except UnicodeEncodeError:
+        tree.key_text(text)
+    except UnsupportedValueError:
         return False
     return True
 
