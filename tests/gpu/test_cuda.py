@@ -79,9 +79,14 @@ def test_cuda_state_restores_onto_cuda_and_onto_cpu(tmp_path: Path) -> None:
 
 def test_restore_onto_cuda_in_rounds_through_a_small_host_buffer(tmp_path: Path, monkeypatch: Any) -> None:
     """Host staging smaller than the state: many rounds, one tensor larger than the buffer, odd sizes."""
-    from trainstate._restore import read
+    from trainstate._frameworks import torch as torch_adapter
+    from trainstate._restore import ring
 
-    monkeypatch.setattr(read, "STAGE_BYTES", 1 << 20)
+    monkeypatch.setattr(ring, "MIN_SLOT_BYTES", 1 << 20)
+    monkeypatch.setattr(ring, "LANE_BYTES", 1 << 16)
+    allocated: list[int] = []
+    real = torch_adapter.staging
+    monkeypatch.setattr(torch_adapter, "staging", lambda n, like: allocated.append(n) or real(n, like))
     torch.manual_seed(0)
     saved = {f"t{i}": torch.randn(n, device="cuda") for i, n in enumerate([3, 70_000, 1_000_000, 5, 262_145, 1])}
     saved["bf16"] = torch.randn(123_457, device="cuda").to(torch.bfloat16)
@@ -90,15 +95,37 @@ def test_restore_onto_cuda_in_rounds_through_a_small_host_buffer(tmp_path: Path,
     trainstate.load(tmp_path / "c", target)
     for k, v in saved.items():
         assert target[k].device.type == "cuda" and torch.equal(target[k].cpu(), v.cpu()), k
+    assert sum(allocated) <= ring.SLOTS * (1 << 20)  # the ring, nothing else: host memory bounded by it
+
+
+def test_the_ring_overlaps_copies_without_overwriting_a_slot_in_flight(tmp_path: Path, monkeypatch: Any) -> None:
+    """Many rounds through a small ring with the device kept busy, so a slot refilled before its copy ran
+    would land the wrong bytes; the current stream's earlier work is ordered before the restore's copies."""
+    from trainstate._restore import ring
+
+    monkeypatch.setattr(ring, "MIN_SLOT_BYTES", 2 << 20)
+    monkeypatch.setattr(ring, "LANE_BYTES", 1 << 16)
+    torch.manual_seed(1)
+    saved = {f"w{i}": torch.randn(1_500_000 + i, device="cuda") for i in range(24)}  # ~144 MB, 2 MiB slots
+    trainstate.save(tmp_path / "c", saved)
+    target = {k: torch.zeros_like(v) for k, v in saved.items()}
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):
+        busy = busy @ busy / 4096  # queued on the current stream before the restore
+    target["w0"].fill_(3.0)  # queued too: the restore's copy of w0 must land after it
+    trainstate.load(tmp_path / "c", target)
+    for k, v in saved.items():
+        assert torch.equal(target[k], v), k
 
 
 def test_compressed_checkpoint_restores_onto_cuda_through_the_host_buffer(tmp_path: Path, monkeypatch: Any) -> None:
     """zstd chunks decoded into the host staging buffer, in rounds, then copied to the device."""
     pytest.importorskip("zstandard")
     import trainstate._transforms as transforms
-    from trainstate._restore import read
+    from trainstate._restore import ring
 
-    monkeypatch.setattr(read, "STAGE_BYTES", 1 << 20)
+    monkeypatch.setattr(ring, "MIN_SLOT_BYTES", 1 << 20)
+    monkeypatch.setattr(ring, "LANE_BYTES", 1 << 16)
     monkeypatch.setattr(transforms, "TRANSFORM_CHUNK_BYTES", 256 << 10)
     saved = {f"t{i}": torch.arange(n, device="cuda") % 7 for i, n in enumerate([3, 70_000, 1_000_000, 262_145])}
     saved["bf16"] = (torch.arange(123_457, device="cuda") % 5).to(torch.bfloat16)

@@ -21,6 +21,7 @@ The pytrees that hold arrays (Flax, Optax) and Flax NNX objects are ``jax_tree.p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -211,8 +212,12 @@ def staging(nbytes: int, like: Any) -> np.ndarray:
     return numpy_adapter.staging(nbytes, like)
 
 
-def copy_in(pairs: list[tuple[Any, np.ndarray]]) -> None:
-    numpy_adapter.copy_in(pairs)
+def cuttable(value: Any) -> bool:
+    return False  # immutable: never a staged target (on_accelerator is False)
+
+
+def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], None]:
+    return numpy_adapter.copy_in_async(pairs)
 
 
 def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -74,9 +75,24 @@ def staging(nbytes: int, like: Any) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
-def copy_in(pairs: list[tuple[Any, np.ndarray]]) -> None:
-    for target, host in pairs:
-        np.copyto(target, host.view(target.dtype).reshape(target.shape))
+def cuttable(value: Any) -> bool:
+    return writable_view(value) is not None
+
+
+def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], None]:
+    """Host memory: the copies are done when this returns."""
+    for target, offset, host in pairs:
+        if offset is None:
+            np.copyto(target, host.view(target.dtype).reshape(target.shape))
+        else:
+            view = writable_view(target)
+            assert view is not None
+            np.frombuffer(view, np.uint8)[offset : offset + host.nbytes] = host
+    return _landed
+
+
+def _landed() -> None:
+    pass
 
 
 def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:

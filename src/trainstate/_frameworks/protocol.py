@@ -4,6 +4,7 @@ object keyed through others (:class:`Bound`: a torch optimizer). The table of fr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,8 +46,14 @@ class Adapter(Protocol):
         """``nbytes`` of host memory (uint8) to stage reads for accelerator arrays like ``like``: page-locked
         where the framework can make it, since copies from it run several times faster."""
 
-    def copy_in(self, pairs: list[tuple[Any, np.ndarray]]) -> None:
-        """Copy each flat host byte array into its live accelerator array; returns once all have landed."""
+    def cuttable(self, value: Any) -> bool:
+        """Whether host bytes may be copied into a byte range of accelerator array ``value`` (it is
+        contiguous), so that a large one can be filled in parts through small host buffers."""
+
+    def copy_in_async(self, pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], None]:
+        """Queue copies of flat host byte arrays into live accelerator arrays: each ``(target, offset, host)``
+        fills the target's bytes from ``offset`` (a :meth:`cuttable` target), or the whole target (``offset``
+        None). Returns a function that waits until all have landed; until then ``host`` must not change."""
 
     def copy_out(self, pairs: list[tuple[Any, np.ndarray]]) -> None:
         """Copy each array's bytes (C order) into its flat host byte array (of :meth:`staging` memory for

@@ -9,6 +9,7 @@ and ``copy_``, so a restored tensor keeps its device. The object hooks tell rest
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -179,16 +180,57 @@ def staging(nbytes: int, like: Any) -> np.ndarray:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).numpy()  # the array keeps the tensor
 
 
-def copy_in(pairs: list[tuple[Any, np.ndarray]]) -> None:
-    cuda = False
+def cuttable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_contiguous()
+
+
+def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], None]:
+    """CUDA targets: copies from (pinned) host memory queued on a stream of trainstate's own per device, after
+    the work already queued on the device's current stream; the wait returned synchronizes on an event of
+    each stream used. Other devices copy before this returns."""
+    events = []
+    streams: dict[torch.device, Any] = {}
     with torch.no_grad():
-        for target, host in pairs:
-            source = torch.from_numpy(host).view(target.dtype).view(target.shape)
-            on_cuda = target.device.type == "cuda"
-            target.copy_(source, non_blocking=on_cuda)  # async from pinned memory: all queued, then one wait
-            cuda = cuda or on_cuda
-    if cuda:
-        torch.cuda.synchronize()
+        for target, offset, host in pairs:
+            source = torch.from_numpy(host)
+            if target.device.type != "cuda":
+                _copy_into(target, offset, source, non_blocking=False)
+                continue
+            stream = streams.get(target.device)
+            if stream is None:
+                stream = streams[target.device] = _copy_stream(target.device)
+                stream.wait_stream(torch.cuda.current_stream(target.device))  # after what the loop queued
+            with torch.cuda.stream(stream):
+                _copy_into(target, offset, source, non_blocking=True)
+        for stream in streams.values():
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            events.append(event)
+
+    def wait() -> None:
+        for event in events:
+            event.synchronize()
+
+    return wait
+
+
+def _copy_into(target: torch.Tensor, offset: int | None, source: torch.Tensor, *, non_blocking: bool) -> None:
+    if offset is None:
+        target.copy_(source.view(target.dtype).view(target.shape), non_blocking=non_blocking)
+    else:
+        flat = target.view(-1).view(torch.uint8) if target.dim() else target.view(1).view(torch.uint8)
+        flat[offset : offset + source.numel()].copy_(source, non_blocking=non_blocking)
+
+
+_streams: dict[torch.device, Any] = {}
+
+
+def _copy_stream(device: torch.device) -> Any:
+    """The CUDA stream restores copy on, one per device, made once."""
+    stream = _streams.get(device)
+    if stream is None:
+        stream = _streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    return stream
 
 
 def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:

@@ -199,6 +199,16 @@ def check_span(src: memoryview, span: Span) -> None:
         raise checksum.mismatch(f"{where} (bytes {span.begin}-{span.end})", span.checksum, found)
 
 
+def batching(storage: Storage, total: int, verify: bool, threads: int) -> tuple[int, int]:
+    """(batch limit, lanes) for reading ``total`` bytes of spans: where files are not mapped (object stores),
+    larger ranged reads and more of them at once (latency-bound); enough batches for every lane."""
+    caps = storage.capabilities
+    remote = bool(caps.target_file_bytes)
+    threads = max(threads, caps.read_parallelism)
+    limit = REMOTE_BATCH_BYTES if remote or not verify else BATCH_BYTES
+    return max(1, min(limit, -(-total // max(1, threads)))), threads
+
+
 def batch_spans(spans_by_file: list[tuple[str, Span]], limit: int) -> list[Batch]:
     """Spans (sorted by file and offset) grouped: close neighbours together up to ``limit`` bytes."""
     out: list[Batch] = []

@@ -6,13 +6,14 @@ gives one span per piece; any other chunk (small ones, and every chunk of a 1.0 
 Each span is hashed and then copied, so **no byte that fails its checksum is ever written**, and a piece
 (1 MiB) is copied while it is still in the CPU cache from hashing it: the stored bytes cross the memory
 bus once. Spans are grouped into *batches* (one piece, one whole chunk, or a run of small chunks up to
-:data:`BATCH_BYTES`) and the batches, in file order, are cut into ``threads`` lanes of equal bytes, so one
+:data:`~trainstate._restore.files.BATCH_BYTES`) and the batches, in file order, are cut into ``threads`` lanes of equal bytes, so one
 large tensor is split across lanes too. Each lane reads front to back, so a cold read keeps the kernel's
 readahead (lanes that took turns over segments of one file measured 1.5x slower cold). A tensor that the
 target ties (one memory named twice in the state, like a language model's input and output embeddings)
 is read once.
 
-Where the storage maps files (local disks), bytes are hashed and copied straight from the page cache
+Accelerator targets go through a ring of reused host buffers, their copies overlapping the next reads
+(``ring.py``). Where the storage maps files (local disks), bytes are hashed and copied straight from the page cache
 through the map made at open. Each batch first checks the file's current size, so a file truncated
 while the checkpoint is open is a CorruptCheckpointError, not a SIGBUS. Elsewhere (object stores) each
 batch is one ranged read into a buffer.
@@ -28,7 +29,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -37,19 +39,19 @@ from trainstate import _gc
 from trainstate._format import dtypes, manifest
 from trainstate._frameworks import NUMPY, Adapter, adapter_for, adapter_named
 from trainstate._restore.files import (
-    BATCH_BYTES,
-    REMOTE_BATCH_BYTES,
     Batch,
     Box,
     DataFiles,
     Opened,
     Span,
     batch_spans,
+    batching,
     check_span,
     chunk_spans,
     meets,
     run_lanes,
 )
+from trainstate._restore.ring import Staged, read_to_device
 from trainstate._restore.transformed import batches as transformed_batches
 from trainstate._restore.transformed import transformed, verify_chunk
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
@@ -58,10 +60,6 @@ from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
 def read_views(ck: Opened, reads: Sequence[tuple[str, memoryview, Box | None]], *, verify: bool, threads: int) -> None:
     """Fill flat byte views from the checkpoint: each the whole tensor (box None) or the box of it given."""
     files = ck.files
-    caps = ck.storage.capabilities
-    remote = bool(caps.target_file_bytes)
-    threads = max(threads, caps.read_parallelism)  # remote: latency-bound ranged reads, more of them at once
-    limit = REMOTE_BATCH_BYTES if remote or not verify else BATCH_BYTES
     tensors = ck.manifest.tensors
     spans: list[tuple[str, Span]] = []
     boxes: list[Batch] = []
@@ -104,8 +102,7 @@ def read_views(ck: Opened, reads: Sequence[tuple[str, memoryview, Box | None]], 
             size = sum(c.byte_range[1] - c.byte_range[0] for c in needed)
             boxes.append(Batch(first.file, first.byte_range[0], first.byte_range[0] + size, [], fill))
     spans.sort(key=lambda fs: (fs[0], fs[1].begin))
-    total = sum(s.end - s.begin for _, s in spans)
-    limit = max(1, min(limit, -(-total // max(1, threads))))  # enough batches for every lane the store asks for
+    limit, threads = batching(ck.storage, sum(s.end - s.begin for _, s in spans), verify, threads)
     batches = batch_spans(spans, limit)
     if boxes:
         batches = sorted(batches + boxes, key=lambda b: (b.file, b.begin))
@@ -233,7 +230,7 @@ def fill(
     through a host buffer (absent targets, accelerator tensors, non-contiguous ones, casts)."""
     tensors = ck.manifest.tensors
     reads: list[tuple[str, memoryview, Box | None]] = []
-    on_device: list[_Staged] = []
+    on_device: list[Staged] = []
     with _gc.paused():
         for name, job in jobs:
             entry = tensors[name]
@@ -244,9 +241,8 @@ def fill(
             view = None
             if live is not None and _code(live, target) == entry.dtype:
                 if live.on_accelerator(local):
-                    on_device.append(
-                        _Staged(name, live, local, box, math.prod(local.shape) * dtypes.from_code(entry.dtype).itemsize)
-                    )
+                    nbytes = math.prod(local.shape) * dtypes.from_code(entry.dtype).itemsize
+                    on_device.append(Staged(name, live, local, box, nbytes, live.cuttable(local)))
                     job.value = target
                     continue
                 view = live.writable_view(local)
@@ -261,7 +257,8 @@ def fill(
             reads.append((name, view if view.format == "B" else view.cast("B"), box))
         try:
             read_views(ck, reads, verify=verify, threads=threads)
-            _read_to_device(ck, on_device, verify=verify, threads=threads)
+            whole = partial(read_views, ck, verify=verify, threads=threads)
+            read_to_device(ck, on_device, whole, verify=verify, threads=threads)  # ring.py
         except CorruptCheckpointError as e:
             raise type(e)(  # the same kind (a TamperedCheckpointError stays one), with what that left behind
                 f"{e}\nThe target is partly restored, and no byte that failed its checksum was written: tensors "
@@ -289,48 +286,6 @@ def _finish(job: Job, kind: str, framework: str | None, absent: object) -> None:
         job.value = job.target if placed is job.local else placed
     else:
         job.value = _adapter(job.target).assign(job.target, host)
-
-
-STAGE_BYTES = 64 << 20  # host staging for accelerator targets: at least this, at most the largest tensor
-
-
-class _Staged(NamedTuple):
-    """A read into a live accelerator array (or its local shard), which goes through host staging."""
-
-    name: str
-    adapter: Adapter
-    local: Any  # the accelerator array the bytes land in
-    box: Box | None
-    nbytes: int
-
-
-def _read_to_device(ck: Opened, staged: list[_Staged], *, verify: bool, threads: int) -> None:
-    """Read accelerator targets through one reused host buffer, in rounds that fill it.
-
-    Host memory stays near :data:`STAGE_BYTES` (or the largest tensor) instead of the state's size -- a
-    model restored onto GPUs needs no host copy of itself -- and the buffer is allocated once, page-locked
-    where the framework can (bench/bench_gpu.py: a fresh host array per tensor cost more in page faults
-    than the whole read). Each round is read (and checked) before any of it is copied to the device.
-    """
-    if not staged:
-        return
-    largest = max(s.nbytes for s in staged)
-    size = max(largest, min(STAGE_BYTES, sum(s.nbytes + 63 for s in staged)))
-    buffer = staged[0].adapter.staging(size, like=staged[0].local)
-    start = 0
-    while start < len(staged):
-        used, end = 0, start
-        while end < len(staged) and (end == start or used + staged[end].nbytes <= size):
-            used += -(-staged[end].nbytes // 64) * 64  # cache-line aligned
-            end += 1
-        batch, offset, views = staged[start:end], 0, []
-        for s in batch:
-            views.append(buffer[offset : offset + s.nbytes])
-            offset += -(-s.nbytes // 64) * 64
-        read_views(ck, [(s.name, v.data, s.box) for s, v in zip(batch, views)], verify=verify, threads=threads)
-        for adapter in {id(s.adapter): s.adapter for s in batch}.values():
-            adapter.copy_in([(s.local, v) for s, v in zip(batch, views) if s.adapter is adapter])
-        start = end
 
 
 def _adapter(value: Any) -> Adapter:
