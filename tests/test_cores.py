@@ -51,3 +51,40 @@ def test_a_process_pinned_to_one_core_or_launched_beside_others_defaults_to_its_
     code = "from trainstate import _cores; print(_cores.DEFAULT_THREADS)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.strip() == "5"
+
+
+def test_verify_and_open_default_to_it_too():
+    from trainstate._restore.checkpoint import Checkpoint
+
+    assert inspect.signature(Checkpoint.verify).parameters["threads"].default == _cores.DEFAULT_THREADS
+    assert inspect.signature(Checkpoint.read_many).parameters["threads"].default == _cores.DEFAULT_THREADS
+
+
+def test_consolidate_takes_fewer_threads_where_tensors_would_not_fit_in_memory():
+    assert inspect.signature(trainstate.consolidate).parameters["threads"].default is None  # decided per source
+    gib = 1 << 30
+    assert _cores.threads_within(gib, threads=16, available=64 * gib) == 16  # 16 GiB of 64: fits
+    assert _cores.threads_within(gib, threads=16, available=8 * gib) == 2  # a quarter of 8 GiB: two tensors
+    assert _cores.threads_within(40 * gib, threads=16, available=8 * gib) == 1  # never fewer than one
+    assert _cores.threads_within(gib, threads=16, available=0) == 16  # unknown memory: the core count
+
+
+def test_verify_on_many_lanes_finds_a_damaged_byte_in_the_last_lane(tmp_path):
+    import json
+
+    import numpy as np
+
+    state = {f"t{i}": np.arange(300_000, dtype=np.float32) + i for i in range(8)}
+    trainstate.save(tmp_path / "c", state)
+    with trainstate.open(tmp_path / "c") as ck:
+        ck.verify(threads=4)
+    body = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    chunks = sorted((c["file"], c["byte_range"][1]) for t in body["tensors"].values() for c in t["chunks"])
+    file, end = chunks[-1]  # the last bytes of the last file: the last lane reads them
+    with open(tmp_path / "c" / file, "r+b") as f:
+        f.seek(end - 3)
+        b = f.read(1)
+        f.seek(end - 3)
+        f.write(bytes([b[0] ^ 1]))
+    with trainstate.open(tmp_path / "c") as ck, pytest.raises(trainstate.CorruptCheckpointError):
+        ck.verify(threads=4)

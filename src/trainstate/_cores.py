@@ -48,3 +48,24 @@ def _positive(text: str | None) -> int | None:
 
 
 DEFAULT_THREADS = default_threads()
+
+
+MEMORY_SHARE = 4  # threads that each hold a buffer take at most 1/MEMORY_SHARE of the memory available
+
+
+def threads_within(each: int, threads: int = DEFAULT_THREADS, available: int | None = None) -> int:
+    """``threads``, fewer where each holds ``each`` bytes and together they would take more than a quarter of
+    the memory available now (``consolidate``: each file in flight holds one whole tensor); at least 1."""
+    if available is None:
+        available = available_memory()
+    if each <= 0 or available <= 0:
+        return max(1, threads)
+    return max(1, min(threads, available // MEMORY_SHARE // each))
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0

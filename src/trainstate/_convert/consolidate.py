@@ -23,6 +23,7 @@ from typing import Any
 
 from trainstate import _gc, _keys
 from trainstate import _tree as tree
+from trainstate._cores import threads_within
 from trainstate._distributed import per_rank
 from trainstate._restore.checkpoint import Checkpoint
 from trainstate._restore.lazy import stored_entry
@@ -40,7 +41,7 @@ def consolidate(
     rank: int = 0,
     overwrite: bool = False,
     fsync: bool = True,
-    threads: int = 1,
+    threads: int | None = None,
     storage: Storage | None = None,
     dst_storage: Storage | None = None,
     compression: str | None = None,
@@ -55,7 +56,8 @@ def consolidate(
     continues as that rank did; the other ranks' values are left out). Each tensor is checked against its
     checksums as it is read and gets fresh ones as it is written; ``dst`` is committed atomically, like a
     save. Memory peaks near ``threads`` times the largest tensor: tensors are read a tensor at a time as the
-    writer reaches them. No process group is needed; ``src`` and ``dst`` may be on different storages.
+    writer reaches them, so the default thread count is lowered where that would take more than a quarter of
+    the memory available. No process group is needed; ``src`` and ``dst`` may be on different storages.
 
     Args:
         src: the checkpoint to read (any checkpoint: one that is whole already is copied).
@@ -64,6 +66,8 @@ def consolidate(
         overwrite: replace a checkpoint at ``dst`` (atomically).
         fsync: flush to stable storage before the commit.
         threads: data files written at once, each holding one tensor in memory at a time.
+            Default: this process's share of its cores (README, "Threads"), fewer where ``threads`` times the
+            largest tensor would exceed a quarter of the memory available.
         storage: where ``src`` is (default: chosen from its path).
         dst_storage: where ``dst`` goes (default: chosen from its path).
         compression: ``"zstd"`` or ``"zstd:LEVEL"`` to compress ``dst`` (each tensor then in chunks, as
@@ -88,15 +92,6 @@ def consolidate(
     start = time.perf_counter()
     resolved = _keys.resolve(key, key_env)
     rotating = new_key is not None or new_key_env is not None
-    options = save_options(
-        overwrite=overwrite,
-        fsync=fsync,
-        threads=threads,
-        workers=threads,  # each file in flight holds one tensor, read as the writer reaches it
-        compression=compression,
-        key=new_key if rotating else resolved,
-        key_env=new_key_env if rotating else None,
-    )
     backend, root = resolve(dst, dst_storage)
     with Checkpoint(src, storage, key=resolved) as ck, _gc.paused():
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ck.world_size:
@@ -108,6 +103,17 @@ def consolidate(
             raise InvalidArgumentError(
                 f"cannot keep the per-rank values of rank {rank!r:.40}: {ck.path} was saved by {saved_by}"
             )
+        if threads is None:  # each file in flight holds one whole tensor
+            threads = threads_within(max((t.nbytes for t in ck.manifest.tensors.values()), default=0))
+        options = save_options(
+            overwrite=overwrite,
+            fsync=fsync,
+            threads=threads,
+            workers=threads,  # each file in flight holds one tensor, read as the writer reaches it
+            compression=compression,
+            key=new_key if rotating else resolved,
+            key_env=new_key_env if rotating else None,
+        )
         ck.verify_headers()
         root_node, names = one_process_tree(ck.manifest.tree, rank)
         entries = [stored_entry(ck, new, old) for old, new in names.items()]

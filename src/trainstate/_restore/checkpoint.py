@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from trainstate import _arguments as arguments
 from trainstate import _checksum as checksum
 from trainstate import _frameworks as frameworks
 from trainstate import _keys
@@ -269,8 +270,9 @@ class Checkpoint:
             views.append((name, view, None))
         engine.read_views(self, views, verify=verify, threads=threads)
 
-    def verify(self) -> None:
-        """Re-check every checksum (data-file headers, and every tensor's whole and per-piece checksums).
+    def verify(self, threads: int = DEFAULT_THREADS) -> None:
+        """Re-check every checksum (data-file headers, and every tensor's whole and per-piece checksums),
+        on ``threads`` lanes (default: this process's share of its cores; README, "Threads").
 
         Raises:
             CorruptCheckpointError: a checksum does not match (the message names the tensor or file).
@@ -280,7 +282,7 @@ class Checkpoint:
             ...     ck.verify()    # what ``trainstate verify ckpt/step_1200`` does
         """
         self.verify_headers()
-        engine.verify_all(self)
+        engine.verify_all(self, arguments.positive_int(threads, "threads"))
 
     # -- plumbing -------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -270,15 +271,21 @@ def _split_by_bytes(jobs: list[Any], sizes: list[int], lanes: int) -> list[list[
 
 
 def run_lanes(files: DataFiles, batches: list[Batch], verify: bool, threads: int) -> None:
-    lanes = _split_by_bytes(batches, [b.end - b.begin for b in batches], max(1, threads))
-    failed = threading.Event()  # one damaged span stops every lane before its next batch
+    run_jobs([partial(_run_batch, files, b, verify) for b in batches], [b.end - b.begin for b in batches], threads)
 
-    def run(lane: list[Batch]) -> None:
-        for b in lane:
+
+def run_jobs(jobs: list[Callable[[], None]], sizes: list[int], threads: int) -> None:
+    """Run ``jobs`` (in file order) on up to ``threads`` lanes of about equal bytes, each lane front to back;
+    the first failure stops every lane before its next job, and is raised."""
+    lanes = _split_by_bytes(jobs, sizes, max(1, threads))
+    failed = threading.Event()
+
+    def run(lane: list[Callable[[], None]]) -> None:
+        for job in lane:
             if failed.is_set():
                 return
             try:
-                _run_batch(files, b, verify)
+                job()
             except BaseException:
                 failed.set()
                 raise
