@@ -88,7 +88,13 @@ class Stateful(Protocol):
 def is_stateful(value: Any) -> bool:
     if isinstance(value, type):
         return False
-    return isinstance(value, Stateful) or stateful_view(value) is not None
+    return _has_both_methods(value) or stateful_view(value) is not None
+
+
+def _has_both_methods(value: Any) -> bool:
+    """``isinstance(value, Stateful)`` as ``typing`` decides it (both attributes there, neither None), without
+    its per-call cost (a restore asks for every value of the state)."""
+    return getattr(value, "state_dict", None) is not None and getattr(value, "load_state_dict", None) is not None
 
 
 _Live = tuple[Any, tuple[str, ...], bool]  # a live value, its path, and whether it is a dict key

@@ -56,8 +56,13 @@ FRAMEWORKS: tuple[Framework, ...] = (
 NAMES = tuple(f.name for f in FRAMEWORKS)
 
 
+_imported: dict[str, Adapter] = {}
+
+
 def _adapter(row: Framework) -> Adapter:
-    module: Adapter = importlib.import_module(row.adapter)
+    module = _imported.get(row.adapter)
+    if module is None:  # imported once: the restore asks for every array
+        module = _imported[row.adapter] = importlib.import_module(row.adapter)
     return module
 
 
