@@ -42,12 +42,12 @@ class Deferred:
     def cuttable(self, value: Any) -> bool:
         return torch_adapter.cuttable(value)
 
-    def copy_in_async(self, pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], None]:
+    def copy_in_async(self, pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], list[Any]]:
         self.queued += 1
 
-        def wait() -> None:
+        def wait() -> list[Any]:
             self.waited += 1
-            torch_adapter.copy_in_async(pairs)()
+            return torch_adapter.copy_in_async(pairs)()
 
         return wait
 

@@ -205,7 +205,15 @@ def writable_view(target: Any) -> memoryview | None:
 
 
 def on_accelerator(value: Any) -> bool:
-    return False  # reads go through a host array whatever the device (writable_view is None)
+    """A concrete array on accelerators only (no host CPU device): a restore makes it anew from bytes read
+    through the ring of reused host buffers (``_restore/ring.py``) instead of a fresh host array each."""
+    if not isinstance(value, jax.Array) or not has_values(value):
+        return False
+    try:
+        devices = value.sharding.device_set
+    except (AttributeError, RuntimeError):  # a deleted (donated) array, or one without a sharding
+        return False
+    return bool(devices) and all(getattr(d, "platform", "cpu") != "cpu" for d in devices)
 
 
 def staging(nbytes: int, like: Any) -> np.ndarray:
@@ -213,11 +221,25 @@ def staging(nbytes: int, like: Any) -> np.ndarray:
 
 
 def cuttable(value: Any) -> bool:
-    return False  # immutable: never a staged target (on_accelerator is False)
+    return False  # immutable: a new array is made from the whole of its bytes
 
 
-def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], None]:
-    return numpy_adapter.copy_in_async(pairs)
+def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], list[Any]]:
+    """New arrays with each target's dtype and sharding, from host bytes (``assign``); the transfers run
+    while the caller goes on, and the wait blocks until they are ready (then ``host`` may be reused)."""
+    made = []
+    for target, _, host in pairs:
+        values = host.view(target.dtype).reshape(target.shape)
+        if not on_accelerator(target):  # on the host CPU device_put may share the buffer's memory: a copy
+            values = values.copy()
+        made.append(assign(target, values))
+
+    def wait() -> list[Any]:
+        for array in made:
+            array.block_until_ready()
+        return made
+
+    return wait
 
 
 def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:

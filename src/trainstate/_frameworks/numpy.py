@@ -79,7 +79,7 @@ def cuttable(value: Any) -> bool:
     return writable_view(value) is not None
 
 
-def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], None]:
+def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], list[Any]]:
     """Host memory: the copies are done when this returns."""
     for target, offset, host in pairs:
         if offset is None:
@@ -88,11 +88,8 @@ def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[
             view = writable_view(target)
             assert view is not None
             np.frombuffer(view, np.uint8)[offset : offset + host.nbytes] = host
-    return _landed
-
-
-def _landed() -> None:
-    pass
+    targets = [target for target, _, _ in pairs]
+    return lambda: targets
 
 
 def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:

@@ -50,10 +50,12 @@ class Adapter(Protocol):
         """Whether host bytes may be copied into a byte range of accelerator array ``value`` (it is
         contiguous), so that a large one can be filled in parts through small host buffers."""
 
-    def copy_in_async(self, pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], None]:
+    def copy_in_async(self, pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], list[Any]]:
         """Queue copies of flat host byte arrays into live accelerator arrays: each ``(target, offset, host)``
         fills the target's bytes from ``offset`` (a :meth:`cuttable` target), or the whole target (``offset``
-        None). Returns a function that waits until all have landed; until then ``host`` must not change."""
+        None). Returns a function that waits until all have landed (until then ``host`` must not change) and
+        returns what each target now is: itself, filled in place, or a new array where arrays are immutable
+        (JAX)."""
 
     def copy_out(self, pairs: list[tuple[Any, np.ndarray]]) -> None:
         """Copy each array's bytes (C order) into its flat host byte array (of :meth:`staging` memory for

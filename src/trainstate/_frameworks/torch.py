@@ -184,7 +184,7 @@ def cuttable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_contiguous()
 
 
-def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], None]:
+def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], list[Any]]:
     """CUDA targets: copies from (pinned) host memory queued on a stream of trainstate's own per device, after
     the work already queued on the device's current stream; the wait returned synchronizes on an event of
     each stream used. Other devices copy before this returns."""
@@ -207,9 +207,10 @@ def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[
             event.record(stream)
             events.append(event)
 
-    def wait() -> None:
+    def wait() -> list[Any]:
         for event in events:
             event.synchronize()
+        return [target for target, _, _ in pairs]
 
     return wait
 

@@ -252,7 +252,8 @@ def fill(
             if live is not None and _code(live, target) == entry.dtype:
                 if live.on_accelerator(local):
                     nbytes = math.prod(local.shape) * dtypes.from_code(entry.dtype).itemsize
-                    on_device.append(Staged(name, live, local, box, nbytes, live.cuttable(local)))
+                    landed = partial(_landed, job) if part is None else None  # (JAX: a new array)
+                    on_device.append(Staged(name, live, local, box, nbytes, live.cuttable(local), landed))
                     job.value = target
                     continue
                 view = live.writable_view(local)
@@ -296,6 +297,10 @@ def _finish(job: Job, kind: str, framework: str | None, absent: object) -> None:
         job.value = job.target if placed is job.local else placed
     else:
         job.value = _adapter(job.target).assign(job.target, host)
+
+
+def _landed(job: Job, now: Any) -> None:
+    job.value = now
 
 
 def _adapter(value: Any) -> Adapter:

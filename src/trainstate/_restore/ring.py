@@ -49,6 +49,7 @@ class Staged(NamedTuple):
     box: Box | None
     nbytes: int
     cuttable: bool  # its bytes may land in byte ranges (contiguous): it can cross in several rounds
+    landed: Callable[[Any], None] | None = None  # told what the target now is, once its copy landed (JAX: new)
 
 
 class _Part(NamedTuple):
@@ -200,19 +201,15 @@ def _copy(parts: list[_Part], views: list[np.ndarray], buffer: np.ndarray) -> Ca
     waits = []
     adapters = {id(p.staged.adapter): p.staged.adapter for p in parts}
     for adapter in adapters.values():
-        waits.append(
-            adapter.copy_in_async(
-                [
-                    (p.staged.local, p.lo if p.staged.cuttable else None, view)
-                    for p, view in zip(parts, views)
-                    if p.staged.adapter is adapter
-                ]
-            )
-        )
+        mine = [p for p in parts if p.staged.adapter is adapter]
+        pairs = [(p.staged.local, p.lo if p.staged.cuttable else None, v) for p, v in zip(parts, views) if p in mine]
+        waits.append((mine, adapter.copy_in_async(pairs)))
 
     def wait() -> None:
-        for w in waits:
-            w()
+        for mine, w in waits:
+            for p, now in zip(mine, w()):
+                if p.staged.landed is not None:
+                    p.staged.landed(now)
         held.clear()  # the copies are done with the buffer
 
     held = [buffer]  # a buffer of its own (a part that could not be cut) lives until its copies have landed
