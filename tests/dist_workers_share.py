@@ -125,16 +125,19 @@ def load_boxes(rank: int, world: int, path: str, collective: bool) -> Any:
     mesh = init_device_mesh("cpu", (world,))
     full = replicas()
     state: dict[str, Any] = {
-        k: DTensor.from_local(torch.full_like(v.chunk(world)[rank], -1.0), mesh, [Shard(0)], shape=v.shape,
-                              stride=v.stride())
+        k: DTensor.from_local(
+            torch.full_like(v.chunk(world)[rank], -1.0), mesh, [Shard(0)], shape=v.shape, stride=v.stride()
+        )
         for k, v in full.items()
         if v.shape[0] % world == 0
     }
     state["w00"] = DTensor.from_local(torch.full_like(full["w00"], -1.0), mesh, [Replicate()])
     storage = Counting(trainstate.LocalStorage())
     trainstate.load(path, {"model": state, "step": 0}, storage=storage, strict=False, collective=collective)
-    ok = {k: bool(torch.equal(t.to_local(), full[k].chunk(world)[rank] if k != "w00" else full[k]))
-          for k, t in state.items()}
+    ok = {
+        k: bool(torch.equal(t.to_local(), full[k].chunk(world)[rank] if k != "w00" else full[k]))
+        for k, t in state.items()
+    }
     return {"read": storage.data_bytes, "ok": ok}
 
 

@@ -24,7 +24,7 @@ into accelerator memory (each rank reads its own through host staging) and the p
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -66,7 +66,7 @@ class Share:
         self.taken = 0  # agreements taken so far (of _DONE)
 
     def run(
-        self, tensors: dict[str, manifest.TensorEntry], reads: Sequence[Read], read: Callable[[list[Read]], None]
+        self, tensors: Mapping[str, manifest.TensorEntry], reads: Sequence[Read], read: Callable[[list[Read]], None]
     ) -> None:
         """Fill every view of ``reads``: ``read`` is given what this rank reads itself (its own parts and the
         shared ones it owns, and does any other local reading, e.g. into accelerators); the rest arrives
@@ -74,14 +74,15 @@ class Share:
         rank = self.coord.rank
         digests: dict[str, str] = {}
         keys = [_key(tensors, digests, name, view, box) for name, view, box in reads]
-        listed = self._agree(sorted({k for k in keys if k is not None}, key=_order), None, "load (what each rank reads)")
+        listed = self._agree(
+            sorted({k for k in keys if k is not None}, key=_order), None, "load (what each rank reads)"
+        )
         owners = assign(listed)
         mine: list[Read] = []
         first: dict[Key, memoryview] = {}  # the memory a key is read or received into; others copy it
         copies: list[tuple[memoryview, memoryview]] = []
         for r, k in zip(reads, keys):
-            owner = owners.get(k)[0] if k is not None and k in owners else rank
-            if owner == rank:
+            if k is None or k not in owners or owners[k][0] == rank:
                 mine.append(r)
                 if k is not None:
                     first.setdefault(k, r[1])
@@ -158,7 +159,7 @@ def assign(listed: list[list[Key]]) -> dict[Key, tuple[int, tuple[int, ...]]]:
 
 
 def _key(
-    tensors: dict[str, manifest.TensorEntry], digests: dict[str, str], name: str, view: memoryview, box: Box | None
+    tensors: Mapping[str, manifest.TensorEntry], digests: dict[str, str], name: str, view: memoryview, box: Box | None
 ) -> Key | None:
     if not view.nbytes:
         return None
