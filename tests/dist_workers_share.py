@@ -154,6 +154,21 @@ def load_damaged(rank: int, world: int, path: str, damaged: str) -> Any:
     return {"kind": kind, "message": message, "untouched": bool(torch.all(state["model"][damaged] == 7.0))}
 
 
+def load_mismatched_on_rank_1(rank: int, world: int, path: str) -> Any:
+    """Rank 1's state does not fit (one tensor of another shape): every rank raises, before any byte is read."""
+    model = replicas(fill=-1.0)
+    if rank == 1:
+        model["w03"] = torch.zeros(3, 3)
+    storage = Counting(trainstate.LocalStorage())
+    try:
+        trainstate.load(path, {"model": model, "step": 0}, storage=storage, timeout=60)
+    except trainstate.CheckpointError as e:
+        kind, message = type(e).__name__, str(e)
+    else:
+        kind, message = None, ""
+    return {"kind": kind, "message": message, "read": storage.data_bytes}
+
+
 def load_on_rank_0_only(rank: int, world: int, path: str) -> Any:
     """``if rank == 0: trainstate.load(...)``: the other ranks never come."""
     if rank != 0:

@@ -84,6 +84,23 @@ def test_a_damaged_byte_in_a_shared_tensor_fails_every_rank_and_reaches_no_rank(
         assert r["untouched"], rank  # the owner wrote no byte that failed its checksum; the others got nothing
 
 
+def test_a_state_that_does_not_fit_on_one_rank_fails_every_rank_before_any_byte_is_read(tmp_path):
+    path = str(tmp_path / "c")
+    trainstate.save(path, {"model": workers.replicas(), "step": 3})
+    got = ranks.ok(ranks.run(2, workers.load_mismatched_on_rank_1, path))
+    assert got[1]["kind"] == "StateMismatchError" and "w03" in got[1]["message"], got[1]
+    assert got[0]["kind"] == "DistributedError" and "rank 1" in got[0]["message"], got[0]
+    assert "StateMismatchError" in got[0]["message"] and "w03" in got[0]["message"]
+    assert all(r["read"] < 4096 for r in got), got  # the data files' headers (checked at open), no tensor
+
+
+def test_collective_takes_a_bool(tmp_path):
+    trainstate.save(tmp_path / "c", {"w": np.ones(3)})
+    with pytest.raises(trainstate.InvalidArgumentError, match="collective must be True or False"):
+        trainstate.load(tmp_path / "c", collective="yes")
+    assert trainstate.load(tmp_path / "c", collective=True)["w"].tolist() == [1.0, 1.0, 1.0]  # no group: alone
+
+
 def test_a_rank_that_does_not_load_makes_the_others_raise_a_distributed_error_not_hang(tmp_path):
     path = str(tmp_path / "c")
     trainstate.save(path, {"model": workers.replicas(), "step": 3})
