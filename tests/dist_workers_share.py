@@ -116,29 +116,40 @@ def load_replicas(rank: int, world: int, path: str, endpoint: str | None, collec
     }
 
 
+def load_without_target(rank: int, world: int, path: str) -> Any:
+    """``trainstate.load(path)`` on every rank: fresh arrays, shared the same way."""
+    storage = Counting(trainstate.LocalStorage())
+    tree = trainstate.load(path, storage=storage)
+    return {"read": storage.data_bytes, "values": tree["model"], "step": tree["step"]}
+
+
 def load_boxes(rank: int, world: int, path: str, collective: bool) -> Any:
-    """FSDP-style: each rank a different box of every tensor (rows rank::world), nothing shared; plus one
-    replicated tensor that every rank holds."""
+    """FSDP-style: each of 4 ranks a different box of most tensors (rows), nothing shared; one replicated
+    tensor that every rank holds (w00); and one HSDP-style tensor (w10) on a (2, 2) mesh, replicated over the
+    first dim and sharded over the second, so ranks r and r + 2 hold the same box."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    assert world == 4
     mesh = init_device_mesh("cpu", (world,))
     full = replicas()
+    want = {k: v.chunk(world)[rank] for k, v in full.items() if v.shape[0] % world == 0}
     state: dict[str, Any] = {
-        k: DTensor.from_local(
-            torch.full_like(v.chunk(world)[rank], -1.0), mesh, [Shard(0)], shape=v.shape, stride=v.stride()
-        )
+        k: DTensor.from_local(torch.full_like(want[k], -1.0), mesh, [Shard(0)], shape=v.shape, stride=v.stride())
         for k, v in full.items()
-        if v.shape[0] % world == 0
+        if k in want
     }
     state["w00"] = DTensor.from_local(torch.full_like(full["w00"], -1.0), mesh, [Replicate()])
+    want["w00"] = full["w00"]
+    square = init_device_mesh("cpu", (2, 2))
+    w10 = full["w10"]
+    want["w10"] = w10.chunk(2)[rank % 2]
+    state["w10"] = DTensor.from_local(
+        torch.full_like(want["w10"], -1.0), square, [Replicate(), Shard(0)], shape=w10.shape, stride=w10.stride()
+    )
     storage = Counting(trainstate.LocalStorage())
     trainstate.load(path, {"model": state, "step": 0}, storage=storage, strict=False, collective=collective)
-    ok = {
-        k: bool(torch.equal(t.to_local(), full[k].chunk(world)[rank] if k != "w00" else full[k]))
-        for k, t in state.items()
-    }
-    return {"read": storage.data_bytes, "ok": ok}
+    return {"read": storage.data_bytes, "ok": {k: bool(torch.equal(t.to_local(), want[k])) for k, t in state.items()}}
 
 
 def load_damaged(rank: int, world: int, path: str, damaged: str) -> Any:

@@ -53,17 +53,27 @@ def test_ddp_replicas_are_read_once_spread_over_the_ranks_and_every_rank_gets_th
     assert _amplification(alone, f"local, collective=False ({saved_by})") >= WORLD - 0.05
 
 
-def test_fsdp_boxes_share_nothing_but_the_replicated_tensor_and_each_rank_gets_its_own_rows(tmp_path):
+def test_a_load_without_a_target_shares_its_reads_too(tmp_path):
+    path = str(tmp_path / "c")
+    trainstate.save(path, {"model": workers.replicas(), "step": 3})
+    got = ranks.ok(ranks.run(WORLD, workers.load_without_target, path))
+    _all_equal(got)
+    assert _amplification(got, "local, no target") <= 1.05
+
+
+def test_fsdp_boxes_share_nothing_replicated_boxes_are_read_once_and_each_rank_gets_its_own(tmp_path):
     path = str(tmp_path / "c")
     trainstate.save(path, {"model": workers.replicas(), "step": 3})
     got = ranks.ok(ranks.run(WORLD, workers.load_boxes, path, True))
     assert all(all(r["ok"].values()) for r in got), got
     alone = ranks.ok(ranks.run(WORLD, workers.load_boxes, path, False))
     assert all(all(r["ok"].values()) for r in alone), alone
-    # A box is read (and checked) through the chunks that cover it, the same with or without sharing; the
-    # replicated tensor is read once instead of on every rank.
-    replicated = workers.replicas()["w00"].numel() * 4
-    assert sum(r["read"] for r in alone) - sum(r["read"] for r in got) == (WORLD - 1) * replicated
+    # A box is read (and checked) through the chunks that cover it, the same with or without sharing (each
+    # of these chunks is under a piece: read whole). The replicated tensor is read once instead of 4 times,
+    # the HSDP tensor's two boxes twice instead of 4 times.
+    full = workers.replicas()
+    saved = 3 * full["w00"].numel() * 4 + 2 * full["w10"].numel() * 4
+    assert sum(r["read"] for r in alone) - sum(r["read"] for r in got) == saved
 
 
 def test_a_damaged_byte_in_a_shared_tensor_fails_every_rank_and_reaches_no_rank(tmp_path):
