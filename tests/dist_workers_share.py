@@ -180,6 +180,19 @@ def load_mismatched_on_rank_1(rank: int, world: int, path: str) -> Any:
     return {"kind": kind, "message": message, "read": storage.data_bytes}
 
 
+def load_optimizer_mismatched_on_rank_1(rank: int, world: int, path: str) -> Any:
+    """A fresh model and optimizer (rank 1's model of another size): rank 0 learns of rank 1's failure before
+    it reads, and its fresh optimizer is left without state, as a failure of its own would leave it."""
+    torch.manual_seed(1)
+    model = torch.nn.Linear(8, 4 if rank == 0 else 5)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        trainstate.load(path, {"model": model, "optim": optim, "step": 0}, timeout=60)
+    except trainstate.CheckpointError as e:
+        return {"kind": type(e).__name__, "optim_state": len(optim.state)}
+    return {"kind": None, "optim_state": len(optim.state)}
+
+
 def load_on_rank_0_only(rank: int, world: int, path: str) -> Any:
     """``if rank == 0: trainstate.load(...)``: the other ranks never come."""
     if rank != 0:

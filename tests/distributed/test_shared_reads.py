@@ -104,6 +104,18 @@ def test_a_state_that_does_not_fit_on_one_rank_fails_every_rank_before_any_byte_
     assert all(r["read"] < 4096 for r in got), got  # the data files' headers (checked at open), no tensor
 
 
+def test_a_rank_told_of_another_ranks_mismatch_leaves_its_fresh_optimizer_as_it_was(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    trainstate.save(tmp_path / "c", {"model": model, "optim": optim, "step": 1})
+    got = ranks.ok(ranks.run(2, workers.load_optimizer_mismatched_on_rank_1, str(tmp_path / "c")))
+    assert [r["kind"] for r in got] == ["DistributedError", "StateMismatchError"], got
+    assert [r["optim_state"] for r in got] == [0, 0]
+
+
 def test_collective_takes_a_bool(tmp_path):
     trainstate.save(tmp_path / "c", {"w": np.ones(3)})
     with pytest.raises(trainstate.InvalidArgumentError, match="collective must be True or False"):

@@ -66,7 +66,12 @@ def restore(
     except BaseException:
         r.undo()  # nothing was read: leave the target as it was
         raise
-    r.read(verify=verify, threads=threads, share=share)
+    try:
+        r.read(verify=verify, threads=threads, share=share)
+    except BaseException:
+        if share is not None and not share.reading:
+            r.undo()  # another rank failed before this one read a byte: leave the target as it was
+        raise
     result = finish()
     if result is _ABSENT:  # every key excluded
         return {}

@@ -64,6 +64,7 @@ class Share:
     def __init__(self, coord: Coordinator) -> None:
         self.coord = coord
         self.taken = 0  # agreements taken so far (of _DONE)
+        self.reading = False  # whether this rank began reading (else a failure left its target as it was)
 
     def run(
         self, tensors: Mapping[str, manifest.TensorEntry], reads: Sequence[Read], read: Callable[[list[Read]], None]
@@ -91,6 +92,7 @@ class Share:
             else:
                 first[k] = r[1]
         error: BaseException | None = None
+        self.reading = True
         try:
             read(mine)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below, this one re-raises it
