@@ -116,6 +116,19 @@ def test_a_rank_told_of_another_ranks_mismatch_leaves_its_fresh_optimizer_as_it_
     assert [r["optim_state"] for r in got] == [0, 0]
 
 
+def test_owners_are_chosen_biggest_first_by_bytes_with_ties_to_the_lowest_rank():
+    from trainstate._restore.shared import Key, assign
+
+    big, mid, small, own = (Key(c, c, None, n) for c, n in (("big", 100), ("mid", 60), ("small", 50), ("own", 30)))
+    listed = [[big, mid, small], [big, mid, small, own], [big, small]]
+    owners = assign(listed)
+    assert own not in owners  # one holder: read by it, nothing sent
+    # rank 1 starts with 30 bytes of its own: big -> 0 (ties 0 and 2 at 0 bytes), mid -> 1 (30 < 100),
+    # small -> 2 (0 bytes so far)
+    assert owners == {big: (0, (0, 1, 2)), mid: (1, (0, 1)), small: (2, (0, 1, 2))}
+    assert assign([list(reversed(keys)) for keys in listed]) == owners  # the order a rank lists in is no matter
+
+
 def test_collective_takes_a_bool(tmp_path):
     trainstate.save(tmp_path / "c", {"w": np.ones(3)})
     with pytest.raises(trainstate.InvalidArgumentError, match="collective must be True or False"):
