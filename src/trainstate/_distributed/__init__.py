@@ -2,8 +2,9 @@
 its own (group.py; jax_group.py for JAX's processes), the global plan of who writes what (plan.py) and
 per-rank values (per_rank.py).
 
-Loading needs no coordination: each rank reads the parts it holds (``_restore``), asking :func:`rank_and_world`
-which rank it is.
+Loading is planned in ``_restore``: each rank reads the parts it holds, asking :func:`rank_and_world` which rank
+it is; a collective load (``_restore/shared.py``) uses a coordinator here so that the parts several ranks hold
+are read by one of them and sent to the others.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ the first time a rank saves or loads under it). The training loop's own collecti
 wait behind a checkpoint's, and an async save's commit can run on a background thread. Every exchange
 has a timeout: a rank that died or hangs makes the others raise :class:`DistributedError` instead of
 waiting forever. Messages are small Python objects (plans, file lists, error texts) sent with torch's
-object collectives; no tensor bytes travel through the group.
+object collectives. The one exchange of tensor bytes is a collective load's (``_restore/shared.py``): a tensor
+read by one rank goes to the others that hold it, point to point (:meth:`GlooCoordinator.exchange`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Coordinator:
     rank: int
     world: int
     timeout: float
+    sends_bytes = False  # whether exchange() can move tensor bytes between the ranks
 
     def gather(self, value: Any, what: str) -> list[Any] | None:
         """Every rank's ``value`` on rank 0 (None elsewhere)."""
@@ -73,6 +75,11 @@ class Coordinator:
         """The element-wise maximum of every rank's ``values``."""
         return [max(column) for column in zip(*self.all_gather(list(values), what))]
 
+    def exchange(self, sends: list[tuple[Any, int, int]], receives: list[tuple[Any, int, int]], what: str) -> None:
+        """Send and receive byte tensors point to point: ``(tensor, peer rank, tag)`` each, every one posted
+        before any is waited for."""
+        raise NotImplementedError
+
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank if any rank failed: the first failure's message, naming its rank."""
         mine = None if error is None else Failure(self.rank, _text(error))
@@ -86,6 +93,8 @@ class Coordinator:
 
 class GlooCoordinator(Coordinator):
     """The coordinator of a torch.distributed process group: a gloo group of its own per channel."""
+
+    sends_bytes = True
 
     def __init__(self, group: Any, timeout: float, channel: str = "save") -> None:
         import torch.distributed as dist
@@ -126,6 +135,18 @@ class GlooCoordinator(Coordinator):
         box = torch.tensor(values, dtype=torch.int64)
         self._call(what, lambda: self.dist.all_reduce(box, op=self.dist.ReduceOp.MAX, group=self.group))
         return [int(v) for v in box.tolist()]
+
+    def exchange(self, sends: list[tuple[Any, int, int]], receives: list[tuple[Any, int, int]], what: str) -> None:
+        """CPU byte tensors sent and received on the gloo group (all posted, then all waited for)."""
+        dist = self.dist
+
+        def run() -> None:
+            works = [dist.irecv(t, src=self._global(peer), group=self.group, tag=tag) for t, peer, tag in receives]
+            works += [dist.isend(t, dst=self._global(peer), group=self.group, tag=tag) for t, peer, tag in sends]
+            for work in works:
+                work.wait(datetime.timedelta(seconds=self.timeout))
+
+        self._call(what, run)
 
     def _global(self, rank: int) -> int:
         return int(self.dist.get_global_rank(self.group, rank))
@@ -199,9 +220,9 @@ def _gloo_group(group: Any, timeout: float, channel: str) -> Any:
                 raise DistributedError(
                     f"trainstate's coordination group ({channel}) could not be made within {timeout:g} s: every rank "
                     f"of the process group ({len(ranks)}) must make the same trainstate call, and rank(s) other "
-                    "than this one did not. Under a process group trainstate.save, CheckpointManager and its save / "
-                    "restore_latest / prune are collective: call them on every rank, or pass collective=False "
-                    f"to save from one rank alone ({_text(e)})"
+                    "than this one did not. Under a process group trainstate.save, trainstate.load, CheckpointManager "
+                    "and its save / restore_latest / restore / prune are collective: call them on every rank, or "
+                    f"pass collective=False to save or load from one rank alone ({_text(e)})"
                 ) from e
             _groups[key] = found
         return found
@@ -261,8 +282,9 @@ def _arrive(store: Any, channel: str, ranks: list[int], timeout: float) -> None:
                 f"within {timeout:g} s"
                 + (f" ({_named(gone)} no longer runs: died or left)" if gone else "")
                 + ". Every rank of the process group must make the same trainstate call: under a process group "
-                "trainstate.save, CheckpointManager and its save / restore_latest / prune are collective: call them "
-                "on every rank, or pass collective=False to save from one rank alone. A rank that is only late "
+                "trainstate.save, trainstate.load, CheckpointManager and its save / restore_latest / restore / prune "
+                "are collective: call them on every rank, or pass collective=False to save or load from one rank "
+                "alone. A rank that is only late "
                 "can be waited for longer: TRAINSTATE_DIST_ARRIVAL_TIMEOUT=seconds"
             )
         time.sleep(pause)

@@ -297,7 +297,9 @@ class CheckpointManager(Configured):
         cannot be restored (damaged, a lying manifest) is skipped with a warning for the one before it,
         which is then restored completely, so nothing half-restored from the bad one remains. One deleted
         while it was being listed or read (a running job's retention, beside a read-only reader) is not
-        damage: the directory is listed again.
+        damage: the directory is listed again. Under a process group every rank calls it and the tensors
+        several ranks hold are read from storage once between them (``collective=False``: each rank reads
+        all it holds; docs/distributed.md).
 
         Raises:
             CorruptCheckpointError: there are checkpoints, but none could be restored (the message lists
@@ -341,6 +343,8 @@ class CheckpointManager(Configured):
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any:
         """Restore the checkpoint of ``step`` into ``state`` (see :func:`trainstate.load`); returns the restored
         state: ``state`` itself, or a new one where it cannot change in place (a JAX array or pytree).
+        Under a process group it is collective, as :meth:`restore_latest` is: every rank calls it (or each
+        passes ``collective=False`` to restore alone).
 
         Example:
             >>> mgr.restore(1000, state)                          # roll back to step 1000

@@ -13,7 +13,8 @@ When they save, rank 0 says whether the step is pinned (every rank then refuses)
 
 Two gloo groups per manager: one for these foreground decisions, one for the saves the background thread
 runs, so the two never interleave. ``restore_latest`` tries the checkpoints rank 0 lists, newest first, and
-moves every rank on to the older one when any rank could not restore its part.
+moves every rank on to the older one when any rank could not restore its part; its loads (and ``restore``'s)
+are collective, on a third gloo group made at the first: the tensors several ranks hold are read once.
 
 A manager outside a process group (or with ``collective=False``, or read-only) has a :class:`SingleProcess`
 instead: the same methods, doing the one-process thing (rank 0 of 1, its own values are everyone's), so the
@@ -65,9 +66,11 @@ class ManagerRanks:
 
     relists = False  # restore_latest works from rank 0's one listing: a rank never lists again on its own
 
-    def __init__(self, control: Coordinator, saves: Coordinator) -> None:
+    def __init__(self, control: Coordinator, saves: Coordinator, channel: str = "manager") -> None:
         self.control = control
         self.saves = saves
+        self._channel = channel
+        self._loads: Coordinator | None = None
         self.rank = control.rank
         self.world = control.world
         self.shard: int | None = self.rank  # what save() encodes: this rank's part of the state
@@ -77,6 +80,13 @@ class ManagerRanks:
     def leader(self) -> bool:
         """Rank 0: the rank that locks, sweeps, commits and applies retention."""
         return self.rank == 0
+
+    def loads(self) -> Coordinator | None:
+        """The coordinator of this manager's collective loads (a gloo group of its own, made at the first
+        restore, which every rank makes); None where it could move no tensor bytes (``jax.distributed``)."""
+        if self._loads is None and self.control.sends_bytes:
+            self._loads = coordinator(timeout=self.control.timeout, channel=f"{self._channel}-load")
+        return self._loads
 
     def decide(self, step: int, by_policy: bool, preempting: bool, forced: bool, failed: bool) -> Decision:
         """Every rank's flags combined, the same on every rank; refuses ``save()`` calls for different steps."""
@@ -131,6 +141,9 @@ class SingleProcess:
     shard: int | None = None  # save() encodes the whole state, not a rank's part
     relists = True  # restore_latest lists again when retention deleted what it was reading
 
+    def loads(self) -> Coordinator | None:
+        return None  # one process: nothing to share
+
     def decide(self, step: int, by_policy: bool, preempting: bool, forced: bool, failed: bool) -> Decision:
         return Decision(by_policy, preempting, forced, failed)
 
@@ -173,7 +186,7 @@ def manager_ranks(collective: bool | None, timeout: float | None) -> ManagerRank
         return None
     saves = coordinator(timeout=timeout, channel=f"manager{n}-saves")
     assert saves is not None
-    return ManagerRanks(control, saves)
+    return ManagerRanks(control, saves, f"manager{n}")
 
 
 def failed_elsewhere(world: int, refused: int | None = None) -> DistributedError:

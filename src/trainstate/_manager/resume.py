@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from trainstate import _arguments as arguments
 from trainstate._distributed.group import Failure
 from trainstate._frameworks import replaced_on_restore
 from trainstate._manager.catalog import Catalog
@@ -90,10 +91,23 @@ class Restorer:
 
     def into(self, path: str, state: Any, **load_kwargs: Any) -> Any:
         """Through the same load function as :func:`trainstate.load`, with the captured RNG beside the state
-        (optional: a checkpoint saved with ``capture_rng=False`` has none); returns what that returned."""
+        (optional: a checkpoint saved with ``capture_rng=False`` has none); returns what that returned.
+
+        Under a process group the load is collective (every rank reads its share of what the ranks hold in
+        common); ``collective=False`` among ``load_kwargs`` makes each rank read all it holds itself.
+        """
+        collective = load_kwargs.pop("collective", None)
+        if collective is not None:
+            collective = arguments.flag(collective, "collective")
         target, added = self._rng.wrap(state)
         restored = load_from(
-            path, target, storage=self._config.storage, optional=added, key=self._config.options.key, **load_kwargs
+            path,
+            target,
+            storage=self._config.storage,
+            optional=added,
+            key=self._config.options.key,
+            coord=self._ranks.loads() if collective is not False else None,
+            **load_kwargs,
         )
         self._rng.unwrap(target, state)
         return restored if target is state else state  # a new object where the root is immutable (a TrainState)

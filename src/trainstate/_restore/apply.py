@@ -12,6 +12,7 @@ from trainstate._distributed import rank_and_world
 from trainstate._frameworks import after_restore, bind
 from trainstate._restore.files import Opened
 from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector, unmatched
+from trainstate._restore.shared import Share
 from trainstate.errors import InvalidArgumentError
 
 __all__ = ["ABSENT", "restore"]
@@ -28,11 +29,14 @@ def restore(
     threads: int = DEFAULT_THREADS,
     framework: str | None = None,
     optional: tuple[str, ...] = (),
+    share: Share | None = None,
 ) -> Any:
     """Restore ``ck`` into ``target`` in place; returns the restored target.
 
     With ``target=ABSENT`` it returns the checkpoint's own structure (arrays of ``framework``), honouring
-    ``include`` / ``exclude`` the same way.
+    ``include`` / ``exclude`` the same way. With ``share`` (a collective load, every rank restoring) the parts
+    several ranks hold are read by one of them (shared.py); a failure before the reads is the caller's to
+    report to the other ranks (:meth:`Share.abandon`).
     """
     if verify:
         ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
@@ -62,7 +66,12 @@ def restore(
     except BaseException:
         r.undo()  # nothing was read: leave the target as it was
         raise
-    r.read(verify=verify, threads=threads)
+    try:
+        r.read(verify=verify, threads=threads, share=share)
+    except BaseException:
+        if share is not None and not share.reading:
+            r.undo()  # another rank failed before this one read a byte: leave the target as it was
+        raise
     result = finish()
     if result is _ABSENT:  # every key excluded
         return {}

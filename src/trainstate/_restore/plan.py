@@ -48,6 +48,7 @@ from trainstate._restore.by_path import keyed_like
 from trainstate._restore.files import Opened
 from trainstate._restore.read import Job as _Job
 from trainstate._restore.read import fill
+from trainstate._restore.shared import Share
 from trainstate.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -512,10 +513,11 @@ class Restorer:
             )
             raise StateMismatchError(self.missing, self.unexpected, self.mismatched, hint)
 
-    def read(self, *, verify: bool, threads: int) -> None:
-        """Read every planned tensor (read.py): straight into the target's memory where its layout allows."""
+    def read(self, *, verify: bool, threads: int, share: Share | None = None) -> None:
+        """Read every planned tensor (read.py): straight into the target's memory where its layout allows;
+        with ``share``, the parts other ranks hold too are read once between them (shared.py)."""
         jobs = [*self.jobs.items(), *self.extra_jobs]
-        fill(self.ck, jobs, framework=self.framework, absent=_ABSENT, verify=verify, threads=threads)
+        fill(self.ck, jobs, framework=self.framework, absent=_ABSENT, verify=verify, threads=threads, share=share)
 
 
 def _without_wrapper_prefix(node: tree.StatefulNode, own: list[str]) -> tree.StatefulNode:

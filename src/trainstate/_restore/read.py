@@ -54,6 +54,7 @@ from trainstate._restore.files import (
     run_lanes,
 )
 from trainstate._restore.ring import Staged, read_to_device
+from trainstate._restore.shared import Read, Share
 from trainstate._restore.transformed import batches as transformed_batches
 from trainstate._restore.transformed import transformed, verify_chunk
 from trainstate.errors import CorruptCheckpointError, UnsupportedValueError
@@ -234,12 +235,23 @@ def _code(adapter: Adapter, value: Any) -> str:
 
 
 def fill(
-    ck: Opened, jobs: list[tuple[str, Job]], *, framework: str | None, absent: object, verify: bool, threads: int
+    ck: Opened,
+    jobs: list[tuple[str, Job]],
+    *,
+    framework: str | None,
+    absent: object,
+    verify: bool,
+    threads: int,
+    share: Share | None = None,
 ) -> None:
     """Read every planned tensor: straight into the target's memory where its layout allows, else
-    through a host buffer (absent targets, accelerator tensors, non-contiguous ones, casts)."""
+    through a host buffer (absent targets, accelerator tensors, non-contiguous ones, casts).
+
+    With ``share`` (a collective load) the host reads that several ranks hold are read by one of them and
+    sent to the others (shared.py); every rank takes part, and any rank's failure raises on all of them.
+    """
     tensors = ck.manifest.tensors
-    reads: list[tuple[str, memoryview, Box | None]] = []
+    reads: list[Read] = []
     on_device: list[Staged] = []
     with _gc.paused():
         for name, job in jobs:
@@ -266,10 +278,17 @@ def fill(
                 assert view is not None
                 job.local = local
             reads.append((name, view if view.format == "B" else view.cast("B"), box))
-        try:
-            read_views(ck, reads, verify=verify, threads=threads)
+
+        def read(own: list[Read]) -> None:
+            read_views(ck, own, verify=verify, threads=threads)
             whole = partial(read_views, ck, verify=verify, threads=threads)
             read_to_device(ck, on_device, whole, verify=verify, threads=threads)  # ring.py
+
+        try:
+            if share is None:
+                read(reads)
+            else:
+                share.run(tensors, reads, read)
         except CorruptCheckpointError as e:
             raise type(e)(  # the same kind (a TamperedCheckpointError stays one), with what that left behind
                 f"{e}\nThe target is partly restored, and no byte that failed its checksum was written: tensors "

@@ -1,0 +1,231 @@
+"""What each rank runs in the tests of a collective load's shared reads (tests/distributed/test_shared_reads.py).
+
+A counting storage forwards every call to the real one, maps nothing (so every byte read goes through
+``read_into``) and counts the bytes of data files it returns: the read amplification of a load is the sum of
+every rank's count over the checkpoint's tensor bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import trainstate
+from trainstate import Capabilities, FileInfo, Storage
+
+TENSORS = 20
+
+
+class Counting(Storage):
+    """Forwards everything to ``inner``, maps nothing, and counts the data-file bytes ``read_into`` returns."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.data_bytes = 0
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
+        return self.inner.write(path, views, fsync=fsync)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> int:
+        got = self.inner.read_into(path, offset, out)
+        if self.inner.name(path).startswith("data"):
+            self.data_bytes += got
+        return got
+
+    def map(self, path: str) -> Any:
+        return None  # every byte through read_into, where it is counted
+
+    def stat(self, path: str) -> FileInfo | None:
+        return self.inner.stat(path)
+
+    def list(self, path: str) -> list[str]:
+        return self.inner.list(path)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def begin(self, final: str, *, overwrite: bool) -> str:
+        return self.inner.begin(final, overwrite=overwrite)
+
+    def commit(self, staging: str, final: str, files: Sequence[str], *, overwrite: bool, fsync: bool) -> None:
+        self.inner.commit(staging, final, files, overwrite=overwrite, fsync=fsync)
+
+    def abort(self, staging: str, files: Sequence[str]) -> None:
+        self.inner.abort(staging, files)
+
+    def stat_followed(self, path: str) -> FileInfo | None:
+        return self.inner.stat_followed(path)
+
+    def strip(self, url: str) -> str:
+        return self.inner.strip(url)
+
+    def join(self, *parts: str) -> str:
+        return self.inner.join(*parts)
+
+    def name(self, path: str) -> str:
+        return self.inner.name(path)
+
+
+def storage_for(endpoint: str | None) -> Storage:
+    """S3 at ``endpoint`` (the tests' moto server, through s3fs), or the local disk."""
+    if endpoint is None:
+        return trainstate.LocalStorage()
+    import s3fs
+
+    from trainstate._storage.fsspec import FsspecStorage
+
+    fs = s3fs.S3FileSystem(
+        key="testing", secret="testing", endpoint_url=endpoint, client_kwargs={"region_name": "us-east-1"}
+    )
+    return FsspecStorage(fs)
+
+
+def replicas(fill: float | None = None) -> dict[str, torch.Tensor]:
+    """A DDP model's parameters: the same on every rank (a seed), 20 tensors of 2.8 MB in all."""
+    g = torch.Generator().manual_seed(0)
+    out = {f"w{i:02d}": torch.randn(50 + 13 * i, 200, generator=g) for i in range(TENSORS)}
+    if fill is not None:
+        for t in out.values():
+            t.fill_(fill)
+    return out
+
+
+def save_replicas(rank: int, world: int, path: str, endpoint: str | None) -> Any:
+    """A collective save of the replicated state (each tensor written once, by one rank)."""
+    trainstate.save(path, {"model": replicas(), "step": 3}, storage=storage_for(endpoint))
+    return None
+
+
+def load_replicas(rank: int, world: int, path: str, endpoint: str | None, collective: bool | None) -> Any:
+    """Every rank restores the replicas into a state of its own (filled with -1) through a counting storage."""
+    state = {"model": replicas(fill=-1.0), "step": 0}
+    storage = Counting(storage_for(endpoint))
+    kwargs = {} if collective is None else {"collective": collective}
+    trainstate.load(path, state, storage=storage, **kwargs)
+    return {
+        "read": storage.data_bytes,
+        "values": {k: v.numpy().copy() for k, v in state["model"].items()},
+        "step": state["step"],
+    }
+
+
+def load_without_target(rank: int, world: int, path: str) -> Any:
+    """``trainstate.load(path)`` on every rank: fresh arrays, shared the same way."""
+    storage = Counting(trainstate.LocalStorage())
+    tree = trainstate.load(path, storage=storage)
+    return {"read": storage.data_bytes, "values": tree["model"], "step": tree["step"]}
+
+
+def load_boxes(rank: int, world: int, path: str, collective: bool) -> Any:
+    """FSDP-style: each of 4 ranks a different box of most tensors (rows), nothing shared; one replicated
+    tensor that every rank holds (w00); and one HSDP-style tensor (w10) on a (2, 2) mesh, replicated over the
+    first dim and sharded over the second, so ranks r and r + 2 hold the same box."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    assert world == 4
+    mesh = init_device_mesh("cpu", (world,))
+    full = replicas()
+    want = {k: v.chunk(world)[rank] for k, v in full.items() if v.shape[0] % world == 0}
+    state: dict[str, Any] = {
+        k: DTensor.from_local(torch.full_like(want[k], -1.0), mesh, [Shard(0)], shape=v.shape, stride=v.stride())
+        for k, v in full.items()
+        if k in want
+    }
+    state["w00"] = DTensor.from_local(torch.full_like(full["w00"], -1.0), mesh, [Replicate()])
+    want["w00"] = full["w00"]
+    square = init_device_mesh("cpu", (2, 2))
+    w10 = full["w10"]
+    want["w10"] = w10.chunk(2)[rank % 2]
+    state["w10"] = DTensor.from_local(
+        torch.full_like(want["w10"], -1.0), square, [Replicate(), Shard(0)], shape=w10.shape, stride=w10.stride()
+    )
+    storage = Counting(trainstate.LocalStorage())
+    trainstate.load(path, {"model": state, "step": 0}, storage=storage, strict=False, collective=collective)
+    return {"read": storage.data_bytes, "ok": {k: bool(torch.equal(t.to_local(), want[k])) for k, t in state.items()}}
+
+
+def load_damaged(rank: int, world: int, path: str, damaged: str) -> Any:
+    """Restore into a state filled with 7; return the error kind and whether the damaged tensor still holds
+    only 7s (no byte of the checkpoint's reached it)."""
+    state = {"model": replicas(fill=7.0), "step": 0}
+    try:
+        trainstate.load(path, state, storage=Counting(trainstate.LocalStorage()), timeout=60)
+    except trainstate.CheckpointError as e:
+        kind, message = type(e).__name__, str(e)
+    else:
+        kind, message = None, ""
+    return {"kind": kind, "message": message, "untouched": bool(torch.all(state["model"][damaged] == 7.0))}
+
+
+def load_mismatched_on_rank_1(rank: int, world: int, path: str) -> Any:
+    """Rank 1's state does not fit (one tensor of another shape): every rank raises, before any byte is read."""
+    model = replicas(fill=-1.0)
+    if rank == 1:
+        model["w03"] = torch.zeros(3, 3)
+    storage = Counting(trainstate.LocalStorage())
+    try:
+        trainstate.load(path, {"model": model, "step": 0}, storage=storage, timeout=60)
+    except trainstate.CheckpointError as e:
+        kind, message = type(e).__name__, str(e)
+    else:
+        kind, message = None, ""
+    return {"kind": kind, "message": message, "read": storage.data_bytes}
+
+
+def load_optimizer_mismatched_on_rank_1(rank: int, world: int, path: str) -> Any:
+    """A fresh model and optimizer (rank 1's model of another size): rank 0 learns of rank 1's failure before
+    it reads, and its fresh optimizer is left without state, as a failure of its own would leave it."""
+    torch.manual_seed(1)
+    model = torch.nn.Linear(8, 4 if rank == 0 else 5)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        trainstate.load(path, {"model": model, "optim": optim, "step": 0}, timeout=60)
+    except trainstate.CheckpointError as e:
+        return {"kind": type(e).__name__, "optim_state": len(optim.state)}
+    return {"kind": None, "optim_state": len(optim.state)}
+
+
+def load_on_rank_0_only(rank: int, world: int, path: str, again: bool) -> Any:
+    """``if rank == 0: trainstate.load(...)``: the other ranks never come (``again``: after a load they all
+    made, so the coordination group exists and the exchange itself times out)."""
+    if again:
+        trainstate.load(path, {"model": replicas(fill=-1.0), "step": 0}, timeout=5)
+    if rank != 0:
+        return "skipped"
+    trainstate.load(path, {"model": replicas(fill=-1.0), "step": 0}, timeout=5)
+    return "loaded"
+
+
+def load_own(rank: int, world: int, root: str) -> Any:
+    """Each rank loads a checkpoint of its own (same names, other values), collectively."""
+    state = {"model": {"w": np.zeros((64, 8), np.float32)}, "step": 0}
+    trainstate.load(f"{root}/c{rank}", state)
+    return float(state["model"]["w"].mean())
+
+
+def manager_save_and_restore(rank: int, world: int, root: str) -> Any:
+    """A manager under the process group saves the replicas, then restores them through a counting storage."""
+    with trainstate.CheckpointManager(root, capture_rng=False) as mgr:
+        mgr.save(4, {"model": replicas(), "step": 4}, force=True)
+    storage = Counting(trainstate.LocalStorage())
+    state = {"model": replicas(fill=-1.0), "step": 0}
+    with trainstate.CheckpointManager(root, storage=storage, capture_rng=False) as mgr:
+        start = mgr.restore_latest(state)
+    same = all(torch.equal(state["model"][k], v) for k, v in replicas().items())
+    return {"read": storage.data_bytes, "start": start, "same": same}
+
+
+def tensor_bytes() -> int:
+    return sum(v.numel() * v.element_size() for v in replicas().values())
+
+
+def as_arrays(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in state.items()}
