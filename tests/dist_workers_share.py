@@ -229,3 +229,37 @@ def tensor_bytes() -> int:
 
 def as_arrays(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in state.items()}
+
+
+def as_accelerator_targets() -> None:
+    """Make this process treat CPU tensors as accelerator ones: restores go through the ring (with small
+    slots) and a collective load shares them the way it shares GPU tensors (through host buffers, in
+    small pieces), so the accelerator path runs where no accelerator is."""
+    from trainstate._frameworks import torch as torch_adapter
+    from trainstate._restore import ring, shared
+
+    torch_adapter.on_accelerator = lambda value: isinstance(value, torch.Tensor)  # type: ignore[assignment]
+    ring.MIN_SLOT_BYTES = 1 << 20
+    ring.LANE_BYTES = 1 << 16
+    shared.PIECE = 40_000  # several pieces per tensor, one not a multiple of another
+
+
+def load_replicas_on_devices(rank: int, world: int, path: str, collective: bool | None, tied: bool) -> Any:
+    """``load_replicas`` with the targets standing for accelerator tensors; with ``tied`` (a checkpoint that
+    stored w03 once for two places), w03's second place is memory of its own here, and must get its bytes."""
+    as_accelerator_targets()
+    state: dict[str, Any] = {"model": replicas(fill=-1.0), "step": 0}
+    if tied:
+        state["copy_of_w03"] = torch.full_like(state["model"]["w03"], -1.0)
+    storage = Counting(trainstate.LocalStorage())
+    kwargs = {} if collective is None else {"collective": collective}
+    trainstate.load(path, state, storage=storage, **kwargs)
+    values = {k: v.numpy().copy() for k, v in state["model"].items()}
+    if tied:
+        values["copy_of_w03"] = state["copy_of_w03"].numpy().copy()
+    return {"read": storage.data_bytes, "values": values, "step": state["step"]}
+
+
+def load_damaged_on_devices(rank: int, world: int, path: str, damaged: str) -> Any:
+    as_accelerator_targets()
+    return load_damaged(rank, world, path, damaged)

@@ -190,3 +190,42 @@ def test_no_rank_shares_with_a_rank_that_loads_another_checkpoint(tmp_path):
         trainstate.save(tmp_path / f"c{rank}", {"model": {"w": np.full((64, 8), float(rank), np.float32)}, "step": 3})
     got = ranks.ok(ranks.run(2, workers.load_own, str(tmp_path)))
     assert got == [0.0, 1.0]
+
+
+def test_accelerator_targets_are_read_once_and_cross_in_pieces_through_host_buffers(tmp_path):
+    """The GPU path's sharing, run with CPU tensors standing in for accelerator ones (ring + pieces)."""
+    path = str(tmp_path / "c")
+    trainstate.save(path, {"model": workers.replicas(), "step": 3})
+    shared = ranks.ok(ranks.run(WORLD, workers.load_replicas_on_devices, path, None, False))
+    _all_equal(shared)
+    assert _amplification(shared, "accelerator targets, shared") <= 1.05
+    alone = ranks.ok(ranks.run(WORLD, workers.load_replicas_on_devices, path, False, False))
+    _all_equal(alone)
+    assert _amplification(alone, "accelerator targets, collective=False") >= WORLD - 0.05
+
+
+def test_an_accelerator_part_held_twice_on_a_rank_gets_its_bytes_in_both_places(tmp_path):
+    path = str(tmp_path / "c")
+    model = workers.replicas()
+    trainstate.save(path, {"model": model, "step": 3, "copy_of_w03": model["w03"]})  # tied: stored once
+    results = ranks.ok(ranks.run(WORLD, workers.load_replicas_on_devices, path, None, True))
+    for r in results:
+        assert r["values"]["copy_of_w03"].tobytes() == model["w03"].numpy().tobytes()
+        assert r["values"]["w03"].tobytes() == model["w03"].numpy().tobytes()
+    assert _amplification(results, "accelerator targets, one part twice per rank") <= 1.05
+
+
+def test_a_damaged_byte_in_a_shared_accelerator_tensor_reaches_no_rank(tmp_path):
+    path = tmp_path / "c"
+    trainstate.save(path, {"model": workers.replicas(), "step": 3})
+    body = json.loads((path / "manifest.json").read_bytes())
+    chunk = body["tensors"]["model.w05"]["chunks"][0]
+    begin, end = chunk["byte_range"]
+    data = path / chunk["file"]
+    raw = bytearray(data.read_bytes())
+    raw[(begin + end) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    results = ranks.ok(ranks.run(WORLD, workers.load_damaged_on_devices, str(path), "w05"))
+    for rank, r in enumerate(results):
+        assert r["kind"] == "CorruptCheckpointError", (rank, r)
+        assert r["untouched"], rank

@@ -247,6 +247,10 @@ def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:
         np.copyto(host, np.frombuffer(byte_view(value), dtype=np.uint8))
 
 
+def copy_range_out(value: Any, offset: int, host: np.ndarray) -> None:
+    np.copyto(host, np.frombuffer(byte_view(value), np.uint8)[offset : offset + host.nbytes])  # via the host
+
+
 def finish(array: np.ndarray, kind: str) -> Any:
     """A freshly read host array as a JAX array on the default device."""
     return jax.device_put(_narrowed(array))

@@ -97,6 +97,10 @@ def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:
         np.copyto(host, np.frombuffer(byte_view(value), dtype=np.uint8))
 
 
+def copy_range_out(value: Any, offset: int, host: np.ndarray) -> None:
+    np.copyto(host, np.frombuffer(byte_view(value), np.uint8)[offset : offset + host.nbytes])
+
+
 def finish(array: np.ndarray, kind: str) -> Any:
     """Turn a freshly read array into what the saver held (a scalar stays a scalar)."""
     return array[()] if kind == "numpy-scalar" else array

@@ -61,6 +61,10 @@ class Adapter(Protocol):
         """Copy each array's bytes (C order) into its flat host byte array (of :meth:`staging` memory for
         accelerator arrays, so the copies overlap); returns once all have landed."""
 
+    def copy_range_out(self, value: Any, offset: int, host: np.ndarray) -> None:
+        """Copy bytes ``[offset, offset + host.nbytes)`` of a :meth:`cuttable` array (C order) into the flat
+        host byte array ``host``; returns once they have landed."""
+
     def finish(self, array: Any, kind: str) -> Any:
         """A freshly read host array turned into what the saver held (``kind`` from the manifest)."""
 

@@ -248,6 +248,12 @@ def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:
         torch.cuda.synchronize()
 
 
+def copy_range_out(value: Any, offset: int, host: np.ndarray) -> None:
+    with torch.no_grad():
+        flat = value.detach().reshape(-1).view(torch.uint8) if value.dim() else value.detach().view(1).view(torch.uint8)
+        torch.from_numpy(host).copy_(flat[offset : offset + host.nbytes])  # a device's copy is waited for
+
+
 def finish(array: torch.Tensor, kind: str) -> Any:
     return array
 

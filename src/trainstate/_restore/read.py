@@ -247,8 +247,8 @@ def fill(
     """Read every planned tensor: straight into the target's memory where its layout allows, else
     through a host buffer (absent targets, accelerator tensors, non-contiguous ones, casts).
 
-    With ``share`` (a collective load) the host reads that several ranks hold are read by one of them and
-    sent to the others (shared.py); every rank takes part, and any rank's failure raises on all of them.
+    With ``share`` (a collective load) the reads that several ranks hold are read by one of them and sent to
+    the others (shared.py); every rank takes part, and any rank's failure raises on all of them.
     """
     tensors = ck.manifest.tensors
     reads: list[Read] = []
@@ -279,16 +279,16 @@ def fill(
                 job.local = local
             reads.append((name, view if view.format == "B" else view.cast("B"), box))
 
-        def read(own: list[Read]) -> None:
+        def read(own: list[Read], own_staged: list[Staged]) -> None:
             read_views(ck, own, verify=verify, threads=threads)
             whole = partial(read_views, ck, verify=verify, threads=threads)
-            read_to_device(ck, on_device, whole, verify=verify, threads=threads)  # ring.py
+            read_to_device(ck, own_staged, whole, verify=verify, threads=threads)  # ring.py
 
         try:
             if share is None:
-                read(reads)
+                read(reads, on_device)
             else:
-                share.run(tensors, reads, read)
+                share.run(tensors, reads, on_device, read)
         except CorruptCheckpointError as e:
             raise type(e)(  # the same kind (a TamperedCheckpointError stays one), with what that left behind
                 f"{e}\nThe target is partly restored, and no byte that failed its checksum was written: tensors "

@@ -15,10 +15,18 @@ transfers. A rank that fails before (2) takes part in the next agreement with it
 of the same kind (a :class:`CorruptCheckpointError` stays one, so a manager moves every rank on to the older
 checkpoint together) and nothing is sent: a byte that failed its checksum reaches no rank's live state.
 
-Parts are matched by what the manifest says of their bytes (dtype, shape, the chunks' checksums) and the box
-read, never by path alone: ranks loading different checkpoints share only what is the same. Not shared: reads
-into accelerator memory (each rank reads its own through host staging) and the processes of a
-``jax.distributed`` job (their coordinator moves no tensor bytes).
+Reads into accelerator memory (a DDP model on GPUs) are shared the same way among the ranks that read them
+into accelerators: the owner reads its parts through the ring (ring.py), and after the agreement each part
+crosses in pieces of :data:`PIECE` bytes -- device to a host buffer on the owner, the gloo group, a host
+buffer to the device on each receiver -- one piece at a time, in the same global order on every rank, so
+host memory stays at one buffer. (NCCL could move them device to device; that path is not built, since it
+could not be tested here: one GPU cannot hold two NCCL ranks.) Arrays that cannot be filled in parts (JAX
+arrays, non-contiguous tensors) are read by each rank that holds them.
+
+Parts are matched by what the manifest says of their bytes (dtype, shape, the chunks' checksums), the box read
+and whether it lands in accelerator memory, never by path alone: ranks loading different checkpoints share
+only what is the same. Not shared: the processes of a ``jax.distributed`` job (their coordinator moves no
+tensor bytes).
 """
 
 from __future__ import annotations
@@ -34,10 +42,12 @@ from trainstate import errors
 from trainstate._distributed import Coordinator
 from trainstate._format import manifest
 from trainstate._restore.files import Box
+from trainstate._restore.ring import Staged
 from trainstate.errors import CheckpointError, DistributedError
 
 Read = tuple[str, memoryview, "Box | None"]  # a tensor's name, the flat bytes it lands in, its box (None: whole)
 _DONE = 2  # agreements taken when the protocol is over: (1) what each rank reads, (2) how it went
+PIECE = 32 << 20  # an accelerator part crosses in pieces of this size, through one host buffer per rank
 
 
 class Key(NamedTuple):
@@ -47,6 +57,7 @@ class Key(NamedTuple):
     name: str
     box: Box | None
     nbytes: int
+    device: bool = False  # read into accelerator memory (through the ring), not host memory
 
 
 @dataclass(frozen=True)
@@ -67,16 +78,25 @@ class Share:
         self.reading = False  # whether this rank began reading (else a failure left its target as it was)
 
     def run(
-        self, tensors: Mapping[str, manifest.TensorEntry], reads: Sequence[Read], read: Callable[[list[Read]], None]
+        self,
+        tensors: Mapping[str, manifest.TensorEntry],
+        reads: Sequence[Read],
+        staged: Sequence[Staged],
+        read: Callable[[list[Read], list[Staged]], None],
     ) -> None:
-        """Fill every view of ``reads``: ``read`` is given what this rank reads itself (its own parts and the
-        shared ones it owns, and does any other local reading, e.g. into accelerators); the rest arrives
-        from their owners once every rank's ``read`` succeeded. Raises on every rank if any rank failed."""
+        """Fill every view of ``reads`` and every accelerator target of ``staged``: ``read`` is given what this
+        rank reads itself (its own parts and the shared ones it owns); the rest arrives from their owners once
+        every rank's ``read`` succeeded. Raises on every rank if any rank failed."""
         rank = self.coord.rank
         digests: dict[str, str] = {}
-        keys = [_key(tensors, digests, name, view, box) for name, view, box in reads]
+        keys = [_key(tensors, digests, name, view.nbytes, box) for name, view, box in reads]
+        device_keys = [
+            _key(tensors, digests, s.name, s.nbytes, s.box, device=True) if s.cuttable else None for s in staged
+        ]
         listed = self._agree(
-            sorted({k for k in keys if k is not None}, key=_order), None, "load (what each rank reads)"
+            sorted({k for k in [*keys, *device_keys] if k is not None}, key=_order),
+            None,
+            "load (what each rank reads)",
         )
         owners = assign(listed)
         mine: list[Read] = []
@@ -91,16 +111,30 @@ class Share:
                 copies.append((first[k], r[1]))
             else:
                 first[k] = r[1]
+        mine_staged: list[Staged] = []
+        held: dict[Key, Staged] = {}  # the accelerator target a key is read or received into
+        later: list[tuple[Staged, Staged]] = []  # the same part twice on this rank's accelerators
+        for s, k in zip(staged, device_keys):
+            if k is not None and k in held:
+                later.append((held[k], s))
+                continue
+            if k is None or k not in owners or owners[k][0] == rank:
+                mine_staged.append(s)
+            if k is not None:
+                held[k] = s
         error: BaseException | None = None
         self.reading = True
         try:
-            read(mine)
+            read(mine, mine_staged)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below, this one re-raises it
             error = e
         self._agree(None, error, "load (reading)")
         sends: list[tuple[Any, int, int]] = []
         receives: list[tuple[Any, int, int]] = []
-        for tag, (k, (owner, members)) in enumerate(sorted(owners.items(), key=lambda kv: _order(kv[0]))):
+        ordered = sorted(owners.items(), key=lambda kv: _order(kv[0]))
+        for tag, (k, (owner, members)) in enumerate(ordered):
+            if k.device:
+                continue
             if owner == rank:
                 sends += [(_bytes(first[k]), m, tag) for m in members if m != rank]
             elif rank in members:
@@ -109,6 +143,33 @@ class Share:
             self.coord.exchange(sends, receives, "load (sending the shared tensors)")
         for src, dst in copies:  # the same part twice in this rank's state, in separate memory
             np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+        self._send_device_parts([(k, o, m) for k, (o, m) in ordered if k.device and rank in m], held)
+        for src_staged, dst_staged in later:  # a second accelerator home of one part: copied on this rank
+            _copy_device_part(src_staged, dst_staged)
+
+    def _send_device_parts(self, parts: list[tuple[Key, int, tuple[int, ...]]], held: Mapping[Key, Staged]) -> None:
+        """Each shared accelerator part this rank holds, piece by piece through one host buffer, in the global
+        order every rank walks: the owner copies a piece to the host and sends it to each member, a member
+        receives it and copies it to its device."""
+        if not parts:
+            return
+        rank = self.coord.rank
+        first = held[parts[0][0]]
+        buffer = first.adapter.staging(min(PIECE, max(k.nbytes for k, _, _ in parts)), like=first.local)
+        tag = 1 << 20  # above the host parts' tags
+        for k, owner, members in parts:
+            s = held[k]
+            for lo in range(0, k.nbytes, PIECE):
+                tag += 1
+                piece = buffer[: min(PIECE, k.nbytes - lo)]
+                data = _bytes(piece.data)
+                if owner == rank:
+                    s.adapter.copy_range_out(s.local, lo, piece)
+                    sends = [(data, m, tag) for m in members if m != rank]
+                    self.coord.exchange(sends, [], "load (sending the shared tensors)")
+                else:
+                    self.coord.exchange([], [(data, owner, tag)], "load (receiving the shared tensors)")
+                    s.adapter.copy_in_async([(s.local, lo, piece)])()
 
     def abandon(self, error: BaseException) -> None:
         """This rank failed outside :meth:`run`'s reads: tell the others at the next agreement (they raise there)."""
@@ -160,10 +221,25 @@ def assign(listed: list[list[Key]]) -> dict[Key, tuple[int, tuple[int, ...]]]:
     return out
 
 
+def _copy_device_part(src: Staged, dst: Staged) -> None:
+    """One accelerator part into a second target on this rank (a tensor the state holds twice), via the host."""
+    buffer = src.adapter.staging(min(PIECE, src.nbytes), like=src.local)
+    for lo in range(0, src.nbytes, PIECE):
+        piece = buffer[: min(PIECE, src.nbytes - lo)]
+        src.adapter.copy_range_out(src.local, lo, piece)
+        dst.adapter.copy_in_async([(dst.local, lo, piece)])()
+
+
 def _key(
-    tensors: Mapping[str, manifest.TensorEntry], digests: dict[str, str], name: str, view: memoryview, box: Box | None
+    tensors: Mapping[str, manifest.TensorEntry],
+    digests: dict[str, str],
+    name: str,
+    nbytes: int,
+    box: Box | None,
+    *,
+    device: bool = False,
 ) -> Key | None:
-    if not view.nbytes:
+    if not nbytes:
         return None
     t = tensors[name]
     if box is not None and tuple(box[1]) == tuple(t.shape):
@@ -172,11 +248,11 @@ def _key(
     if digest is None:
         described = repr((t.dtype, tuple(t.shape), [(tuple(c.offset), tuple(c.shape), c.checksum) for c in t.chunks]))
         digest = digests[name] = hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
-    return Key(digest, name, None if box is None else (tuple(box[0]), tuple(box[1])), view.nbytes)
+    return Key(digest, name, None if box is None else (tuple(box[0]), tuple(box[1])), nbytes, device)
 
 
-def _order(k: Key) -> tuple[int, str, str, str]:
-    return (-k.nbytes, k.name, k.content, repr(k.box))
+def _order(k: Key) -> tuple[int, str, str, str, bool]:
+    return (-k.nbytes, k.name, k.content, repr(k.box), k.device)
 
 
 def _bytes(view: memoryview) -> Any:
