@@ -88,8 +88,9 @@ def load(
     (data-parallel replicas, replicated dims of a DTensor) is read from storage by one of them and sent to the
     others over trainstate's coordination (gloo) group, so the job reads each byte once (docs/distributed.md,
     "Restoring: each byte read once"). A failure on any rank (a damaged tensor, a state that does not fit)
-    raises on every rank, and no byte is sent then. Reads into accelerator memory and the processes of a
-    ``jax.distributed`` job are not shared: each reads its own.
+    raises on every rank, and no byte is sent then. Tensors in GPU memory are shared too (they cross through
+    host buffers in pieces); JAX arrays, non-contiguous tensors and the processes of a ``jax.distributed``
+    job are not: each reads its own.
 
     Args:
         path: the checkpoint directory, or a packed checkpoint (``trainstate.pack``): bytes, a buffer, a
