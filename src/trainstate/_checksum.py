@@ -70,6 +70,10 @@ class Hasher:
     def result(self) -> str:
         return f"{_PREFIX}{self._h.hexdigest()}"
 
+    def value(self) -> int:
+        """The digest as an int, compared against :func:`expected_value`."""
+        return int(self._h.intdigest())
+
 
 def check(data: bytes | memoryview, expected: str, what: str) -> None:
     """Raise :class:`CorruptCheckpointError` naming ``what`` unless ``data`` hashes to ``expected``."""
