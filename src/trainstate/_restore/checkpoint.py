@@ -22,7 +22,7 @@ from trainstate import _frameworks as frameworks
 from trainstate import _keys
 from trainstate import _tree as tree
 from trainstate._cores import DEFAULT_THREADS
-from trainstate._format import datafile, manifest
+from trainstate._format import datafile, lazy_manifest, manifest
 from trainstate._frameworks import adapter_for
 from trainstate._incremental import pool
 from trainstate._restore import key_or_damage
@@ -412,7 +412,9 @@ def _read_manifest(storage: Storage, path: str, key: _keys.Key | None = None) ->
     if got != minfo.size:
         raise CorruptCheckpointError(f"{mpath} changed while it was read")
     try:
-        return manifest.parse(raw, mpath, key)  # no copy: a refused manifest costs its size, once
+        # No copy: a refused manifest costs its size, once. Lazy: an entry is parsed when it is looked up, the
+        # rest (with every whole-manifest check) when first used (lazy_manifest.py).
+        return lazy_manifest.parse(raw, mpath, key)
     except WrongKeyError as e:  # or a damaged salt / key check: a chunk that decrypts with the key tells
         raise key_or_damage.diagnose(storage, path, mpath, raw, key, e) if key is not None else e from None
 
