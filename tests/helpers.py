@@ -87,11 +87,16 @@ def laid_out(body: dict[str, Any]) -> bytes:
     return (out + "}").encode()
 
 
-def reseal_manifest(path: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
-    """Apply ``edit`` to the manifest body and re-seal it with a valid checksum (a lying manifest)."""
+def reseal_manifest(path: Path, edit: Callable[[dict[str, Any]], Any], layout: bool = False) -> None:
+    """Apply ``edit`` to the manifest body and re-seal it with a valid checksum (a lying manifest): as one
+    line (re-formatted, docs/format.md §5.1), or with ``layout`` as a writer lays it out (§3.1)."""
     body = json.loads((path / "manifest.json").read_bytes())
     body.pop("checksum")
     edit(body)
+    if layout:
+        b = laid_out(body)
+        (path / "manifest.json").write_bytes(b'{"checksum":"' + checksum.digest(b).encode() + b'",' + b[1:] + b"\n")
+        return
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     body["checksum"] = checksum.digest(raw)
     (path / "manifest.json").write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())

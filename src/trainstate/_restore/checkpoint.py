@@ -98,7 +98,7 @@ class Checkpoint:
         self.files = DataFiles(self.storage, self.path)
         self.decoders = Decoders(self._key)  # undoes chunk transforms (decrypting with the resolved key)
         try:
-            self.manifest = _read_manifest(self.storage, self.path, self._key)
+            self.manifest = _read_manifest(self.storage, self.path, self._key, lazy=True)
             self.files.where = pool.locations(self.storage, self.path, self.manifest.files)
             self._check_files()
             for f in self.manifest.files:  # map now: a checkpoint deleted after this stays readable (POSIX)
@@ -359,7 +359,9 @@ def _no_tensor(name: str) -> Any:
     raise CorruptCheckpointError(f"metadata refers to tensor {name!r}")
 
 
-def _read_manifest(storage: Storage, path: str, key: _keys.Key | None = None) -> manifest.Manifest:
+def _read_manifest(storage: Storage, path: str, key: _keys.Key | None = None, lazy: bool = False) -> manifest.Manifest:
+    """The checkpoint's manifest, checked; with ``lazy``, the parts a use needs when it needs them
+    (``lazy_manifest.py``: a whole-manifest check then fails at that use, not here)."""
     # ``path`` itself may be a link the user made (``run/latest -> step_00000100``): followed. Every
     # name inside the checkpoint is checked with stat(), which sees links, so those are refused.
     info = storage.stat_followed(path)
@@ -412,9 +414,8 @@ def _read_manifest(storage: Storage, path: str, key: _keys.Key | None = None) ->
     if got != minfo.size:
         raise CorruptCheckpointError(f"{mpath} changed while it was read")
     try:
-        # No copy: a refused manifest costs its size, once. Lazy: an entry is parsed when it is looked up, the
-        # rest (with every whole-manifest check) when first used (lazy_manifest.py).
-        return lazy_manifest.parse(raw, mpath, key)
+        # no copy: a refused manifest costs its size, once
+        return (lazy_manifest.parse if lazy else manifest.parse)(raw, mpath, key)
     except WrongKeyError as e:  # or a damaged salt / key check: a chunk that decrypts with the key tells
         raise key_or_damage.diagnose(storage, path, mpath, raw, key, e) if key is not None else e from None
 
