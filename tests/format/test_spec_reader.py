@@ -164,6 +164,36 @@ def read_manifest(raw: bytes, key: bytes | None = None) -> dict[str, Any]:
     return m
 
 
+# -- §3.1 the line layout ---------------------------------------------------------------------------------
+def tensor_line(raw: bytes, name: str) -> Any:
+    """Tensor ``name``'s raw entry, found by §3.1's binary search over the tensor lines of manifest bytes
+    whose checksum was checked; None where they are not in the layout, or a neighbour has the same key, or
+    no line has the name (a reader then parses the whole manifest)."""
+    lines = raw.split(b"\n")
+    if b'"tensors":{' not in lines:
+        return None
+    first = lines.index(b'"tensors":{') + 1
+    last = next((i for i in range(first, len(lines)) if lines[i].startswith(b"}")), None)
+    if last is None:
+        return None
+    entries = lines[first:last]
+
+    def member(line: bytes) -> tuple[str, Any]:
+        (item,) = json.loads(b"{" + line.removesuffix(b",") + b"}").items()
+        return item
+
+    lo, hi = 0, len(entries)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        key, value = member(entries[mid])
+        if key == name:
+            if any(member(entries[i])[0] == name for i in (mid - 1, mid + 1) if 0 <= i < len(entries)):
+                return None
+            return value
+        lo, hi = (mid + 1, hi) if key < name else (lo, mid)
+    return None
+
+
 # -- §5b zstd ---------------------------------------------------------------------------------------------
 def unzstd(stored: bytes, raw_size: int, name: str) -> bytes:
     """One zstd frame whose declared content size is the box's raw size (checked before decompressing)."""
