@@ -15,6 +15,7 @@ from test_spec_reader import SpecReader, tensor_line
 import trainstate
 from helpers import laid_out, one_line, reseal_manifest
 from trainstate import _checksum as checksum
+from trainstate import _tree
 from trainstate._format import lazy_manifest, manifest, manifest_lines
 from trainstate._format.chunk_table import ChunkTable
 
@@ -113,6 +114,12 @@ def test_the_columns_of_a_collective_save_are_laid_out_the_same():
     assert parts is not None
     entries = {name: manifest._tensor_json(table[name]) for name in table}
     assert b"".join(parts) == b"".join(manifest_lines.tensor_lines(entries))
+    files = tuple(manifest.FileEntry(f, 10**6, "xxh3_64:00") for f in table.files)
+    raw = manifest.Manifest(tree=_tree.NONE, tensors=table, files=files, world_size=2).to_json_bytes()
+    lines = manifest_lines.split(raw)
+    assert lines is not None
+    for name, entry in json.loads(raw)["tensors"].items():
+        assert lines.find(name) == entry
 
 
 # -- one tensor by its line -----------------------------------------------------------------------------------
@@ -223,6 +230,19 @@ def test_a_one_line_manifest_opens_by_the_whole_parse(ckpt, whole_parses):
         assert np.array_equal(ck.read("model.layer9.w"), mixed_state()["model"]["layer9.w"])
     for fixture in sorted((Path(__file__).parent.parent / "fixtures").glob("v1.*/*/manifest.json")):
         assert manifest_lines.split(fixture.read_bytes()) is None, fixture  # every fixture predates the layout
+
+
+@pytest.mark.parametrize(("field", "lazy"), [("other", False), ("zz", True), ("aa", True)])
+def test_a_newer_minor_versions_field_is_kept_either_way(ckpt, whole_parses, field, lazy):
+    """A top-level field sorting between ``metadata`` and ``tree`` gets lines of its own, which this reader's
+    lookup does not know: the whole parse reads that manifest; elsewhere it is a header field."""
+    reseal_manifest(ckpt, lambda body: body.update({field: [1, {"x": 2}]}), layout=True)
+    with trainstate.open(ckpt) as ck:
+        assert isinstance(ck.manifest, lazy_manifest.LazyManifest) == lazy
+        assert ck.manifest.extra == {field: [1, {"x": 2}]}
+        assert np.array_equal(ck.read("model.layer9.w"), mixed_state()["model"]["layer9.w"])
+        assert len(whole_parses) == (0 if lazy else 1)
+        assert ck.load()["step"] == 7
 
 
 def test_a_reformatted_manifest_in_the_layout_still_opens(ckpt):

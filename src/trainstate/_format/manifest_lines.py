@@ -68,7 +68,8 @@ class Lines:
 
     ``header`` is the manifest with the values of ``metadata``, ``tensors`` and ``tree`` replaced by
     ``null``, ``{}`` and ``null`` (valid JSON when the layout is the writer's). The tensor lines are
-    ``raw[first:end]``, each ended by an LF (``raw[end]`` is the last one's).
+    ``raw[first:end]``, each ended by an LF (``raw[end]`` is the last one's); each is checked only when a
+    lookup reads it.
     """
 
     raw: bytes | bytearray
@@ -139,11 +140,14 @@ def split(raw: bytes | bytearray) -> Lines | None:
     if meta < 0 or raw.find(b"\n", meta + 1) != at:  # the metadata's line is the one before
         return None
     first = at + len(_TENSORS)
-    end = raw.find(b"\n}", first - 1)  # tensor lines begin with '"': the first '}' that begins one ends them
-    if end < 0 or not raw.startswith(_TREE, end):
+    # From the end, where the lines are short (searching forward for the "}" line that ends the tensor lines
+    # would scan them all): the last line holds the members after the tree; the one before it, the tree.
+    stop = len(raw)
+    while stop and raw[stop - 1] == 0x0A:  # the LF that ends the file
+        stop -= 1
+    last = raw.rfind(b"\n", 0, stop)
+    tree = raw.rfind(b"\n", 0, last)
+    end = tree - 3  # the LF that ends the last tensor line: then "},", LF, "tree":
+    if end < first - 1 or not raw.startswith(_TREE, end) or raw[last - 1 : last] != b",":
         return None
-    tree = end + len(_TREE)
-    tree_end = raw.find(b"\n", tree)
-    if tree_end < 0 or raw[tree_end - 1 : tree_end] != b",":  # more members follow ("writer")
-        return None
-    return Lines(raw, bytes(raw[:meta]) + _PLACEHOLDERS + bytes(raw[tree_end:]), first, end)
+    return Lines(raw, bytes(raw[:meta]) + _PLACEHOLDERS + bytes(raw[last:]), first, end)
