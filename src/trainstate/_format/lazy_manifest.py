@@ -41,7 +41,7 @@ def parse(raw: bytes | bytearray, what: str = manifest.MANIFEST_NAME, key: Key |
         body = manifest.loads(lines.header, what)
         if body.get("tensors") != {} or body.get("metadata", 0) is not None or body.get("tree", 0) is not None:
             return manifest.parse(raw, what, key)  # its header holds more than the layout puts there
-        manifest.check(raw, body, key, what, reformatted=False)
+        manifest.check_seal(raw, body, key, what, reformatted=False)
         with manifest.malformed(what):
             fields = manifest.head(body)
     except CorruptCheckpointError:  # reported as the full parse reports it

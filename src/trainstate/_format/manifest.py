@@ -92,7 +92,7 @@ class Manifest:
         }
         trees["tensors"] = body.pop("tensors")  # rendered already, a line per tensor (manifest_lines.py)
         hasher = manifest_mac.seal(body, key)  # with a key: adds the "encryption" object, MACs instead
-        text = _canonical_parts(body, trees)  # joined once, below: a merged manifest can be 100s of MB
+        text = manifest_lines.canonical_parts(body, trees)  # joined once, below: a merged manifest can be 100s of MB
         for part in text:
             hasher.update(part)
         # The checksum goes first, whatever other fields sort before it: a reader hashes the bytes after it
@@ -172,35 +172,7 @@ def _chunk_json(c: Chunk) -> dict[str, Any]:
     return out
 
 
-def _canonical(body: dict[str, Any]) -> bytes:
-    """The canonical JSON of ``body``."""
-    return _dumps(body).encode()
-
-
-def _canonical_parts(
-    body: dict[str, Any], texts: Mapping[str, str | list[bytes] | list[bytes | memoryview]]
-) -> list[bytes | memoryview]:
-    """The canonical JSON of ``body`` plus the fields in ``texts`` (canonical JSON text already, or its
-    parts), in parts to be joined: ``b"{"``, then each member, the big ones on lines of their own
-    (``manifest_lines.py``: the ``tensors`` parts come laid out in lines already)."""
-    fields: dict[str, list[bytes | memoryview]] = {k: [_dumps(v).encode()] for k, v in body.items() if k not in texts}
-    fields.update({k: list(v) if isinstance(v, list) else [v.encode()] for k, v in texts.items()})
-    out: list[bytes | memoryview] = [b"{"]
-    previous = ""
-    for i, k in enumerate(sorted(fields)):
-        out += [manifest_lines.separator(not i, k, previous), _dumps(k).encode(), b":", *fields[k]]
-        previous = k
-    return [*out, b"}"]
-
-
-def _canonical_lines(body: dict[str, Any]) -> bytes:
-    """The canonical JSON of ``body`` in the writer's line layout (what a manifest re-formatted by a tool
-    was, if its content is unchanged)."""
-    return b"".join(_canonical_parts(body, {"tensors": manifest_lines.tensor_lines(body["tensors"])}))
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+_dumps = manifest_lines.dumps  # the canonical JSON of a value
 
 
 def parse_cost(raw: bytes | bytearray) -> int:
@@ -264,7 +236,7 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME, key: Key | None = N
     """
     check_limits(raw, what)  # before json.loads: a hostile file is refused before it costs anything
     body = loads(raw, what)
-    check(raw, body, key, what)
+    check_seal(raw, body, key, what)
     return build(body, what)
 
 
@@ -291,7 +263,9 @@ def loads(raw: bytes | bytearray, what: str) -> dict[str, Any]:
     return body
 
 
-def check(raw: bytes | bytearray, body: dict[str, Any], key: Key | None, what: str, reformatted: bool = True) -> None:
+def check_seal(
+    raw: bytes | bytearray, body: dict[str, Any], key: Key | None, what: str, reformatted: bool = True
+) -> None:
     """Check the checksum (or MAC) of the manifest bytes ``raw``, then the version ``body`` (their JSON, or
     its header: ``manifest_lines.py``) declares; pops the checksum from ``body``. With ``reformatted``
     False, bytes not laid out as a writer lays them out are refused (the caller then parses them whole)."""
@@ -329,7 +303,7 @@ def _verify(raw: bytes | bytearray, body: dict[str, Any], key: Key | None, what:
         raise CorruptCheckpointError(f"{what} does not begin with its checksum")
     else:  # re-indented or re-ordered by hand or by a tool: Python's canonical form (docs/format.md §5.1, MAY)
         try:
-            canonical = _canonical(body)
+            canonical = _dumps(body).encode()
         except ValueError as e:  # non-finite floats smuggled in
             raise CorruptCheckpointError(f"{what}: {e}") from None
         try:
@@ -337,7 +311,7 @@ def _verify(raw: bytes | bytearray, body: dict[str, Any], key: Key | None, what:
         except CorruptCheckpointError:
             if type(body.get("tensors")) is not dict:
                 raise
-            check(_canonical_lines(body))  # as it writes it now (docs/format.md §3.1)
+            check(manifest_lines.canonical_lines(body))  # as it writes it now (docs/format.md §3.1)
 
 
 def _claims_newer(version: object) -> bool:

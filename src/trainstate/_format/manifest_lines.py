@@ -1,5 +1,6 @@
-"""The manifest's line layout: each tensor entry on a line of its own, so one entry is found without
-parsing the rest (docs/format.md §3.1).
+"""The manifest's canonical text in its line layout: each tensor entry on a line of its own, so one entry
+is found without parsing the rest (docs/format.md §3.1). The writer (``manifest.py``) and the checksum's
+re-formatted rule (§5.1) both take the text from here; :func:`split` and :meth:`Lines.find` read it back.
 
 A manifest is one JSON document, and JSON allows whitespace between tokens; a JSON string cannot hold a raw
 line feed, so every LF in a manifest is structure. trainstate's writer starts the three members that grow
@@ -25,6 +26,7 @@ to the full parse. Nothing here validates an entry: it finds the raw JSON of one
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from json.decoder import scanstring  # type: ignore[attr-defined]  # C, in every CPython; typeshed omits it
 from json.encoder import encode_basestring_ascii
@@ -45,11 +47,33 @@ _PLACEHOLDERS = b'\n"metadata":null,\n"tensors":{},\n"tree":null,'
 MISSING = object()  # find(): no such line, or lines that are not the layout (the full parse decides)
 
 
-def separator(first: bool, name: str, previous: str) -> bytes:
-    """What goes before top-level member ``name`` (``previous`` the one before it): a comma, and a line
-    feed where either is written on lines of its own."""
-    comma = b"" if first else b","
-    return comma + b"\n" if name in OWN_LINES or previous in OWN_LINES else comma
+def dumps(value: Any) -> str:
+    """The canonical JSON of a value (docs/format.md §3): sorted keys, no whitespace, ASCII, no NaN."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def canonical_parts(
+    body: dict[str, Any], texts: Mapping[str, str | list[bytes] | list[bytes | memoryview]]
+) -> list[bytes | memoryview]:
+    """The canonical JSON of a manifest ``body`` plus the fields in ``texts`` (canonical JSON text already,
+    or its parts; ``tensors`` laid out in lines already), in parts to be joined: ``b"{"``, then each
+    member, with a line feed before and after each member of :data:`OWN_LINES`."""
+    fields: dict[str, list[bytes | memoryview]] = {k: [dumps(v).encode()] for k, v in body.items() if k not in texts}
+    fields.update({k: list(v) if isinstance(v, list) else [v.encode()] for k, v in texts.items()})
+    out: list[bytes | memoryview] = [b"{"]
+    previous = ""
+    for i, k in enumerate(sorted(fields)):
+        comma = b"," if i else b""
+        out += [comma + b"\n" if k in OWN_LINES or previous in OWN_LINES else comma, dumps(k).encode(), b":"]
+        out += fields[k]
+        previous = k
+    return [*out, b"}"]
+
+
+def canonical_lines(body: dict[str, Any]) -> bytes:
+    """The canonical JSON of a manifest ``body`` (its ``tensors`` an object) in the line layout: what a
+    manifest re-formatted by a tool was, if its content is unchanged (docs/format.md §5.1)."""
+    return b"".join(canonical_parts(body, {"tensors": tensor_lines(body["tensors"])}))
 
 
 def tensor_lines(entries: dict[str, Any]) -> list[bytes]:
