@@ -95,6 +95,22 @@ def test_the_spec_reader_reads_the_layout_and_finds_a_line(ckpt):
     assert tensor_line(raw, "model.nope") is None
 
 
+@pytest.mark.parametrize(
+    "entries",
+    [
+        {"b": {"chunks": [], "x": 1}, 'a"},"b":{"chunks":': {"chunks": [{"k": ',"b":{"chunks":'}]}, "c": {"chunks": 2}},
+        {"b": 1, "a": {"x": [1, {"y": None}]}, "\u2603": "s"},  # not entries (a re-formatted manifest's JSON)
+    ],
+)
+def test_tensor_lines_put_each_member_on_a_line_of_the_same_json(entries):
+    text = b"".join(manifest_lines.tensor_lines(entries))
+    assert json.loads(text) == entries and text.replace(b"\n", b"") == manifest_lines.dumps(entries).encode()
+    lines = text.split(b"\n")[1:-1]
+    assert [json.loads(b"{" + line.removesuffix(b",") + b"}") for line in lines] == [
+        {k: entries[k]} for k in sorted(entries)
+    ]
+
+
 def test_the_columns_of_a_collective_save_are_laid_out_the_same():
     rng = np.random.default_rng(1)
     n = 40

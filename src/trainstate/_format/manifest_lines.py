@@ -81,9 +81,22 @@ def tensor_lines(entries: dict[str, Any]) -> list[bytes]:
     sorts, so its meaning is the canonical JSON's); ``{}`` when there is none."""
     if not entries:
         return [b"{}"]
-    encode = _ENCODER.encode
-    text = ",\n".join([encode_basestring_ascii(name) + ":" + encode(entries[name]) for name in sorted(entries)])
-    return [b"{\n", text.encode(), b"\n}"]
+    # One json.dumps of them all (a C call; one per entry costs 1.5x as much), cut where each member begins:
+    # a comma outside any string, so a cut anywhere else would still be whitespace in the same JSON.
+    names = sorted(entries)
+    text = dumps(entries)
+    cuts, at = [1], 1
+    for name in names[1:]:
+        at = text.find("," + encode_basestring_ascii(name) + ':{"chunks":', at)  # every writer's entry
+        if at < 0:  # not an entry as the writer makes them (a re-formatted manifest's, §5.1): one at a time
+            encode = _ENCODER.encode
+            lines = [encode_basestring_ascii(name) + ":" + encode(entries[name]) for name in names]
+            return [b"{\n", ",\n".join(lines).encode(), b"\n}"]
+        cuts.append(at + 1)
+    cuts.append(len(text))
+    pieces = [text[begin:end] for begin, end in zip(cuts, cuts[1:])]  # each but the last ends with its comma
+    pieces[-1] = pieces[-1][:-1]  # the object's "}"
+    return [b"{\n", "\n".join(pieces).encode(), b"\n}"]
 
 
 @dataclass(frozen=True)
