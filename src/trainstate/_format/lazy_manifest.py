@@ -56,13 +56,16 @@ class LazyManifest(Manifest):
     _raw: bytes | bytearray  # checked already (limits and checksum); never changed
     _what: str
     _whole: Manifest | None
-    _lock: threading.Lock
+    _table: _LineTensors
+    _lock: threading.Lock  # a lookup and the completion, one at a time
 
     def __init__(self, raw: bytes | bytearray, lines: manifest_lines.Lines, fields: dict[str, Any], what: str) -> None:
         # Not the dataclass's __init__: tree and metadata are properties here.
         for name, value in fields.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "tensors", _LineTensors(self, lines, manifest.sizes(fields["files"]), what))
+        table = _LineTensors(self, lines, manifest.sizes(fields["files"]))
+        object.__setattr__(self, "tensors", table)
+        object.__setattr__(self, "_table", table)
         object.__setattr__(self, "_raw", raw)
         object.__setattr__(self, "_what", what)
         object.__setattr__(self, "_whole", None)
@@ -94,13 +97,14 @@ class LazyManifest(Manifest):
                 whole = manifest.build(body, self._what)
                 self._agrees(whole)
                 object.__setattr__(self, "_whole", whole)
+                object.__setattr__(self, "_raw", b"")  # parsed now: a merged manifest's bytes can be 100s of MB
+                self._table.lines = None
         return whole
 
     def _agrees(self, whole: Manifest) -> None:
         fields = ("files", "created", "writer", "format_version", "extra", "world_size", "encrypted")
         differs = [f for f in fields if getattr(whole, f) != getattr(self, f)]
-        tensors: _LineTensors = self.tensors  # type: ignore[assignment]
-        differs += [name for name, entry in tensors.found.items() if whole.tensors.get(name) != entry]
+        differs += [name for name, entry in self._table.found.items() if whole.tensors.get(name) != entry]
         if differs:
             raise CorruptCheckpointError(
                 f"{self._what}: its lines and its JSON say different things about {differs[0]!r:.80} (a member "
@@ -113,30 +117,30 @@ class _LineTensors(Mapping[str, TensorEntry]):
     """Tensor entries found by line and checked when first looked up; anything that needs the whole table
     (iteration, its length, a name with no line) asks the whole manifest."""
 
-    def __init__(self, owner: LazyManifest, lines: manifest_lines.Lines, sizes: dict[str, int], what: str) -> None:
-        self._owner, self._lines, self._sizes = owner, lines, sizes
-        self.found: dict[str, TensorEntry] = {}
+    def __init__(self, owner: LazyManifest, lines: manifest_lines.Lines, sizes: dict[str, int]) -> None:
+        self._owner, self._sizes = owner, sizes
+        self.lines: manifest_lines.Lines | None = lines  # None once the whole manifest is parsed
+        self.found: dict[str, TensorEntry] = {}  # what lookups gave: the whole parse must agree
 
     def __getitem__(self, name: str) -> TensorEntry:
         entry = self.found.get(name)
         if entry is not None:
             return entry
-        if self._owner._whole is not None or type(name) is not str:
-            return self._owner.whole().tensors[name]
-        raw = self._lines.find(name)
-        if raw is manifest_lines.MISSING:
-            return self._owner.whole().tensors[name]  # KeyError for a name it does not list
-        with manifest.malformed(f"tensor {name!r:.80} in the manifest"):
-            entry = manifest.tensor_entry(name, raw, self._sizes)
-        self.found[name] = entry
-        return entry
+        with self._owner._lock:  # not while the whole parse checks what was found
+            lines = self.lines
+            raw = lines.find(name) if lines is not None and type(name) is str else manifest_lines.MISSING
+            if raw is not manifest_lines.MISSING:
+                with manifest.malformed(f"tensor {name!r:.80} in the manifest"):
+                    entry = self.found[name] = manifest.tensor_entry(name, raw, self._sizes)
+                return entry
+        return self._owner.whole().tensors[name]  # KeyError for a name it does not list
 
     def __contains__(self, name: object) -> bool:
-        if name in self.found:
+        lines = self.lines
+        if name in self.found or (
+            lines is not None and type(name) is str and lines.find(name) is not manifest_lines.MISSING
+        ):
             return True
-        if self._owner._whole is None and type(name) is str:
-            if self._lines.find(name) is not manifest_lines.MISSING:
-                return True
         return name in self._owner.whole().tensors
 
     def __iter__(self) -> Iterator[str]:
