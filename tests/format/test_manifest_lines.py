@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_spec_reader import SpecReader, tensor_line
 
 import trainstate
@@ -328,3 +330,23 @@ def test_every_fixture_still_reads_by_the_whole_parse(whole_parses):
         with trainstate.open(fixture.parent) as ck:
             for name in ck.keys():
                 ck.read(name)
+
+
+NAMES = st.text(st.characters(), min_size=1, max_size=8)  # lone surrogates too: JSON escapes them
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(NAMES, min_size=1, max_size=40, unique=True), st.lists(NAMES, max_size=5))
+def test_every_name_is_found_by_its_line_and_no_other(names, others):
+    chunk = manifest.Chunk("data-00000.safetensors", (0, 4), (0,), (1,), "xxh3_64:0123456789abcdef")
+    tensors = {name: manifest.TensorEntry("F32", (1,), "numpy", (chunk,)) for name in names}
+    raw = manifest.Manifest(
+        tree=_tree.NONE, tensors=tensors, files=(manifest.FileEntry("data-00000.safetensors", 4, "x"),)
+    ).to_json_bytes()
+    lines = manifest_lines.split(raw)
+    assert lines is not None
+    body = json.loads(raw)
+    for name in names:
+        assert lines.find(name) == body["tensors"][name]
+    for name in others:
+        assert (lines.find(name) is manifest_lines.MISSING) == (name not in tensors)
