@@ -4,6 +4,8 @@ by its line, everything else by the whole parse with every check it always ran."
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import ml_dtypes
@@ -12,16 +14,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_golden import golden_state
 from test_spec_reader import SpecReader, tensor_line
 
 import trainstate
-from helpers import laid_out, one_line, reseal_manifest
+from helpers import assert_same, laid_out, one_line, reseal_manifest
 from trainstate import _checksum as checksum
 from trainstate import _tree
 from trainstate._format import lazy_manifest, manifest, manifest_lines
 from trainstate._format.chunk_table import ChunkTable
 
 KEY = bytes(range(32))
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "v1.0-lines" / "basic"  # test_golden's state, laid out
 PREFIX = len(b'{"checksum":"xxh3_64:0123456789abcdef",')
 
 
@@ -247,7 +251,7 @@ def test_a_one_line_manifest_opens_by_the_whole_parse(ckpt, whole_parses):
         assert not isinstance(ck.manifest, lazy_manifest.LazyManifest) and len(whole_parses) == 1
         assert np.array_equal(ck.read("model.layer9.w"), mixed_state()["model"]["layer9.w"])
     for fixture in sorted((Path(__file__).parent.parent / "fixtures").glob("v1.*/*/manifest.json")):
-        assert manifest_lines.split(fixture.read_bytes()) is None, fixture  # every fixture predates the layout
+        assert (manifest_lines.split(fixture.read_bytes()) is None) == (fixture.parent != FIXTURE), fixture
 
 
 @pytest.mark.parametrize(("field", "lazy"), [("other", False), ("zz", True), ("aa", True)])
@@ -324,7 +328,7 @@ def test_an_encrypted_manifest_reads_by_line_and_is_authenticated_whole(tmp_path
         trainstate.open(tmp_path / "c", key=KEY)
 
 
-def test_every_fixture_still_reads_by_the_whole_parse(whole_parses):
+def test_every_fixture_still_reads(whole_parses):
     fixtures = sorted((Path(__file__).parent.parent / "fixtures").glob("v1.*/*/manifest.json"))
     for fixture in [f for f in fixtures if "encrypted" not in str(f)]:
         with trainstate.open(fixture.parent) as ck:
@@ -350,3 +354,27 @@ def test_every_name_is_found_by_its_line_and_no_other(names, others):
         assert lines.find(name) == body["tensors"][name]
     for name in others:
         assert (lines.find(name) is manifest_lines.MISSING) == (name not in tensors)
+
+
+def _volatile(raw: bytes) -> bytes:
+    raw = re.sub(rb'"checksum":"[^"]*"', b'"checksum":""', raw, count=1)
+    return re.sub(rb'"writer":"[^"]*"', b'"writer":""', re.sub(rb'"created":[-+.e0-9]+', b'"created":0', raw))
+
+
+def test_the_layout_is_pinned_by_its_fixture(tmp_path, whole_parses):
+    """tests/fixtures/v1.0-lines/basic is test_golden's state saved in the line layout: a fresh save is the
+    same bytes but for the time, the writer and the checksum (regenerate: python tests/format/test_manifest_lines.py)."""
+    trainstate.save(tmp_path / "c", golden_state(), metadata={"run": "golden"}, threads=2)
+    for f in sorted(p.name for p in FIXTURE.iterdir()):
+        fresh, pinned = (tmp_path / "c" / f).read_bytes(), (FIXTURE / f).read_bytes()
+        assert (_volatile(fresh) == _volatile(pinned)) if f == "manifest.json" else fresh == pinned, f
+    with trainstate.open(FIXTURE) as ck:
+        ck.read("weights.w")
+        assert whole_parses == []
+        assert_same(golden_state(), ck.load())
+
+
+if __name__ == "__main__":
+    shutil.rmtree(FIXTURE, ignore_errors=True)
+    trainstate.save(FIXTURE, golden_state(), metadata={"run": "golden"}, threads=2)
+    print("wrote", FIXTURE)

@@ -501,6 +501,18 @@ def test_the_basic_fixture_holds_its_values():
     assert as_f32.tolist() == [1.0, 2.0]  # §4.1: BF16 is the upper half of a binary32
 
 
+def test_the_line_layout_fixture_holds_the_same_values_and_finds_each_line():
+    """v1.0-lines/basic is the basic fixture's state written in the line layout (§3.1)."""
+    fixture = FIXTURES / "v1.0-lines" / "basic"
+    reader = SpecReader(fixture)
+    assert_exact(basic_values(), reader.load())
+    raw = (fixture / "manifest.json").read_bytes()
+    assert raw.count(b"\n") == 6 + len(reader.manifest["tensors"])  # one line each, six others
+    for name, entry in reader.manifest["tensors"].items():
+        assert tensor_line(raw, name) == entry
+    assert tensor_line(raw, "weights") is None
+
+
 def test_the_spec_example_holds_its_values():
     reader = SpecReader(FIXTURES / "v1.0" / "spec-example")
     state = reader.load()
