@@ -53,7 +53,7 @@ class LazyManifest(Manifest):
     """A manifest whose tensor entries are found by line; it completes itself (a :class:`Manifest` parsed
     whole) the first time its tree, metadata or whole tensor table is used."""
 
-    _raw: bytes | bytearray  # checked already (limits and checksum); never changed
+    _raw: bytes | bytearray  # checked already (limits and checksum); b"" once parsed whole
     _what: str
     _whole: Manifest | None
     _table: _LineTensors
