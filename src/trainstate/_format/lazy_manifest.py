@@ -97,6 +97,7 @@ class LazyManifest(Manifest):
                 whole = manifest.build(body, self._what)
                 self._agrees(whole)
                 object.__setattr__(self, "_whole", whole)
+                object.__setattr__(self, "tensors", whole.tensors)  # each lookup from now on as a parsed one's
                 object.__setattr__(self, "_raw", b"")  # parsed now: a merged manifest's bytes can be 100s of MB
                 self._table.lines = None
         return whole
