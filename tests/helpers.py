@@ -60,11 +60,43 @@ def _torch_bytes(t: Any) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def reseal_manifest(path: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
-    """Apply ``edit`` to the manifest body and re-seal it with a valid checksum (a lying manifest)."""
+def one_line(raw: bytes) -> bytes:
+    """Manifest bytes without the line layout's line feeds (docs/format.md §3.1): as one line, the way
+    trainstate wrote manifests before it (a JSON string holds no raw line feed, so each one is layout)."""
+    return raw.rstrip(b"\n").replace(b"\n", b"") + b"\n"
+
+
+def laid_out(body: dict[str, Any]) -> bytes:
+    """The JSON text ``B`` of a manifest object (without its checksum), canonical and in the line layout,
+    from docs/format.md §3 and §3.1 alone: members sorted, no other whitespace; ``metadata``, ``tensors`` and
+    ``tree`` each begin a line and end one; each tensor on a line of its own."""
+
+    def dumps(value: Any) -> str:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+    out, previous = "{", ""
+    for i, name in enumerate(sorted(body)):
+        value = body[name]
+        if name == "tensors" and value:
+            text = "{\n" + ",\n".join(f"{dumps(n)}:{dumps(value[n])}" for n in sorted(value)) + "\n}"
+        else:
+            text = dumps(value)
+        own = {"metadata", "tensors", "tree"}
+        out += ("," if i else "") + ("\n" if name in own or previous in own else "") + f"{dumps(name)}:{text}"
+        previous = name
+    return (out + "}").encode()
+
+
+def reseal_manifest(path: Path, edit: Callable[[dict[str, Any]], Any], layout: bool = False) -> None:
+    """Apply ``edit`` to the manifest body and re-seal it with a valid checksum (a lying manifest): as one
+    line (re-formatted, docs/format.md §5.1), or with ``layout`` as a writer lays it out (§3.1)."""
     body = json.loads((path / "manifest.json").read_bytes())
     body.pop("checksum")
     edit(body)
+    if layout:
+        b = laid_out(body)
+        (path / "manifest.json").write_bytes(b'{"checksum":"' + checksum.digest(b).encode() + b'",' + b[1:] + b"\n")
+        return
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     body["checksum"] = checksum.digest(raw)
     (path / "manifest.json").write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())

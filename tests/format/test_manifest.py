@@ -237,7 +237,7 @@ def test_the_column_check_of_sharded_entries_agrees_with_the_full_one(what, dama
     full = _outcome(manifest._checked_entry, "t", copy.deepcopy(t), sizes)
     fast = _outcome(manifest._sharded_entry, copy.deepcopy(t), sizes)
     assert fast is None or fast == full  # None: the general path decides
-    assert _outcome(manifest._tensor_entry, "t", t, sizes) == full
+    assert _outcome(manifest.tensor_entry, "t", t, sizes) == full
     if what == "nothing":
         assert fast is not None
 

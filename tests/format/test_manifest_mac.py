@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 import trainstate
+from helpers import laid_out
 from trainstate import _checksum as checksum
 from trainstate import _state, _tree
 from trainstate._format import manifest
@@ -38,7 +39,7 @@ def _sealed() -> bytes:
 def _sign(body: dict[str, object]) -> bytes:
     """A manifest file for ``body`` (no checksum member) laid out and MACed per §5.1 and §12.3, from the
     spec alone: a writer in another language would do exactly this."""
-    b = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    b = laid_out(body)
     salt = bytes.fromhex(body["encryption"]["salt"])  # type: ignore[index]
     mac = hmac.new(_hkdf(salt, b"trainstate manifest hmac-sha256 v1", 32), b, hashlib.sha256).hexdigest()
     return b'{"checksum":"hmac-sha256:' + mac.encode() + b'",' + b[1:] + b"\n"

@@ -164,6 +164,36 @@ def read_manifest(raw: bytes, key: bytes | None = None) -> dict[str, Any]:
     return m
 
 
+# -- §3.1 the line layout ---------------------------------------------------------------------------------
+def tensor_line(raw: bytes, name: str) -> Any:
+    """Tensor ``name``'s raw entry, found by §3.1's binary search over the tensor lines of manifest bytes
+    whose checksum was checked; None where they are not in the layout, or a neighbour has the same key, or
+    no line has the name (a reader then parses the whole manifest)."""
+    lines = raw.split(b"\n")
+    if b'"tensors":{' not in lines:
+        return None
+    first = lines.index(b'"tensors":{') + 1
+    last = next((i for i in range(first, len(lines)) if lines[i].startswith(b"}")), None)
+    if last is None:
+        return None
+    entries = lines[first:last]
+
+    def member(line: bytes) -> tuple[str, Any]:
+        (item,) = json.loads(b"{" + line.removesuffix(b",") + b"}").items()
+        return item
+
+    lo, hi = 0, len(entries)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        key, value = member(entries[mid])
+        if key == name:
+            if any(member(entries[i])[0] == name for i in (mid - 1, mid + 1) if 0 <= i < len(entries)):
+                return None
+            return value
+        lo, hi = (mid + 1, hi) if key < name else (lo, mid)
+    return None
+
+
 # -- §5b zstd ---------------------------------------------------------------------------------------------
 def unzstd(stored: bytes, raw_size: int, name: str) -> bytes:
     """One zstd frame whose declared content size is the box's raw size (checked before decompressing)."""
@@ -469,6 +499,18 @@ def test_the_basic_fixture_holds_its_values():
     start, end = reader.manifest["tensors"]["weights.b"]["chunks"][0]["byte_range"]
     as_f32 = (np.frombuffer(raw_b[start:end], dtype="<u2").astype("<u4") << 16).view("<f4")
     assert as_f32.tolist() == [1.0, 2.0]  # §4.1: BF16 is the upper half of a binary32
+
+
+def test_the_line_layout_fixture_holds_the_same_values_and_finds_each_line():
+    """v1.0-lines/basic is the basic fixture's state written in the line layout (§3.1)."""
+    fixture = FIXTURES / "v1.0-lines" / "basic"
+    reader = SpecReader(fixture)
+    assert_exact(basic_values(), reader.load())
+    raw = (fixture / "manifest.json").read_bytes()
+    assert raw.count(b"\n") == 6 + len(reader.manifest["tensors"])  # one line each, six others
+    for name, entry in reader.manifest["tensors"].items():
+        assert tensor_line(raw, name) == entry
+    assert tensor_line(raw, "weights") is None
 
 
 def test_the_spec_example_holds_its_values():

@@ -87,8 +87,9 @@ def test_a_manifest_replaced_within_the_same_second_is_read_again(tmp_path):
     shutil.copy(tmp_path / "_shared" / old, tmp_path / "_shared" / new)
     manifest = tmp_path / "step_00000001" / "manifest.json"
     stamp, size = manifest.stat(), manifest.stat().st_size
-    reseal_manifest(tmp_path / "step_00000001", lambda b: b.update(json.loads(json.dumps(b).replace(old, new))))
-    manifest.write_bytes(manifest.read_bytes() + b"\n")  # as the writer ends it
+    reseal_manifest(
+        tmp_path / "step_00000001", lambda b: b.update(json.loads(json.dumps(b).replace(old, new))), layout=True
+    )
     os.utime(manifest, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     assert manifest.stat().st_size == size and manifest.stat().st_mtime_ns == stamp.st_mtime_ns
     assert collector.collect(locked=True, min_age=3600.0) == [old]

@@ -97,8 +97,9 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
         parts = self.canonical_json_parts()
         return None if parts is None else b"".join(parts)
 
-    def canonical_json_parts(self) -> list[bytes | memoryview] | None:
-        """:meth:`canonical_json` in pieces, for a caller that joins it with more (one copy, not two)."""
+    def canonical_json_parts(self, lines: bool = False) -> list[bytes | memoryview] | None:
+        """:meth:`canonical_json` in pieces, for a caller that joins it with more (one copy, not two); with
+        ``lines``, in the manifest's line layout (``manifest_lines.py``): each tensor on a line of its own."""
         files = np.array(self.files, dtype="S") if self.files else np.zeros(0, "S1")
         if not (_plain(self.checksums) and _plain(files)) or (self.ranges < 0).any() or (self.offsets < 0).any():
             return None
@@ -129,7 +130,7 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
             i = self._ids[name]
             header = self.headers[i]
             first, last = self._rows.get(i, (0, 0))
-            out.append(b"," if j else b"")
+            out.append((b",\n" if j else b"\n") if lines else (b"," if j else b""))
             out.append(encode_basestring_ascii(name).encode() + b':{"chunks":[')
             begin, end = int(starts[first]), int(starts[last]) - (last > first)  # the last row's "," dropped
             for k in range(bisect.bisect_left(places, begin), bisect.bisect_left(places, end)):
@@ -145,7 +146,7 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
                     _dumps(shape),
                 )
             out.append(tail)
-        out.append(b"}")
+        out.append(b"\n}" if lines and self._ids else b"}")
         return out
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from trainstate import _gc, _transforms, _tree
-from trainstate._format import boxes, dtypes, manifest_mac
+from trainstate._format import boxes, dtypes, manifest_lines, manifest_mac
 from trainstate._format.chunk_table import ChunkTable
 from trainstate._format.entries import Chunk as Chunk  # re-exported: a manifest's entries
 from trainstate._format.entries import FileEntry as FileEntry
@@ -90,10 +90,9 @@ class Manifest:
             "metadata": _tree.to_json(self.metadata),
             "tree": _tree.to_json(self.tree),
         }
-        if isinstance(body["tensors"], list):  # rendered from columns already (a ChunkTable), in parts
-            trees["tensors"] = body.pop("tensors")
+        trees["tensors"] = body.pop("tensors")  # rendered already, a line per tensor (manifest_lines.py)
         hasher = manifest_mac.seal(body, key)  # with a key: adds the "encryption" object, MACs instead
-        text = _canonical_parts(body, trees)  # joined once, below: a merged manifest can be 100s of MB
+        text = manifest_lines.canonical_parts(body, trees)  # joined once, below: a merged manifest can be 100s of MB
         for part in text:
             hasher.update(part)
         # The checksum goes first, whatever other fields sort before it: a reader hashes the bytes after it
@@ -111,10 +110,10 @@ class Manifest:
         tensors: Any = None
         transformed = False  # a ChunkTable (a collective save's) has no transforms
         if isinstance(self.tensors, ChunkTable):  # a million chunks of many ranks, rendered as columns
-            tensors, pieced = self.tensors.canonical_json_parts(), bool(self.tensors.pieces)
+            tensors, pieced = self.tensors.canonical_json_parts(lines=True), bool(self.tensors.pieces)
         if tensors is None:
             with _gc.paused():
-                tensors = {name: _tensor_json(t) for name, t in self.tensors.items()}
+                tensors = manifest_lines.tensor_lines({name: _tensor_json(t) for name, t in self.tensors.items()})
             pieced = any(c.pieces for t in self.tensors.values() for c in t.chunks)
             transformed = any(c.transforms for t in self.tensors.values() for c in t.chunks)
         version = self.format_version
@@ -173,26 +172,7 @@ def _chunk_json(c: Chunk) -> dict[str, Any]:
     return out
 
 
-def _canonical(body: dict[str, Any]) -> bytes:
-    """The canonical JSON of ``body``."""
-    return _dumps(body).encode()
-
-
-def _canonical_parts(
-    body: dict[str, Any], texts: Mapping[str, str | list[bytes | memoryview]]
-) -> list[bytes | memoryview]:
-    """The canonical JSON of ``body`` plus the fields in ``texts`` (canonical JSON text already, or its
-    parts), in parts to be joined: ``b"{"``, then each member."""
-    fields: dict[str, list[bytes | memoryview]] = {k: [_dumps(v).encode()] for k, v in body.items() if k not in texts}
-    fields.update({k: v if isinstance(v, list) else [v.encode()] for k, v in texts.items()})
-    out: list[bytes | memoryview] = [b"{"]
-    for i, k in enumerate(sorted(fields)):
-        out += [b"," if i else b"", _dumps(k).encode(), b":", *fields[k]]
-    return [*out, b"}"]
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+_dumps = manifest_lines.dumps  # the canonical JSON of a value
 
 
 def parse_cost(raw: bytes | bytearray) -> int:
@@ -254,13 +234,25 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME, key: Key | None = N
         EncryptionKeyError: the key given, or its absence, does not fit the checkpoint.
         CorruptCheckpointError: anything else wrong with it.
     """
-    problem = over_limits(raw)  # before json.loads: a hostile file is refused before it costs anything
+    check_limits(raw, what)  # before json.loads: a hostile file is refused before it costs anything
+    body = loads(raw, what)
+    check_seal(raw, body, key, what)
+    return build(body, what)
+
+
+def check_limits(raw: bytes | bytearray, what: str) -> None:
+    """Refuse manifest bytes over the limits on size and parse cost (:func:`over_limits`)."""
+    problem = over_limits(raw)
     if problem:
         raise CorruptCheckpointError(
             f"{what} {problem}. trainstate refuses to write such a manifest, so this one is damaged or forged "
             "(or an older trainstate wrote it for a state of millions of tiny Python values): restore another "
             "checkpoint"
         )
+
+
+def loads(raw: bytes | bytearray, what: str) -> dict[str, Any]:
+    """Manifest bytes as a JSON object that says it is a trainstate manifest (nothing else checked yet)."""
     with _gc.paused():  # a manifest is hundreds of thousands of small containers and no cycle
         try:
             body = json.loads(raw)
@@ -268,11 +260,20 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME, key: Key | None = N
             raise CorruptCheckpointError(f"{what} is not valid JSON ({e})") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{what} is not a trainstate manifest")
+    return body
+
+
+def check_seal(
+    raw: bytes | bytearray, body: dict[str, Any], key: Key | None, what: str, reformatted: bool = True
+) -> None:
+    """Check the checksum (or MAC) of the manifest bytes ``raw``, then the version ``body`` (their JSON, or
+    its header: ``manifest_lines.py``) declares; pops the checksum from ``body``. With ``reformatted``
+    False, bytes not laid out as a writer lays them out are refused (the caller then parses them whole)."""
     # The version is believed only once the checksum says these are the bytes a writer wrote: a bit flip in
     # an old checkpoint's format_version is damage (skipped like any other), not a newer trainstate's work.
     version = body.get("format_version")
     try:
-        _verify(raw, body, key, what)
+        _verify(raw, body, key, what, reformatted)
     except CorruptCheckpointError as e:
         if _claims_newer(version):
             raise CorruptCheckpointError(
@@ -281,11 +282,15 @@ def parse(raw: bytes | bytearray, what: str = MANIFEST_NAME, key: Key | None = N
             ) from None
         raise
     _check_version(version, what)
+
+
+def build(body: dict[str, Any], what: str) -> Manifest:
+    """The manifest a checked JSON body holds, every whole-manifest check run (its entries checked lazily)."""
     with malformed(what), _gc.paused():
         return _build(body, what)
 
 
-def _verify(raw: bytes | bytearray, body: dict[str, Any], key: Key | None, what: str) -> None:
+def _verify(raw: bytes | bytearray, body: dict[str, Any], key: Key | None, what: str, reformatted: bool = True) -> None:
     """Check the checksum (or an encrypted checkpoint's MAC) over the bytes it covers; pops it from ``body``."""
     expected = body.pop("checksum", None)
     if not isinstance(expected, str):
@@ -294,11 +299,19 @@ def _verify(raw: bytes | bytearray, body: dict[str, Any], key: Key | None, what:
     prefix = b'{"checksum":' + json.dumps(expected).encode() + b","
     if raw.startswith(prefix):  # as every writer lays it out: the checksum covers the bytes after it
         check(b"{" + raw[len(prefix) :].rstrip(b"\n"))
+    elif not reformatted:
+        raise CorruptCheckpointError(f"{what} does not begin with its checksum")
     else:  # re-indented or re-ordered by hand or by a tool: Python's canonical form (docs/format.md §5.1, MAY)
         try:
-            check(_canonical(body))
+            canonical = _dumps(body).encode()
         except ValueError as e:  # non-finite floats smuggled in
             raise CorruptCheckpointError(f"{what}: {e}") from None
+        try:
+            check(canonical)  # as trainstate wrote it before the line layout (and as one line)
+        except CorruptCheckpointError:
+            if type(body.get("tensors")) is not dict:
+                raise
+            check(manifest_lines.canonical_lines(body))  # as it writes it now (docs/format.md §3.1)
 
 
 def _claims_newer(version: object) -> bool:
@@ -341,28 +354,40 @@ _KNOWN_FIELDS.add(manifest_mac.FIELD)  # checked with the checksum, before _buil
 
 
 def _build(body: dict[str, Any], what: str = "manifest") -> Manifest:
-    files = tuple(_file_entry(f) for f in _typed(body["files"], list, "files"))
-    sizes = {f.path: f.size for f in files}
-    if len(sizes) != len(files):
-        raise CorruptCheckpointError("manifest lists a data file twice")
+    fields = head(body)
     raw_tensors = _typed(body["tensors"], dict, "tensors")
     _check_byte_ranges(raw_tensors)
-    tensors = _LazyTensors(raw_tensors, sizes)
-    created = body["created"]
-    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
-        raise CorruptCheckpointError(f"manifest 'created' is not a finite number: {created!r:.40}")
+    tensors = _LazyTensors(raw_tensors, sizes(fields["files"]))
     return Manifest(
         tree=_tree.parse(body["tree"], raw_tensors, f"{what} tree"),
         tensors=tensors,
-        files=files,
         metadata=_tree.parse(body["metadata"], None, f"{what} metadata"),
-        created=float(created),
-        writer=_typed(body["writer"], str, "writer"),
-        format_version=body["format_version"],
-        extra={k: v for k, v in body.items() if k not in _KNOWN_FIELDS},
-        world_size=_world_size(body.get("world_size", 1)),
-        encrypted=manifest_mac.FIELD in body,
+        **fields,
     )
+
+
+def head(body: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's fields other than tree, tensors and metadata, checked: what it says about its files,
+    its writer and its version (the header of ``manifest_lines.py``'s layout holds them all)."""
+    files = tuple(_file_entry(f) for f in _typed(body["files"], list, "files"))
+    if len(sizes(files)) != len(files):
+        raise CorruptCheckpointError("manifest lists a data file twice")
+    created = body["created"]
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+        raise CorruptCheckpointError(f"manifest 'created' is not a finite number: {created!r:.40}")
+    return {
+        "files": files,
+        "created": float(created),
+        "writer": _typed(body["writer"], str, "writer"),
+        "format_version": body["format_version"],
+        "extra": {k: v for k, v in body.items() if k not in _KNOWN_FIELDS},
+        "world_size": _world_size(body.get("world_size", 1)),
+        "encrypted": manifest_mac.FIELD in body,
+    }
+
+
+def sizes(files: tuple[FileEntry, ...]) -> dict[str, int]:
+    return {f.path: f.size for f in files}
 
 
 def _world_size(value: Any) -> int:
@@ -388,7 +413,7 @@ class _LazyTensors(Mapping[str, TensorEntry]):
         if entry is None:
             raw = self._raw[name]  # KeyError for a name that is not listed: the caller's mistake
             with malformed(f"tensor {name!r:.80} in the manifest"):
-                entry = self._done[name] = _tensor_entry(name, raw, self._sizes)
+                entry = self._done[name] = tensor_entry(name, raw, self._sizes)
         return entry
 
     def __iter__(self) -> Iterator[str]:
@@ -499,7 +524,7 @@ def _file_entry(f: Any) -> FileEntry:
 _KINDS = frozenset({"torch", "numpy", "numpy-scalar"})
 
 
-def _tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
+def tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
     entry = None
     if type(t) is dict:
         chunks = t.get("chunks")

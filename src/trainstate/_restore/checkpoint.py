@@ -23,7 +23,7 @@ from trainstate import _frameworks as frameworks
 from trainstate import _keys
 from trainstate import _tree as tree
 from trainstate._cores import DEFAULT_THREADS
-from trainstate._format import datafile, manifest
+from trainstate._format import datafile, lazy_manifest, manifest
 from trainstate._frameworks import adapter_for
 from trainstate._incremental import pool
 from trainstate._restore import key_or_damage
@@ -99,7 +99,7 @@ class Checkpoint:
         self.files = DataFiles(self.storage, self.path)
         self.decoders = Decoders(self._key)  # undoes chunk transforms (decrypting with the resolved key)
         try:
-            self.manifest = _read_manifest(self.storage, self.path, self._key)
+            self.manifest = _read_manifest(self.storage, self.path, self._key, lazy=True)
             self.files.where = pool.locations(self.storage, self.path, self.manifest.files)
             self._check_files()
             for f in self.manifest.files:  # map now: a checkpoint deleted after this stays readable (POSIX)
@@ -361,7 +361,9 @@ def _no_tensor(name: str) -> Any:
     raise CorruptCheckpointError(f"metadata refers to tensor {name!r}")
 
 
-def _read_manifest(storage: Storage, path: str, key: _keys.Key | None = None) -> manifest.Manifest:
+def _read_manifest(storage: Storage, path: str, key: _keys.Key | None = None, lazy: bool = False) -> manifest.Manifest:
+    """The checkpoint's manifest, checked; with ``lazy``, the parts a use needs when it needs them
+    (``lazy_manifest.py``: a whole-manifest check then fails at that use, not here)."""
     # ``path`` itself may be a link the user made (``run/latest -> step_00000100``): followed. Every
     # name inside the checkpoint is checked with stat(), which sees links, so those are refused.
     info = storage.stat_followed(path)
@@ -414,7 +416,8 @@ def _read_manifest(storage: Storage, path: str, key: _keys.Key | None = None) ->
     if got != minfo.size:
         raise CorruptCheckpointError(f"{mpath} changed while it was read")
     try:
-        return manifest.parse(raw, mpath, key)  # no copy: a refused manifest costs its size, once
+        # no copy: a refused manifest costs its size, once
+        return (lazy_manifest.parse if lazy else manifest.parse)(raw, mpath, key)
     except WrongKeyError as e:  # or a damaged salt / key check: a chunk that decrypts with the key tells
         raise key_or_damage.diagnose(storage, path, mpath, raw, key, e) if key is not None else e from None
 
