@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 import trainstate
 from trainstate import _cores
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools.s3_server, from the repo root
 GB = 1e9
 SECTIONS = ("cpu", "gpu", "open", "amplification", "cold", "save", "tiny")
 
@@ -284,7 +285,7 @@ def section_open(r: Report, root: Path, args: argparse.Namespace) -> None:
         with safetensors.safe_open(root / "open.safetensors", framework="pt") as f:
             return f.get_tensor("layer300.w")
 
-    assert torch.equal(torch.as_tensor(ts()), st())
+    assert torch.equal(torch.from_numpy(ts().copy()), st())
     times = rounds({"trainstate open + read": ts, "safe_open + get_tensor": st}, max(30, args.rounds * 5))
     r.lines += table(
         "open + read one 64x64 tensor of a 600-tensor checkpoint (checksum verified)", times, "safe_open + get_tensor"
