@@ -132,6 +132,25 @@ def test_a_tied_module_restores_into_accelerator_targets(tmp_path: Path, monkeyp
     assert torch.equal(model.emb.weight, saved.emb.weight) and model.head.weight is model.emb.weight
 
 
+def test_an_empty_chunk_listed_with_pieces_reads_as_on_the_host(tmp_path: Path) -> None:
+    # The parser takes an empty chunk with "pieces" (no checksum covers no byte); the ring indexed its spans.
+    from helpers import reseal_manifest
+
+    trainstate.save(tmp_path / "c", {"e": torch.zeros(0, 3), "x": torch.ones(5)})
+
+    def pieced(body: dict) -> None:
+        body["tensors"]["e"]["chunks"][0]["pieces"] = {"bytes": MIB, "checksums": []}
+        body["format_version"] = "1.1"
+
+    reseal_manifest(tmp_path / "c", pieced, layout=True)
+    adapter = Deferred()
+    targets = {"e": torch.zeros(0, 3), "x": torch.zeros(5)}
+    with trainstate.open(tmp_path / "c") as ck:
+        whole = partial(read_views, ck, verify=True, threads=2)
+        ring.read_to_device(ck, _staged(ck, adapter, targets), whole, verify=True, threads=2, size=2 * MIB)
+    assert torch.equal(targets["x"], torch.ones(5))
+
+
 def _byte_offset(path: Path, name: str, at: int) -> tuple[Path, int]:
     entry = json.loads((path / "manifest.json").read_text())["tensors"][name]["chunks"][0]
     return path / entry["file"], entry["byte_range"][0] + at
