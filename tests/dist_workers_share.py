@@ -165,6 +165,19 @@ def load_damaged(rank: int, world: int, path: str, damaged: str) -> Any:
     return {"kind": kind, "message": message, "untouched": bool(torch.all(state["model"][damaged] == 7.0))}
 
 
+def load_damaged_unverified_elsewhere(rank: int, world: int, path: str, damaged: str, unverified: int) -> Any:
+    """``load_damaged`` where rank ``unverified`` loads with ``verify=False``: the ranks that verify must not
+    take that rank's unchecked bytes (each reads, and checks, its own)."""
+    state = {"model": replicas(fill=7.0), "step": 0}
+    try:
+        trainstate.load(path, state, verify=rank != unverified, timeout=60)
+    except trainstate.CheckpointError as e:
+        kind = type(e).__name__
+    else:
+        kind = None
+    return {"kind": kind, "untouched": bool(torch.all(state["model"][damaged] == 7.0))}
+
+
 def load_mismatched_on_rank_1(rank: int, world: int, path: str) -> Any:
     """Rank 1's state does not fit (one tensor of another shape): every rank raises, before any byte is read."""
     model = replicas(fill=-1.0)

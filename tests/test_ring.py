@@ -99,6 +99,58 @@ def test_a_target_that_cannot_be_cut_gets_a_buffer_of_its_own(tmp_path: Path) ->
     assert allocated == sum(adapter.allocated)
 
 
+def test_one_stored_tensor_lands_in_two_targets_in_one_round(tmp_path: Path) -> None:
+    # A tied tensor (GPT-2's embedding and head) restored into a state that holds it twice: two staged reads of
+    # one name, each its own array, in the same round. Parts were matched with ==, elementwise on arrays.
+    w = torch.randn(64, 8)
+    trainstate.save(tmp_path / "c", {"emb": w, "head": w})
+    adapter = Deferred()
+    emb, head = torch.zeros(64, 8), torch.zeros(64, 8)
+    with trainstate.open(tmp_path / "c") as ck:
+        staged = [ring.Staged("emb", adapter, t, None, t.nbytes, True) for t in (emb, head)]
+        whole = partial(read_views, ck, verify=True, threads=2)
+        ring.read_to_device(ck, staged, whole, verify=True, threads=2, size=2 * MIB)
+    assert torch.equal(emb, w) and torch.equal(head, w)
+
+
+def test_a_tied_module_restores_into_accelerator_targets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same through trainstate.load, CPU tensors standing for accelerator ones (the ring path).
+    monkeypatch.setattr(torch_adapter, "on_accelerator", lambda value: isinstance(value, torch.Tensor))
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    saved = Tied()
+    trainstate.save(tmp_path / "c", {"model": saved})
+    model = Tied()
+    trainstate.load(tmp_path / "c", {"model": model})
+    assert torch.equal(model.emb.weight, saved.emb.weight) and model.head.weight is model.emb.weight
+
+
+def test_an_empty_chunk_listed_with_pieces_reads_as_on_the_host(tmp_path: Path) -> None:
+    # The parser takes an empty chunk with "pieces" (no checksum covers no byte); the ring indexed its spans.
+    from helpers import reseal_manifest
+
+    trainstate.save(tmp_path / "c", {"e": torch.zeros(0, 3), "x": torch.ones(5)})
+
+    def pieced(body: dict) -> None:
+        body["tensors"]["e"]["chunks"][0]["pieces"] = {"bytes": MIB, "checksums": []}
+        body["format_version"] = "1.1"
+
+    reseal_manifest(tmp_path / "c", pieced, layout=True)
+    adapter = Deferred()
+    targets = {"e": torch.zeros(0, 3), "x": torch.zeros(5)}
+    with trainstate.open(tmp_path / "c") as ck:
+        whole = partial(read_views, ck, verify=True, threads=2)
+        ring.read_to_device(ck, _staged(ck, adapter, targets), whole, verify=True, threads=2, size=2 * MIB)
+    assert torch.equal(targets["x"], torch.ones(5))
+
+
 def _byte_offset(path: Path, name: str, at: int) -> tuple[Path, int]:
     entry = json.loads((path / "manifest.json").read_text())["tensors"][name]["chunks"][0]
     return path / entry["file"], entry["byte_range"][0] + at

@@ -94,6 +94,23 @@ def test_a_damaged_byte_in_a_shared_tensor_fails_every_rank_and_reaches_no_rank(
         assert r["untouched"], rank  # the owner wrote no byte that failed its checksum; the others got nothing
 
 
+@pytest.mark.parametrize("unverified", [0, 1])
+def test_a_rank_that_verifies_never_takes_bytes_a_rank_read_with_verify_false(tmp_path, unverified):
+    # w19 is the biggest tensor: with 2 ranks its owner would be rank 0. Whichever rank skips the checksums,
+    # the other one checks its own copy: it raises, and its live state keeps its values.
+    path = tmp_path / "c"
+    trainstate.save(path, {"model": workers.replicas(), "step": 3})
+    chunk = json.loads((path / "manifest.json").read_bytes())["tensors"]["model.w19"]["chunks"][0]
+    data = path / chunk["file"]
+    raw = bytearray(data.read_bytes())
+    raw[sum(chunk["byte_range"]) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    got = ranks.ok(ranks.run(2, workers.load_damaged_unverified_elsewhere, str(path), "w19", unverified))
+    checking = got[1 - unverified]
+    assert checking["kind"] == "CorruptCheckpointError", got
+    assert checking["untouched"], got
+
+
 def test_a_state_that_does_not_fit_on_one_rank_fails_every_rank_before_any_byte_is_read(tmp_path):
     path = str(tmp_path / "c")
     trainstate.save(path, {"model": workers.replicas(), "step": 3})

@@ -378,3 +378,26 @@ if __name__ == "__main__":
     shutil.rmtree(FIXTURE, ignore_errors=True)
     trainstate.save(FIXTURE, golden_state(), metadata={"run": "golden"}, threads=2)
     print("wrote", FIXTURE)
+
+
+@pytest.mark.xfail(strict=True, reason="attack i27: split() takes a '\"tensors\":{' line inside the metadata's value")
+def test_verify_refuses_lines_that_a_lookup_reads_otherwise_than_the_whole_parse(ckpt):
+    # JSON whitespace lets the metadata span lines and hold a "tensors":{ line of its own: split() takes the
+    # tensor lines from there, and a binary search that lands in a long member of the metadata goes left onto
+    # a forged line. The whole parse (verify, load, inspect) reads the real entry and passes; a fresh
+    # open().read() of the name returns the forged entry's bytes.
+    raw = _raw(ckpt)
+    forged = _line(raw, "scalar").removesuffix(b",").replace(b'"scalar":', b'"torch":', 1)
+    meta = raw.index(b'\n"metadata":') + 1
+    end = raw.index(b"\n", meta)
+    value = raw[meta + len(b'"metadata":') : end - 1]
+    spanning = b'"metadata":{\n"tensors":{\n' + forged + b',\n"zzz":"' + b"x" * 200_000 + b'"},"t":"x",'
+    _reseal_bytes(ckpt, raw[:meta] + spanning + value[1:] + b"," + raw[end:])
+    with trainstate.open(ckpt) as ck:
+        looked_up = ck.info("torch").shape
+    with trainstate.open(ckpt) as ck:
+        try:
+            ck.verify()
+        except trainstate.CorruptCheckpointError:
+            return
+        assert looked_up == ck.info("torch").shape, (looked_up, ck.info("torch").shape)

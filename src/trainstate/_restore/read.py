@@ -299,7 +299,7 @@ def fill(
             if share is None:
                 read(reads, on_device)
             else:
-                share.run(tensors, reads, on_device, read)
+                share.run(tensors, reads, on_device, read, verified=verify)
         except CorruptCheckpointError as e:
             raise type(e)(  # the same kind (a TamperedCheckpointError stays one), with what that left behind
                 f"{e}\nThe target is partly restored, and no byte that failed its checksum was written: tensors "

@@ -124,6 +124,8 @@ def _parts(ck: Opened, s: Staged, size: int) -> list[_Part]:
     if chunk is None:
         return [_Part(s, 0, s.nbytes, None)]
     spans = chunk_spans(chunk, None, f"tensor {s.name} ({chunk.file})")
+    if not spans:  # an empty chunk listed with per-piece checksums (none): read as the host path reads it
+        return [_Part(s, 0, s.nbytes, None)]
     if not s.cuttable or s.nbytes <= size:
         return [_Part(s, 0, s.nbytes, spans, chunk.file)]
     begin = chunk.byte_range[0]
@@ -199,11 +201,13 @@ def _read_round(
 def _copy(parts: list[_Part], views: list[np.ndarray], buffer: np.ndarray) -> Callable[[], None]:
     """Queue the round's host-to-device copies; returns the wait for them (which keeps ``buffer`` alive)."""
     waits = []
-    adapters = {id(p.staged.adapter): p.staged.adapter for p in parts}
-    for adapter in adapters.values():
-        mine = [p for p in parts if p.staged.adapter is adapter]
-        pairs = [(p.staged.local, p.lo if p.staged.cuttable else None, v) for p, v in zip(parts, views) if p in mine]
-        waits.append((mine, adapter.copy_in_async(pairs)))
+    by_adapter: dict[int, list[tuple[_Part, np.ndarray]]] = {}  # by identity: parts hold arrays, whose == is
+    for p, v in zip(parts, views):  # elementwise (two targets of one tied tensor made `p in mine` raise)
+        by_adapter.setdefault(id(p.staged.adapter), []).append((p, v))
+    for pairs_of in by_adapter.values():
+        mine = [p for p, _ in pairs_of]
+        pairs = [(p.staged.local, p.lo if p.staged.cuttable else None, v) for p, v in pairs_of]
+        waits.append((mine, mine[0].staged.adapter.copy_in_async(pairs)))
 
     def wait() -> None:
         for mine, w in waits:

@@ -83,15 +83,20 @@ class Share:
         reads: Sequence[Read],
         staged: Sequence[Staged],
         read: Callable[[list[Read], list[Staged]], None],
+        verified: bool = True,
     ) -> None:
         """Fill every view of ``reads`` and every accelerator target of ``staged``: ``read`` is given what this
         rank reads itself (its own parts and the shared ones it owns); the rest arrives from their owners once
-        every rank's ``read`` succeeded. Raises on every rank if any rank failed."""
+        every rank's ``read`` succeeded. Raises on every rank if any rank failed. A part is shared only between
+        ranks that read it with the same ``verified`` (``load(verify=)``): a rank that checks its checksums never
+        takes bytes that another rank read unchecked."""
         rank = self.coord.rank
         digests: dict[str, str] = {}
-        keys = [_key(tensors, digests, name, view.nbytes, box) for name, view, box in reads]
+        unchecked = not verified
+        keys = [_key(tensors, digests, name, view.nbytes, box, unchecked=unchecked) for name, view, box in reads]
         device_keys = [
-            _key(tensors, digests, s.name, s.nbytes, s.box, device=True) if s.cuttable else None for s in staged
+            _key(tensors, digests, s.name, s.nbytes, s.box, device=True, unchecked=unchecked) if s.cuttable else None
+            for s in staged
         ]
         listed = self._agree(
             sorted({k for k in [*keys, *device_keys] if k is not None}, key=_order),
@@ -238,6 +243,7 @@ def _key(
     box: Box | None,
     *,
     device: bool = False,
+    unchecked: bool = False,
 ) -> Key | None:
     if not nbytes:
         return None
@@ -247,7 +253,8 @@ def _key(
     digest = digests.get(name)
     if digest is None:
         described = repr((t.dtype, tuple(t.shape), [(tuple(c.offset), tuple(c.shape), c.checksum) for c in t.chunks]))
-        digest = digests[name] = hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
+        digest = hashlib.blake2b(described.encode(), digest_size=16).hexdigest()
+        digest = digests[name] = digest + "-unchecked" if unchecked else digest  # read with verify=False
     return Key(digest, name, None if box is None else (tuple(box[0]), tuple(box[1])), nbytes, device)
 
 
