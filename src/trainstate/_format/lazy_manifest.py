@@ -95,6 +95,12 @@ class LazyManifest(Manifest):
                 body = manifest.loads(self._raw, self._what)
                 body.pop("checksum", None)  # checked when it was opened, over these bytes
                 whole = manifest.build(body, self._what)
+                problem = self._table.lines.disagrees() if self._table.lines is not None else None
+                if problem is not None:
+                    raise CorruptCheckpointError(
+                        f"{self._what}: {problem}: it was altered after it was written (its lines and its JSON "
+                        "could be read as two different manifests); restore another checkpoint"
+                    )
                 self._agrees(whole)
                 object.__setattr__(self, "_whole", whole)
                 object.__setattr__(self, "tensors", whole.tensors)  # each lookup from now on as a parsed one's

@@ -153,6 +153,35 @@ class Lines:
         last = stop == self.end
         return value if text[done:] == ("" if last else ",") else MISSING
 
+    def disagrees(self) -> str | None:
+        """Why these lines are not the manifest's tensor table as a whole parse reads it, or None.
+
+        Run once, at the first whole use (``load``, ``verify``, ``inspect``), so that a lookup by line and a
+        whole parse can never read two different tables of one file: the lines must be the value of the
+        top-level ``tensors`` member that ``json.loads`` keeps (the bytes with that value replaced by ``0``
+        still parse, to a document whose ``tensors`` is ``0``), each one ``"key":value`` member, keys in
+        strictly increasing order (so a binary search finds the one member of each name).
+        """
+        raw = self.raw
+        try:
+            rest = json.loads(bytes(raw[: self.first - 2]) + b"0" + bytes(raw[self.end + 2 :]))
+        except (ValueError, RecursionError):
+            rest = None
+        if not isinstance(rest, dict) or rest.get("tensors") != 0 or type(rest.get("tensors")) is not int:
+            return "the tensor lines are not the manifest's top-level tensors member"
+        previous: str | None = None
+        start = self.first
+        while start < self.end:
+            stop = raw.find(b"\n", start, self.end + 1)
+            member = _member(raw[start:stop])
+            if member is None:
+                return f"line at byte {start} is not one tensor entry"
+            if previous is not None and member[0] <= previous:
+                return f"tensor lines out of order or repeated at {member[0]!r:.80}"
+            previous = member[0]
+            start = stop + 1
+        return None
+
 
 def _member(line: bytes | bytearray) -> tuple[str, str, int] | None:
     """A tensor line's key, its text, and where its value begins; None if it does not begin ``"key":``."""
