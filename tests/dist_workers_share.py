@@ -276,3 +276,29 @@ def load_replicas_on_devices(rank: int, world: int, path: str, collective: bool 
 def load_damaged_on_devices(rank: int, world: int, path: str, damaged: str) -> Any:
     as_accelerator_targets()
     return load_damaged(rank, world, path, damaged)
+
+
+def load_with_rank_dying_after_it_came(rank: int, world: int, path: str) -> Any:
+    """A collective load in which the last rank dies right after it came to make the load's coordination group
+    (before the group is made): torch's group creation would wait for it for as long as the store allows."""
+    import os
+    import time
+
+    from trainstate._distributed import group
+
+    trainstate.save(path + f"-{rank}-warm", {"x": torch.zeros(1)}, collective=False)  # nothing collective yet
+    if rank == world - 1:
+        arrive = group._arrive
+
+        def arrive_then_die(*args: Any, **kwargs: Any) -> None:
+            arrive(*args, **kwargs)
+            time.sleep(0.5)  # the others are in new_group by now
+            os._exit(3)
+
+        group._arrive = arrive_then_die  # type: ignore[assignment]
+    started = time.monotonic()
+    try:
+        trainstate.load(path, {"model": replicas(fill=-1.0), "step": 0})
+    except trainstate.DistributedError as e:
+        return {"seconds": time.monotonic() - started, "message": str(e)}
+    return {"seconds": time.monotonic() - started, "message": "loaded"}

@@ -246,3 +246,16 @@ def test_a_damaged_byte_in_a_shared_accelerator_tensor_reaches_no_rank(tmp_path)
     for rank, r in enumerate(results):
         assert r["kind"] == "CorruptCheckpointError", (rank, r)
         assert r["untouched"], rank
+
+
+def test_a_rank_that_dies_after_it_came_is_named_within_seconds_not_waited_for(tmp_path):
+    """torch's new_group waits for a rank that died after it arrived for as long as the store allows (half an
+    hour and more): the others watch its heartbeat from a store connection of their own and raise."""
+    path = str(tmp_path / "c")
+    trainstate.save(path, {"model": workers.replicas(), "step": 3})
+    results = ranks.run(3, workers.load_with_rank_dying_after_it_came, path, timeout=150)
+    assert not isinstance(results[2], dict), results[2]  # it died
+    for r in results[:2]:
+        assert isinstance(r, dict), r
+        assert r["message"] != "loaded" and r["seconds"] < 60, r
+        assert "could not be made" in r["message"], r["message"]

@@ -157,10 +157,11 @@ class GlooCoordinator(Coordinator):
         except DistributedError:
             raise
         except Exception as e:  # noqa: BLE001 - gloo: a peer closed the connection (died), or timed out
+            outcome = _outcome(what)
             if not self.dist.is_initialized() or "not registered" in str(e):
                 raise DistributedError(
                     f"{what}: the process group was destroyed (dist.destroy_process_group()) while this call "
-                    "needed it; nothing was committed. Close trainstate's CheckpointManager (leave its with "
+                    f"needed it; {outcome}. Close trainstate's CheckpointManager (leave its with "
                     "block, or mgr.close()) before destroying the group: an async save still in flight "
                     "commits there"
                 ) from None
@@ -168,14 +169,22 @@ class GlooCoordinator(Coordinator):
             if gone:
                 raise DistributedError(
                     f"{what}: {_named(gone)} of {self.world} (global numbering) gone: its process died or left "
-                    f"the process group, so rank {self.rank} cannot go on without it; "
-                    f"nothing was committed ({type(e).__name__}: {_first_line(e)})"
+                    f"the process group (a rank that raised an error leaves too: the first error in the ranks' logs "
+                    f"is the cause), so rank {self.rank} cannot go on without it; {outcome} "
+                    f"({type(e).__name__}: {_first_line(e)})"
                 ) from None
             raise DistributedError(
                 f"{what}: rank {self.rank} of {self.world} lost contact with the other ranks ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else 'no message'}). A rank died or did not reach this "
-                f"point within {self.timeout:g} s (timeout=, or TRAINSTATE_DIST_TIMEOUT); nothing was committed"
+                f"point within {self.timeout:g} s (timeout=, or TRAINSTATE_DIST_TIMEOUT); {outcome}"
             ) from None
+
+
+def _outcome(what: str) -> str:
+    """What a failed exchange left: a save commits nothing; a load may have restored part of the state."""
+    if what.startswith("load"):
+        return "the load did not complete (the state may be partly restored: load again)"
+    return "nothing was committed"
 
 
 def torch_world() -> Any:
@@ -212,20 +221,56 @@ def _gloo_group(group: Any, timeout: float, channel: str) -> Any:
             ranks = sorted(dist.get_process_group_ranks(group))
             store = _store()
             if store is not None:
-                _start_heartbeat(store)
+                _start_heartbeat(_liveness_store())
                 _arrive(store, channel, ranks, min(timeout, arrival_timeout()))
-            try:
-                found = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-            except Exception as e:  # torch's store timeout: the other ranks never came to this call
-                raise DistributedError(
-                    f"trainstate's coordination group ({channel}) could not be made within {timeout:g} s: every rank "
-                    f"of the process group ({len(ranks)}) must make the same trainstate call, and rank(s) other "
-                    "than this one did not. Under a process group trainstate.save, trainstate.load, CheckpointManager "
-                    "and its save / restore_latest / restore / prune are collective: call them on every rank, or "
-                    f"pass collective=False to save or load from one rank alone ({_text(e)})"
-                ) from e
+            found = _new_group(ranks, timeout, channel)
             _groups[key] = found
         return found
+
+
+def _new_group(ranks: list[int], timeout: float, channel: str) -> Any:
+    """``dist.new_group`` of ``ranks`` (gloo), watched: torch waits for a rank that died after it arrived for as
+    long as the process group's store allows (30 minutes and more), so it runs on a thread of its own while
+    this one checks the others' heartbeats and the timeout, and raises DistributedError naming a rank that is
+    gone. (A call abandoned so stays blocked on its daemon thread; the job is failing then anyway.)"""
+    import torch.distributed as dist
+
+    done: dict[str, Any] = {}
+
+    def make() -> None:
+        try:
+            done["group"] = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+            done["error"] = e
+
+    thread = threading.Thread(target=make, name="trainstate-new-group", daemon=True)
+    thread.start()
+    others = [r for r in ranks if r != dist.get_rank()]
+    deadline = time.monotonic() + timeout
+    while True:
+        thread.join(0.5)
+        if not thread.is_alive() or time.monotonic() > deadline:
+            break
+        gone = _gone(others)  # about three heartbeats
+        if gone:
+            break
+    if "group" in done:
+        return done["group"]
+    gone = _gone(others)
+    error = done.get("error")
+    if gone:
+        why = f"{_named(gone)} of {len(ranks)} (global numbering) no longer runs: it died or left after it came"
+    elif error is not None:
+        why = "a rank this one must connect to did not answer (it died or left after it came, or the network failed)"
+    else:
+        why = f"rank(s) other than this one did not make it within {timeout:g} s"
+    raise DistributedError(
+        f"trainstate's coordination group ({channel}) could not be made: {why}. Every rank of the process group "
+        "must make the same trainstate call: under a process group trainstate.save, trainstate.load, "
+        "CheckpointManager and its save / restore_latest / restore / prune are collective: call them on every "
+        "rank, or pass collective=False to save or load from one rank alone"
+        + (f" ({_text(error)})" if error is not None else "")
+    ) from error
 
 
 def _text(error: BaseException) -> str:
@@ -248,6 +293,38 @@ def _store() -> Any:
         return distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no default group, or a torch without it: no liveness checks
         return None
+
+
+_liveness: tuple[int, Any] | None = None  # (pid, store) of the connection heartbeats go through
+
+
+def _liveness_store() -> Any:
+    """A connection of trainstate's own to the default group's store, for heartbeats and liveness checks.
+
+    Calls on one store client wait for each other, and torch's ``new_group`` can sit in a call on the default
+    client waiting for a rank that died (for as long as the store's timeout, 30 minutes and more): checks made
+    through that client would wait behind it. A TCP store gets a second client here; any other store (a file
+    store) is used as it is. One per process (a forked child makes its own).
+    """
+    global _liveness
+    if _liveness is not None and _liveness[0] == os.getpid():
+        return _liveness[1]
+    store = _store()
+    inner = store
+    while inner is not None and hasattr(inner, "underlying_store"):  # PrefixStore around the real one
+        inner = inner.underlying_store
+    own = store
+    try:
+        from torch._C._distributed_c10d import TCPStore
+
+        if isinstance(inner, TCPStore):
+            own = TCPStore(
+                inner.host, inner.port, is_master=False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
+            )
+    except Exception:  # noqa: BLE001 - no second connection: the default client, as before
+        own = store
+    _liveness = (os.getpid(), own)
+    return own
 
 
 def arrival_timeout() -> float:
@@ -317,7 +394,7 @@ def _start_heartbeat(store: Any) -> None:
 def _gone(ranks: list[int]) -> list[int]:
     """Those of ``ranks`` whose heartbeat stopped, watched for three beats (one that never beat, having made
     no coordination group yet, may be alive elsewhere: it is not named)."""
-    store = _store()
+    store = _liveness_store()
     if store is None or not ranks:
         return []
     try:
