@@ -12,6 +12,7 @@ variables before the process starts).
 from __future__ import annotations
 
 import os
+import warnings
 
 MAX_DEFAULT = 32  # past this, more lanes than a checkpoint's files and pieces keep busy
 
@@ -32,9 +33,17 @@ def default_threads(environ: dict[str, str] | None = None, cores: int | None = N
     cores divided by ``LOCAL_WORLD_SIZE`` (ranks on this host), at least 1 and at most :data:`MAX_DEFAULT`.
     A value that is not a positive integer is ignored, as if unset (a default must never stop an import)."""
     env = os.environ if environ is None else environ
-    given = _positive(env.get("TRAINSTATE_THREADS"))
+    text = env.get("TRAINSTATE_THREADS")
+    given = _positive(text)
     if given is not None:
-        return given
+        return given  # as given: the cap is for the default worked out here
+    if text is not None and text.strip():
+        warnings.warn(
+            f"TRAINSTATE_THREADS={text!r:.40} is not a positive integer: ignored, the default is this process's "
+            "share of its cores",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     ranks = _positive(env.get("LOCAL_WORLD_SIZE")) or 1
     return max(1, min(MAX_DEFAULT, (usable_cores() if cores is None else cores) // ranks))
 
