@@ -21,6 +21,7 @@ import time
 from functools import partial
 from typing import Any
 
+from trainstate import _arguments as arguments
 from trainstate import _gc, _keys
 from trainstate import _tree as tree
 from trainstate._cores import threads_within
@@ -90,6 +91,8 @@ def consolidate(
         >>> trainstate.load("ckpt/step_1200-single", plain_state)    # one process, no process group
     """
     start = time.perf_counter()
+    if threads is not None:  # checked before the source is opened, as every front door checks its arguments
+        threads = arguments.positive_int(threads, "threads")
     resolved = _keys.resolve(key, key_env)
     rotating = new_key is not None or new_key_env is not None
     backend, root = resolve(dst, dst_storage)

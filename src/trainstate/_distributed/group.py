@@ -75,9 +75,11 @@ class Coordinator:
         """The element-wise maximum of every rank's ``values``."""
         return [max(column) for column in zip(*self.all_gather(list(values), what))]
 
-    def exchange(self, sends: list[tuple[Any, int, int]], receives: list[tuple[Any, int, int]], what: str) -> None:
-        """Send and receive byte tensors point to point: ``(tensor, peer rank, tag)`` each, every one posted
-        before any is waited for."""
+    def exchange(
+        self, sends: list[tuple[memoryview, int, int]], receives: list[tuple[memoryview, int, int]], what: str
+    ) -> None:
+        """Send and receive flat bytes point to point: ``(bytes, peer rank, tag)`` each (a receive's bytes are
+        filled in place), every one posted before any is waited for."""
         raise NotImplementedError
 
     def agree(self, error: BaseException | None, what: str) -> None:
@@ -136,13 +138,18 @@ class GlooCoordinator(Coordinator):
         self._call(what, lambda: self.dist.all_reduce(box, op=self.dist.ReduceOp.MAX, group=self.group))
         return [int(v) for v in box.tolist()]
 
-    def exchange(self, sends: list[tuple[Any, int, int]], receives: list[tuple[Any, int, int]], what: str) -> None:
-        """CPU byte tensors sent and received on the gloo group (all posted, then all waited for)."""
+    def exchange(
+        self, sends: list[tuple[memoryview, int, int]], receives: list[tuple[memoryview, int, int]], what: str
+    ) -> None:
+        """Bytes sent and received on the gloo group as CPU byte tensors over the same memory (all posted, then
+        all waited for)."""
         dist = self.dist
 
         def run() -> None:
-            works = [dist.irecv(t, src=self._global(peer), group=self.group, tag=tag) for t, peer, tag in receives]
-            works += [dist.isend(t, dst=self._global(peer), group=self.group, tag=tag) for t, peer, tag in sends]
+            works = [
+                dist.irecv(_wire(v), src=self._global(peer), group=self.group, tag=tag) for v, peer, tag in receives
+            ]
+            works += [dist.isend(_wire(v), dst=self._global(peer), group=self.group, tag=tag) for v, peer, tag in sends]
             for work in works:
                 work.wait(datetime.timedelta(seconds=self.timeout))
 
@@ -178,6 +185,14 @@ class GlooCoordinator(Coordinator):
                 f"{str(e).splitlines()[0][:200] if str(e) else 'no message'}). A rank died or did not reach this "
                 f"point within {self.timeout:g} s (timeout=, or TRAINSTATE_DIST_TIMEOUT); {outcome}"
             ) from None
+
+
+def _wire(view: memoryview) -> Any:
+    """A CPU uint8 tensor over ``view``'s memory, as gloo sends and receives."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.frombuffer(view, np.uint8))
 
 
 def _outcome(what: str) -> str:

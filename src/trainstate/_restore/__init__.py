@@ -83,7 +83,7 @@ def load(
 ) -> Any:
     """Load a checkpoint: into ``target`` in place, or as a fresh nested structure.
 
-    Under an initialized torch.distributed process group of several ranks the load is collective by default,
+    Under an initialized process group (torch distributed) of several ranks the load is collective by default,
     as ``save`` is: **every rank calls it**, each restoring what it holds, and a tensor that several ranks hold
     (data-parallel replicas, replicated dims of a DTensor) is read from storage by one of them and sent to the
     others over trainstate's coordination (gloo) group, so the job reads each byte once (docs/distributed.md,
@@ -110,7 +110,7 @@ def load(
         storage: where to read from (default: chosen from ``path``).
         key: the key of an encrypted checkpoint (32 bytes, 64 hex digits or base64; docs/encryption.md).
         key_env: the name of an environment variable that holds the key, instead of ``key``.
-        collective: under a process group of several ranks (torch.distributed), ``None`` (the default) and
+        collective: under a process group of several ranks (torch distributed), ``None`` (the default) and
             ``True`` load together with every rank, reading shared tensors once; ``False`` loads this
             process's state alone, reading everything it holds (as outside a process group; for a rank that
             loads while the others do not).

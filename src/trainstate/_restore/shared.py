@@ -141,9 +141,9 @@ class Share:
             if k.device:
                 continue
             if owner == rank:
-                sends += [(_bytes(first[k]), m, tag) for m in members if m != rank]
+                sends += [(first[k], m, tag) for m in members if m != rank]
             elif rank in members:
-                receives.append((_bytes(first[k]), owner, tag))
+                receives.append((first[k], owner, tag))
         if sends or receives:
             self.coord.exchange(sends, receives, "load (sending the shared tensors)")
         for src, dst in copies:  # the same part twice in this rank's state, in separate memory
@@ -167,7 +167,7 @@ class Share:
             for lo in range(0, k.nbytes, PIECE):
                 tag += 1
                 piece = buffer[: min(PIECE, k.nbytes - lo)]
-                data = _bytes(piece.data)
+                data = piece.data
                 if owner == rank:
                     s.adapter.copy_range_out(s.local, lo, piece)
                     sends = [(data, m, tag) for m in members if m != rank]
@@ -260,12 +260,6 @@ def _key(
 
 def _order(k: Key) -> tuple[int, str, str, str, bool]:
     return (-k.nbytes, k.name, k.content, repr(k.box), k.device)
-
-
-def _bytes(view: memoryview) -> Any:
-    import torch
-
-    return torch.from_numpy(np.frombuffer(view, np.uint8))
 
 
 def _error_of(failed: _Failed, world: int) -> CheckpointError:
