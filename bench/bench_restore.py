@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -344,15 +344,15 @@ def _amp_rank(rank: int, world: int, store: str, url: str, endpoint: str | None,
     try:
         g = torch.Generator().manual_seed(0)
         state = {"model": {f"w{i}": torch.randn(256 if quick else 1024, 256, generator=g) for i in range(24)}}
-        storage = _storage(endpoint)
-        trainstate.save(url, state, storage=storage, fsync=False)
-        counted = _Counting(storage)
+        trainstate.save(url, state, storage=_storage(endpoint), fsync=False)
+        counted = _storage(endpoint)
+        read = _counting(counted)
         target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
         trainstate.load(url, target, storage=counted)
-        shared = counted.data_bytes
-        counted.data_bytes = 0
+        shared = read[0]
+        read[0] = 0
         trainstate.load(url, target, storage=counted, collective=False)
-        alone = counted.data_bytes
+        alone = read[0]
         for k, v in state["model"].items():
             assert torch.equal(target["model"][k], v)
         return sum(v.nbytes for v in state["model"].values()), shared, alone
@@ -374,55 +374,21 @@ def _storage(endpoint: str | None) -> trainstate.Storage:
     return FsspecStorage(fs)
 
 
-class _Counting(trainstate.Storage):
-    """Forwards every call to ``inner``; counts the bytes read from data files; maps nothing, so every byte
-    read goes through :meth:`read_into` and is counted."""
+def _counting(storage: Any) -> list[int]:
+    """Make ``storage`` count the tensor bytes it reads (a header read starts at 0) and map nothing, so that
+    every byte read goes through ``read_into``; returns the counter."""
+    read = storage.read_into
+    counted = [0]
 
-    def __init__(self, inner: trainstate.Storage) -> None:
-        self.inner = inner
-        self.data_bytes = 0
-
-    @property
-    def capabilities(self) -> trainstate.Capabilities:
-        from dataclasses import replace
-
-        return replace(self.inner.capabilities, memory_map=False)
-
-    def read_into(self, path: str, offset: int, out: memoryview) -> int:
-        n = self.inner.read_into(path, offset, out)
-        if path.endswith(".safetensors") and offset > 0:  # tensor bytes (a header read starts at 0)
-            self.data_bytes += n
+    def read_into(path: str, offset: int, out: memoryview) -> int:
+        n = int(read(path, offset, out))
+        if path.endswith(".safetensors") and offset > 0:
+            counted[0] += n
         return n
 
-    def map(self, path: str) -> None:
-        return None
-
-    def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
-        return self.inner.write(path, views, fsync=fsync)
-
-    def stat(self, path: str) -> Any:
-        return self.inner.stat(path)
-
-    def list(self, path: str) -> list[str]:
-        return self.inner.list(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def begin(self, final: str, *, overwrite: bool) -> str:
-        return self.inner.begin(final, overwrite=overwrite)
-
-    def commit(self, staging: str, final: str, files: Sequence[str], *, overwrite: bool, fsync: bool) -> None:
-        self.inner.commit(staging, final, files, overwrite=overwrite, fsync=fsync)
-
-    def strip(self, url: str) -> str:
-        return self.inner.strip(url)
-
-    def join(self, *parts: str) -> str:
-        return self.inner.join(*parts)
-
-    def name(self, path: str) -> str:
-        return self.inner.name(path)
+    storage.read_into = read_into
+    storage.map = lambda path: None
+    return counted
 
 
 def section_cold(r: Report, root: Path, args: argparse.Namespace) -> None:

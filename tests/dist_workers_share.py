@@ -7,31 +7,26 @@ every rank's count over the checkpoint's tensor bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+import dist_workers_consolidate as consolidate_workers
 import trainstate
-from trainstate import Capabilities, FileInfo, Storage
+from storage.wrapping import Wrapping
+from trainstate import Storage
 
 TENSORS = 20
 
 
-class Counting(Storage):
-    """Forwards everything to ``inner``, maps nothing, and counts the data-file bytes ``read_into`` returns."""
+class Counting(Wrapping):
+    """Forwards everything to ``inner`` (storage/wrapping.py), maps nothing, and counts the data-file bytes
+    ``read_into`` returns."""
 
     def __init__(self, inner: Storage) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.data_bytes = 0
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    def write(self, path: str, views: Iterable[memoryview], *, fsync: bool) -> int:
-        return self.inner.write(path, views, fsync=fsync)
 
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
         got = self.inner.read_into(path, offset, out)
@@ -42,49 +37,8 @@ class Counting(Storage):
     def map(self, path: str) -> Any:
         return None  # every byte through read_into, where it is counted
 
-    def stat(self, path: str) -> FileInfo | None:
-        return self.inner.stat(path)
 
-    def list(self, path: str) -> list[str]:
-        return self.inner.list(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def begin(self, final: str, *, overwrite: bool) -> str:
-        return self.inner.begin(final, overwrite=overwrite)
-
-    def commit(self, staging: str, final: str, files: Sequence[str], *, overwrite: bool, fsync: bool) -> None:
-        self.inner.commit(staging, final, files, overwrite=overwrite, fsync=fsync)
-
-    def abort(self, staging: str, files: Sequence[str]) -> None:
-        self.inner.abort(staging, files)
-
-    def stat_followed(self, path: str) -> FileInfo | None:
-        return self.inner.stat_followed(path)
-
-    def strip(self, url: str) -> str:
-        return self.inner.strip(url)
-
-    def join(self, *parts: str) -> str:
-        return self.inner.join(*parts)
-
-    def name(self, path: str) -> str:
-        return self.inner.name(path)
-
-
-def storage_for(endpoint: str | None) -> Storage:
-    """S3 at ``endpoint`` (the tests' moto server, through s3fs), or the local disk."""
-    if endpoint is None:
-        return trainstate.LocalStorage()
-    import s3fs
-
-    from trainstate._storage.fsspec import FsspecStorage
-
-    fs = s3fs.S3FileSystem(
-        key="testing", secret="testing", endpoint_url=endpoint, client_kwargs={"region_name": "us-east-1"}
-    )
-    return FsspecStorage(fs)
+storage_for = consolidate_workers.storage_for  # S3 at an endpoint (the tests' moto server), or the local disk
 
 
 def replicas(fill: float | None = None) -> dict[str, torch.Tensor]:
