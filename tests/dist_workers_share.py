@@ -211,7 +211,7 @@ def as_accelerator_targets() -> None:
     shared.PIECE = 40_000  # several pieces per tensor, one not a multiple of another
 
 
-def load_replicas_on_devices(rank: int, world: int, path: str, collective: bool | None, tied: bool) -> Any:
+def load_replicas_on_devices(rank: int, world: int, path: str, collective: bool | None, tied: bool = False) -> Any:
     """``load_replicas`` with the targets standing for accelerator tensors; with ``tied`` (a checkpoint that
     stored w03 once for two places), w03's second place is memory of its own here, and must get its bytes."""
     as_accelerator_targets()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -193,12 +194,18 @@ def test_on_s3_ddp_replicas_are_read_once(server):
     url = f"s3://trainstate-shared-reads/{uuid.uuid4().hex[:12]}/step_3"
     endpoint = server.endpoint  # type: ignore[attr-defined]
     ranks.ok(ranks.run(WORLD, workers.save_replicas, url, endpoint))
-    shared = ranks.ok(ranks.run(WORLD, workers.load_replicas, url, endpoint, None))
+    _read_once_shared_and_world_times_alone("s3", workers.load_replicas, url, endpoint)
+
+
+def _read_once_shared_and_world_times_alone(label: str, load: Any, *args: Any) -> None:
+    """``load(rank, world, *args, collective, ...)`` on every rank: each byte read once with sharing (the
+    default), WORLD times with ``collective=False``; every rank's values the same, bit for bit."""
+    shared = ranks.ok(ranks.run(WORLD, load, *args, None))
     _all_equal(shared)
-    assert _amplification(shared, "s3, shared") <= 1.05
-    alone = ranks.ok(ranks.run(WORLD, workers.load_replicas, url, endpoint, False))
+    assert _amplification(shared, f"{label}, shared") <= 1.05
+    alone = ranks.ok(ranks.run(WORLD, load, *args, False))
     _all_equal(alone)
-    assert _amplification(alone, "s3, collective=False") >= WORLD - 0.05
+    assert _amplification(alone, f"{label}, collective=False") >= WORLD - 0.05
 
 
 def test_no_rank_shares_with_a_rank_that_loads_another_checkpoint(tmp_path):
@@ -213,12 +220,7 @@ def test_accelerator_targets_are_read_once_and_cross_in_pieces_through_host_buff
     """The GPU path's sharing, run with CPU tensors standing in for accelerator ones (ring + pieces)."""
     path = str(tmp_path / "c")
     trainstate.save(path, {"model": workers.replicas(), "step": 3})
-    shared = ranks.ok(ranks.run(WORLD, workers.load_replicas_on_devices, path, None, False))
-    _all_equal(shared)
-    assert _amplification(shared, "accelerator targets, shared") <= 1.05
-    alone = ranks.ok(ranks.run(WORLD, workers.load_replicas_on_devices, path, False, False))
-    _all_equal(alone)
-    assert _amplification(alone, "accelerator targets, collective=False") >= WORLD - 0.05
+    _read_once_shared_and_world_times_alone("accelerator targets", workers.load_replicas_on_devices, path)
 
 
 def test_an_accelerator_part_held_twice_on_a_rank_gets_its_bytes_in_both_places(tmp_path):
