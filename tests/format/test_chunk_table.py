@@ -13,8 +13,11 @@ from trainstate._format.chunk_table import ChunkTable
 NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
 # a chunk's transforms as a compressed chunk has them (and odd ones: escapes, several, none)
 TRANSFORM = st.one_of(
-    st.builds(lambda level, raw: {"name": "zstd", "level": level, "raw_checksum": raw}, st.integers(1, 19),
-              st.from_regex(r"xxh3_64:[0-9a-f]{16}", fullmatch=True)),
+    st.builds(
+        lambda level, raw: {"name": "zstd", "level": level, "raw_checksum": raw},
+        st.integers(1, 19),
+        st.from_regex(r"xxh3_64:[0-9a-f]{16}", fullmatch=True),
+    ),
     st.dictionaries(NAMES, st.one_of(st.integers(), NAMES, st.booleans()), max_size=3),
 )
 TRANSFORMS = st.lists(TRANSFORM, min_size=0, max_size=2).map(tuple)
