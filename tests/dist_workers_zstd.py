@@ -128,3 +128,11 @@ def manager(rank: int, world: int, directory: str, async_save: bool) -> Any:
     with trainstate.CheckpointManager(directory, compression="zstd") as again:
         start = again.restore_latest(back)
     return {"listed": listed, "start": start, **{k: _full(back[k]) for k in ("rows", "columns", "table", "noise")}}
+
+
+def save_few(rank: int, world: int, path: str) -> Any:
+    """Fewer boxes than ranks, compressed: some ranks write nothing."""
+    trainstate.save(path, {"a": torch.zeros(4096), "b": torch.arange(3.0)}, compression="zstd")
+    back = {"a": torch.ones(4096), "b": torch.ones(3)}
+    trainstate.load(path, back)
+    return {k: v.numpy().copy() for k, v in back.items()}

@@ -117,3 +117,11 @@ def test_a_key_and_incremental_under_a_group_are_still_refused_with_a_clear_mess
         for name in ("key", "key+zstd", "manager key"):
             assert refused[name] and "encryption" in refused[name] and "collective" in refused[name], refused
         assert refused["incremental"] and "incremental=True is not supported" in refused["incremental"], refused
+
+
+def test_ranks_with_nothing_to_write_take_part_in_a_compressed_save(tmp_path):
+    got = ranks.ok(ranks.run(4, workers.save_few, str(tmp_path / "c")))
+    assert all(np.array_equal(g["a"], np.zeros(4096)) and np.array_equal(g["b"], np.arange(3.0)) for g in got)
+    files = {c["file"] for t in _manifest(tmp_path / "c")["tensors"].values() for c in t["chunks"]}
+    assert len(files) == 2  # two boxes, two writers: the other two ranks wrote nothing
+    assert _manifest(tmp_path / "c")["tensors"]["a"]["chunks"][0]["transforms"][0]["name"] == "zstd"
