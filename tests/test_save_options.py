@@ -16,8 +16,9 @@ REFUSED = "not supported"
     ("given", "refused"),
     [
         ({}, False),
-        ({"compression": "zstd"}, True),
+        ({"compression": "zstd"}, False),  # each rank compresses its own chunks
         ({"key": KEY}, True),
+        ({"key": KEY, "compression": "zstd"}, True),
         ({"incremental": True}, True),
         ({"compression": "zstd", "collective": False}, False),  # each rank saves its own
         ({"key": KEY, "read_only": True}, False),  # a reader writes nothing

@@ -11,6 +11,16 @@ from trainstate._format import manifest
 from trainstate._format.chunk_table import ChunkTable
 
 NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
+# a chunk's transforms as a compressed chunk has them (and odd ones: escapes, several, none)
+TRANSFORM = st.one_of(
+    st.builds(
+        lambda level, raw: {"name": "zstd", "level": level, "raw_checksum": raw},
+        st.integers(1, 19),
+        st.from_regex(r"xxh3_64:[0-9a-f]{16}", fullmatch=True),
+    ),
+    st.dictionaries(NAMES, st.one_of(st.integers(), NAMES, st.booleans()), max_size=3),
+)
+TRANSFORMS = st.lists(TRANSFORM, min_size=0, max_size=2).map(tuple)
 
 
 @st.composite
@@ -37,6 +47,8 @@ def tables(draw: st.DrawFn) -> ChunkTable:
     sums = draw(st.lists(st.from_regex(r"[a-z0-9_]{1,8}:[0-9a-f]{0,16}", fullmatch=True), min_size=n, max_size=n))
     pieced = draw(st.sets(st.integers(0, n - 1)))
     pieces = {k: manifest.Pieces(draw(st.integers(1, 1 << 20)), tuple(sums[: 1 + k % 3])) for k in pieced}
+    transformed = draw(st.sets(st.integers(0, n - 1)))
+    transforms = {k: draw(TRANSFORMS) for k in transformed}
     return ChunkTable(
         names,
         headers,
@@ -48,6 +60,7 @@ def tables(draw: st.DrawFn) -> ChunkTable:
         ranges.reshape(n, 2),
         np.array(sums, dtype="S"),
         pieces,
+        transforms,
     )
 
 
@@ -119,3 +132,29 @@ def test_a_table_of_many_blocks_of_rows_renders_the_same_bytes():
     )
     expected = manifest._dumps({name: manifest._tensor_json(table[name]) for name in table}).encode()
     assert table.canonical_json() == expected
+
+
+def test_compressed_chunks_render_their_transforms_after_the_shape_as_json_dumps_does():
+    zstd = ({"level": 3, "name": "zstd", "raw_checksum": "xxh3_64:00000000000000ff"},)
+    table = ChunkTable(
+        ["a", "b"],
+        [("F32", "torch", (8, 4)), ("F32", "numpy", (3,))],
+        np.array([0, 0, 0, 1], np.int64),
+        np.array([[0, 0], [2, 0], [4, 0], [0, 0]], np.int64),
+        np.array([[2, 4], [2, 4], [4, 4], [3, 0]], np.int64),
+        ["data-r00000-00000.safetensors", "data-r00001-00000.safetensors"],
+        np.array([0, 0, 1, 1], np.int64),
+        np.array([[100, 130], [130, 162], [100, 140], [140, 152]], np.int64),
+        np.array(["xxh3_64:01", "xxh3_64:02", "xxh3_64:03", "xxh3_64:04"], dtype="S"),
+        {1: manifest.Pieces(16, ("xxh3_64:0a", "xxh3_64:0b"))},
+        {0: zstd, 1: zstd, 2: (), 3: zstd},  # chunk 2 stored raw (it did not compress)
+    )
+    assert table["a"].chunks[0].transforms == zstd and table["a"].chunks[2].transforms == ()
+    assert table["a"].chunks[1].pieces is not None and table["a"].chunks[1].transforms == zstd
+    entries = _objects(table)
+    assert table.canonical_json() == manifest._dumps({n: manifest._tensor_json(t) for n, t in entries.items()}).encode()
+    raw = manifest.Manifest(_tree.NONE, table, (), world_size=2).to_json_bytes()
+    assert raw == manifest.Manifest(_tree.NONE, entries, (), world_size=2).to_json_bytes()
+    assert b'"format_version":"1.3"' in raw
+    lines = raw.split(b"\n")
+    assert [line[:4] for line in lines if line.startswith(b'"a":') or line.startswith(b'"b":')] == [b'"a":', b'"b":']

@@ -100,6 +100,9 @@ def save(directory: str, process: int) -> dict[str, Any]:
     state = state_on(mesh, P("x", "y"))
     out["fully_addressable"] = state["params"]["w"].is_fully_addressable
     out["saved"] = trainstate.save(f"{directory}/one", state).path
+    big = np.tile(np.arange(64, dtype=np.float32), (512, 1))  # compressible: zstd pays on every shard
+    zstd = {**state, "big": jax.make_array_from_callback(big.shape, NamedSharding(mesh, P("x", "y")), lambda i: big[i])}
+    out["zstd"] = trainstate.save(f"{directory}/zstd", zstd, compression="zstd").path  # each process its own
     out["solo"] = error_of(lambda: trainstate.save(f"{directory}/solo{process}", state, collective=False))
     for i in range(8):  # many saves, each exchanging through the store
         trainstate.save(f"{directory}/many/{i}", {"step": state["step"]})

@@ -93,6 +93,26 @@ def test_each_process_writes_the_shards_it_addresses_and_one_manifest_commits(sa
     assert plain["step"] == 0 and np.array_equal(plain["key"], want["key"]) and plain["note"] == "hi"
 
 
+def test_a_compressed_save_by_two_processes_restores_in_one(saved) -> None:
+    pytest.importorskip("zstandard")
+    from jax_processes import check, state_on, zeros_like
+
+    directory, results = saved
+    path = directory / "zstd"
+    body = json.loads((path / "manifest.json").read_bytes())
+    chunks = body["tensors"]["big"]["chunks"]
+    assert body["world_size"] == 2 and len(chunks) >= 2
+    assert all(c["transforms"][0]["name"] == "zstd" for c in chunks)
+    assert {c["file"].split("-")[1] for c in chunks} == {"r00000", "r00001"}  # each process compressed its own
+    with trainstate.open(path) as ck:
+        ck.verify()
+        assert np.array_equal(ck.read("big"), np.tile(np.arange(64, dtype=np.float32), (512, 1)))
+    target = zeros_like(state_on(jax.make_mesh((2, 4), ("x", "y")), P("y", "x")))
+    target["big"] = np.zeros((512, 64), np.float32)
+    restored = trainstate.load(path, target)
+    assert check(restored) == [] and np.array_equal(restored["big"], np.tile(np.arange(64, dtype=np.float32), (512, 1)))
+
+
 def test_one_process_restores_them_onto_one_device_and_onto_its_own_mesh(saved) -> None:
     from jax_processes import check, state_on, zeros_like
 

@@ -70,9 +70,9 @@ def write_collective(
     """Write this rank's encoded ``snapshot`` (or report ``error``, its encoding's failure) with the other
     ranks' as one checkpoint at ``root``; every rank returns the same result or raises.
 
-    ``options`` come from :func:`~trainstate._save.options.save_options`, which refuses chunk transforms
-    (compression, encryption) in a collective save: the merge of the ranks' entries assumes one chunk per
-    rank and tensor."""
+    ``options`` come from :func:`~trainstate._save.options.save_options`. With compression each rank cuts
+    its boxes into chunks and compresses them as a single process does (``_save/chunked.py``); rank 0's
+    merge lists each box's chunks in its place. (Encryption is still refused there.)"""
     rank = coord.rank
     mine: Any
     if error is None:
@@ -101,7 +101,7 @@ def write_collective(
     groups, names = plan_data(storage, entries, options, prefix=f"data-r{rank:05d}")
     try:
         files, tensors = write_data(storage, tmp, entries, groups, names, options)
-        result: Any = (_written(files, tensors), names, parts)
+        result: Any = (_written(files, tensors, options.encoding is not None), names, parts)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the save for every rank
         _remove(storage, tmp, names)
         result, error = Failure(rank, f"{type(e).__name__}: {e}"), e
@@ -191,26 +191,52 @@ def _commit(
 
 
 class Written(NamedTuple):
-    """What a rank wrote, as columns (a row per box of its share, in share order): its data files, and
-    where each box lies in them — the message a rank sends rank 0 after writing."""
+    """What a rank wrote, as columns (a row per chunk, its boxes' chunks in share order): its data files, and
+    where each chunk lies in them — the message a rank sends rank 0 after writing.
+
+    Without chunk transforms each box is one chunk (``counts``, ``offsets``, ``shapes`` are None: the plan
+    has the boxes already); compressed, each box is cut into chunks (``chunked.py``) and each row says which
+    part of the box it holds."""
 
     files: tuple[manifest.FileEntry, ...]
     file: np.ndarray  # index into files
     ranges: np.ndarray  # (n, 2) byte ranges
     checksums: np.ndarray  # fixed-width bytes
     pieces: dict[int, manifest.Pieces]  # for the rows of chunks larger than a piece
+    transforms: dict[int, tuple[dict[str, Any], ...]] | None = None  # the rows stored transformed
+    counts: np.ndarray | None = None  # chunks per box, in share order
+    offsets: np.ndarray | None = None  # (n, width) each chunk's offset in its tensor, zero-padded
+    shapes: np.ndarray | None = None  # (n, width) each chunk's shape
 
 
-def _written(files: tuple[manifest.FileEntry, ...], tensors: dict[str, manifest.TensorEntry]) -> Written:
-    chunks = [t.chunks[0] for t in tensors.values()]  # one each, in share order (write_data keeps it)
+def _written(
+    files: tuple[manifest.FileEntry, ...], tensors: dict[str, manifest.TensorEntry], transformed: bool = False
+) -> Written:
+    """The columns of what a rank wrote; ``transformed``: its boxes went through chunk transforms, so each
+    row says which part of its box it holds."""
+    per_box = [t.chunks for t in tensors.values()]  # in share order (write_data keeps it)
+    chunks = [c for box in per_box for c in box]
     where = {f.path: i for i, f in enumerate(files)}
+    cut = transformed or any(len(box) != 1 for box in per_box)
+    width = max((len(c.offset) for c in chunks), default=0)
     return Written(
         files,
         np.array([where[c.file] for c in chunks], dtype=np.int64),
         np.array([c.byte_range for c in chunks], dtype=np.int64).reshape(len(chunks), 2),
         np.array([c.checksum for c in chunks], dtype="S") if chunks else np.zeros(0, "S1"),
         {i: c.pieces for i, c in enumerate(chunks) if c.pieces is not None},
+        {i: c.transforms for i, c in enumerate(chunks) if c.transforms} if cut else None,
+        np.array([len(box) for box in per_box], dtype=np.int64) if cut else None,
+        _padded([c.offset for c in chunks], width) if cut else None,
+        _padded([c.shape for c in chunks], width) if cut else None,
     )
+
+
+def _padded(rows: list[tuple[int, ...]], width: int) -> np.ndarray:
+    out = np.zeros((len(rows), width), dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
 
 
 def merge(
@@ -220,9 +246,14 @@ def merge(
 
     ``written[rank]`` is ``(Written, file names, per-rank values)``. The boxes come from the plan, already in
     manifest order (by tensor, then offset); each rank's columns are put in that order with one permutation.
+    Where ranks cut their boxes into chunks (compression), each box's chunks follow one another in the
+    order its writer made them (C order within the box), as a single process lists them.
     """
     cols: list[Written] = [w[0] for w in written]
-    if [len(c.file) for c in cols] != [len(s) for s in plan.shares]:
+    counts = [c.counts if c.counts is not None else np.ones(len(c.file), np.int64) for c in cols]
+    if [len(n) for n in counts] != [len(s) for s in plan.shares] or any(
+        int(n.sum()) != len(c.file) for n, c in zip(counts, cols)
+    ):
         raise RuntimeError("a rank reported a different number of written boxes than it was assigned")
     rows = plan.written
     by_rank = np.lexsort((rows[:, -1], rows[:, -2]))  # manifest row of each rank's k-th box, rank after rank
@@ -233,23 +264,55 @@ def merge(
     file = np.concatenate([c.file + b for c, b in zip(cols, base)]) if cols else np.zeros(0, np.int64)
     ranges = np.concatenate([c.ranges for c in cols]) if cols else np.zeros((0, 2), np.int64)
     checksums = np.concatenate([c.checksums for c in cols]) if cols else np.zeros(0, "S1")
-    pieces = {int(by_rank[f + k]): p for c, f in zip(cols, first.tolist()) for k, p in c.pieces.items()}
     files = tuple(f for c in cols for f in c.files)
     width = plan.width
+    tensor = rows[:, 0]
+    offsets, shapes = rows[:, 1 : 1 + width], rows[:, 1 + width : 1 + 2 * width]
+    if all(c.counts is None for c in cols):  # a chunk per box: the plan's rows are the chunks
+        chunk = order
+        rank_row = by_rank  # each chunk's manifest row, rank after rank
+    else:
+        count = np.concatenate(counts)  # chunks of each box, rank after rank
+        start = np.cumsum(count) - count  # its first chunk in the ranks' columns
+        each = count[order]  # chunks of each manifest row
+        at = np.cumsum(each) - each  # its first chunk in the manifest
+        chunk = np.repeat(start[order] - at, each) + np.arange(int(each.sum()))
+        rank_row = np.empty(len(chunk), dtype=np.int64)
+        rank_row[chunk] = np.arange(len(chunk))
+        tensor = np.repeat(tensor, each)
+        boxes = np.cumsum([0] + [len(n) for n in counts])  # each rank's boxes: by_rank[boxes[r]:boxes[r + 1]]
+        mine = [by_rank[boxes[r] : boxes[r + 1]] for r in range(len(cols))]
+        offsets = np.concatenate([_part(c.offsets, offsets[m], width) for c, m in zip(cols, mine)])[chunk]
+        shapes = np.concatenate([_part(c.shapes, shapes[m], width) for c, m in zip(cols, mine)])[chunk]
+    pieces = {int(rank_row[f + k]): p for c, f in zip(cols, first.tolist()) for k, p in c.pieces.items()}
+    transforms = {
+        int(rank_row[f + k]): t for c, f in zip(cols, first.tolist()) for k, t in (c.transforms or {}).items()
+    }
     table = ChunkTable(
         [name for name, _ in plan.headers],
         [header for _, header in plan.headers],
-        rows[:, 0],
-        rows[:, 1 : 1 + width],
-        rows[:, 1 + width : 1 + 2 * width],
+        tensor,
+        offsets,
+        shapes,
         [f.path for f in files],
-        file[order],
-        ranges[order],
-        checksums[order],
+        file[chunk],
+        ranges[chunk],
+        checksums[chunk],
         pieces,
+        transforms,
     )
     tree = per_rank.merge(snapshot.tree, [w[2] for w in written], table)
     return Snapshot(tree, snapshot.metadata, []), files, table
+
+
+def _part(sent: np.ndarray | None, boxes: np.ndarray, width: int) -> np.ndarray:
+    """A rank's chunks' offsets (or shapes) at the manifest's width: as it sent them, or its boxes' own
+    where it sent none (a chunk per box)."""
+    if sent is None:
+        return boxes
+    out = np.zeros((len(sent), width), dtype=np.int64)
+    out[:, : sent.shape[1]] = sent
+    return out
 
 
 def _take_back(storage: Storage, tmp: str, names: list[str], rank: int) -> None:

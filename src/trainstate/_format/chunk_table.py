@@ -16,6 +16,7 @@ import json
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from json.encoder import encode_basestring_ascii
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,8 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
 
     Row ``k`` is a box (``offsets[k]``, ``shapes[k]``: the first ``len(headers[tensor[k]][2])`` columns)
     of tensor ``tensor[k]``, stored in ``files[file[k]]`` at ``ranges[k]`` with checksum ``checksums[k]``
-    (bytes, ASCII) and, for large chunks, ``pieces[k]``.
+    (bytes, ASCII) and, for large chunks, ``pieces[k]``; a transformed (compressed) chunk's transforms are
+    ``transforms[k]`` (sparse as ``pieces``: a chunk stored raw has none).
     """
 
     def __init__(
@@ -53,10 +55,12 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
         ranges: np.ndarray,
         checksums: np.ndarray,
         pieces: dict[int, Pieces],
+        transforms: dict[int, tuple[dict[str, Any], ...]] | None = None,
     ) -> None:
         self.names, self.headers = names, headers
         self.tensor, self.offsets, self.shapes = tensor, offsets, shapes
         self.files, self.file, self.ranges, self.checksums, self.pieces = files, file, ranges, checksums, pieces
+        self.transforms = {k: t for k, t in (transforms or {}).items() if t}
         self._ids = {name: i for i, name in enumerate(names)}
         cut = np.flatnonzero(np.diff(tensor)) + 1
         begin = np.r_[0, cut] if len(tensor) else np.zeros(0, np.int64)
@@ -75,7 +79,7 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
                 tuple(self.offsets[k, :d].tolist()),
                 tuple(self.shapes[k, :d].tolist()),
                 self.checksums[k].decode(),
-                (),
+                self.transforms.get(k, ()),
                 self.pieces.get(k),
             )
             for k in range(begin, end)
@@ -120,10 +124,16 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
         before = rows.lengths.copy()  # where a chunk's "pieces" member goes: after "offset"
         rows.text(',"shape":[')
         rows.numbers(self.shapes, dims, width)
-        rows.text("]},")
+        rows.text("]")
+        after = rows.lengths.copy()  # and its "transforms" member: after "shape", the last in key order
+        rows.text("},")
         text, starts = rows.squeezed()
-        pieced = sorted(self.pieces)
-        places = (starts[pieced] + before[pieced]).tolist()
+        # what goes into the rows' text, in the order of the places it goes (a row's pieces before its transforms)
+        inserts = sorted(
+            [(int(starts[k] + before[k]), 0, k) for k in self.pieces]
+            + [(int(starts[k] + after[k]), 1, k) for k in self.transforms]
+        )
+        places = [at for at, _, _ in inserts]
         out: list[bytes | memoryview] = [b"{"]
         tails: dict[Header, bytes] = {}  # a model has a few distinct headers
         for j, name in enumerate(sorted(self._ids)):
@@ -134,8 +144,10 @@ class ChunkTable(Mapping[str, "TensorEntry"]):
             out.append(encode_basestring_ascii(name).encode() + b':{"chunks":[')
             begin, end = int(starts[first]), int(starts[last]) - (last > first)  # the last row's "," dropped
             for k in range(bisect.bisect_left(places, begin), bisect.bisect_left(places, end)):
-                out += [text[begin : places[k]], _pieces_json(self.pieces[pieced[k]])]
-                begin = places[k]
+                at, what, row = inserts[k]
+                member = _pieces_json(self.pieces[row]) if what == 0 else _transforms_json(self.transforms[row])
+                out += [text[begin:at], member]
+                begin = at
             out.append(text[begin:end])
             tail = tails.get(header)
             if tail is None:
@@ -240,6 +252,10 @@ def _dumps(value: object) -> bytes:
 
 def _pieces_json(p: Pieces) -> bytes:
     return b',"pieces":' + _dumps({"bytes": p.size, "checksums": p.checksums})
+
+
+def _transforms_json(t: tuple[dict[str, Any], ...]) -> bytes:
+    return b',"transforms":' + _dumps(list(t))
 
 
 def _plain(strings: np.ndarray) -> bool:

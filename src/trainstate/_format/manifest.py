@@ -108,9 +108,9 @@ class Manifest:
 
     def _body(self) -> dict[str, Any]:
         tensors: Any = None
-        transformed = False  # a ChunkTable (a collective save's) has no transforms
         if isinstance(self.tensors, ChunkTable):  # a million chunks of many ranks, rendered as columns
             tensors, pieced = self.tensors.canonical_json_parts(lines=True), bool(self.tensors.pieces)
+            transformed = bool(self.tensors.transforms)
         if tensors is None:
             with _gc.paused():
                 tensors = manifest_lines.tensor_lines({name: _tensor_json(t) for name, t in self.tensors.items()})

@@ -102,7 +102,8 @@ class CheckpointManager(Configured):
             checkpoint still loads on its own where it was saved; copy one away with ``consolidate``.
             Not yet for collective saves under a process group.
         compression: ``"zstd"`` or ``"zstd:LEVEL"``: every checkpoint's tensors compressed in chunks, as
-            ``trainstate.save(compression=...)`` does (not yet for collective saves). Restoring needs no argument.
+            ``trainstate.save(compression=...)`` does (under a process group too: each rank compresses its own
+            chunks). Restoring needs no argument.
         key: encrypt every checkpoint with this key (32 bytes, 64 hex digits or base64) and authenticate every
             manifest it reads with it, for listing, retention and resuming (docs/encryption.md). A run's
             checkpoints all use one key: with a key the manager refuses plain or differently keyed ones.
