@@ -108,9 +108,6 @@ def test_export_to_safetensors_holds_the_saved_tensors(src, tmp_path, command_li
     _same(got, want)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=trainstate.InvalidArgumentError, reason="average refuses a checkpoint saved by several ranks"
-)
 def test_average_of_two_compressed_sharded_checkpoints_is_their_mean(tmp_path):
     a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "mean"
     ranks.ok(ranks.run(WORLD, workers.save_scaled, str(a), 1.0))
