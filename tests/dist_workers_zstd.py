@@ -147,6 +147,7 @@ def save_scaled(rank: int, world: int, path: str, scale: float) -> Any:
     for k, placement in (("rows", Shard(0)), ("columns", Shard(1))):
         state[k] = distribute_tensor(torch.from_numpy(whole()[k] * scale), mesh, [placement])
     state["table"] = state["table"] * scale
+    state["mine"] = trainstate.PerRank({"rank": rank, "moment": torch.full((4,), scale * (rank + 1))})
     before, _transforms.TRANSFORM_CHUNK_BYTES = _transforms.TRANSFORM_CHUNK_BYTES, CHUNK
     try:
         trainstate.save(path, state, compression="zstd")

@@ -113,10 +113,15 @@ def test_average_of_two_compressed_sharded_checkpoints_is_their_mean(tmp_path):
     ranks.ok(ranks.run(WORLD, workers.save_scaled, str(a), 1.0))
     ranks.ok(ranks.run(WORLD, workers.save_scaled, str(b), 3.0))
     trainstate.average([a, b], out)
-    got = _read(out)
-    want = workers.whole()
-    for k in ("rows", "columns", "table"):
-        assert got[k].tobytes() == (want[k] * 2.0).tobytes(), k
-    for k in ("noise", "small"):
-        assert got[k].tobytes() == want[k].tobytes(), k
-    cli("verify", str(out))
+    cli("average", str(a), str(b), "-o", str(tmp_path / "cli"))
+    for path in (out, tmp_path / "cli"):
+        got = _read(path)
+        want = workers.whole()
+        for k in ("rows", "columns", "table"):
+            assert got[k].tobytes() == (want[k] * 2.0).tobytes(), k
+        for k in ("noise", "small"):
+            assert got[k].tobytes() == want[k].tobytes(), k
+        back = trainstate.load(str(path))  # one process: rank 0's per-rank values, averaged where floating
+        assert back["mine"]["rank"] == 0 and back["step"] == 3
+        assert np.asarray(back["mine"]["moment"]).tolist() == [2.0] * 4
+        cli("verify", str(path))
