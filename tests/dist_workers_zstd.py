@@ -136,3 +136,21 @@ def save_few(rank: int, world: int, path: str) -> Any:
     back = {"a": torch.ones(4096), "b": torch.ones(3)}
     trainstate.load(path, back)
     return {k: v.numpy().copy() for k, v in back.items()}
+
+
+def save_scaled(rank: int, world: int, path: str, scale: float) -> Any:
+    """``save`` compressed with every float tensor times ``scale`` (checkpoints to average)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    state = state_for(world)
+    mesh = _mesh(world)
+    for k, placement in (("rows", Shard(0)), ("columns", Shard(1))):
+        state[k] = distribute_tensor(torch.from_numpy(whole()[k] * scale), mesh, [placement])
+    state["table"] = state["table"] * scale
+    state["mine"] = trainstate.PerRank({"rank": rank, "moment": torch.full((4,), scale * (rank + 1))})
+    before, _transforms.TRANSFORM_CHUNK_BYTES = _transforms.TRANSFORM_CHUNK_BYTES, CHUNK
+    try:
+        trainstate.save(path, state, compression="zstd")
+    finally:
+        _transforms.TRANSFORM_CHUNK_BYTES = before
+    return None

@@ -27,6 +27,7 @@ import numpy as np
 
 from trainstate import _gc, _keys, _state
 from trainstate import _tree as tree
+from trainstate._convert.consolidate import one_process_tree
 from trainstate._format import dtypes
 from trainstate._format.added_keys import FACTS_KEY
 from trainstate._restore.checkpoint import Checkpoint
@@ -53,15 +54,17 @@ def average(
     """Write at ``out`` the mean of the checkpoints ``ckpts`` (see the module docs for what is averaged).
 
     Args:
-        ckpts: two or more checkpoints of the same state (any storage).
+        ckpts: two or more checkpoints of the same state (any storage), saved by one process or by many
+            ranks (sharded tensors are read whole; the result is written as one process saves, keeping rank
+            0's per-rank values, as ``trainstate.consolidate`` does).
         out: the checkpoint to write (a path or URL).
         overwrite: replace a checkpoint at ``out`` (atomically).
         key: the key of encrypted checkpoints (all of them), which also encrypts the result (docs/encryption.md).
         key_env: the name of an environment variable that holds the key, instead of ``key``.
 
     Raises:
-        InvalidArgumentError: fewer than two checkpoints, a checkpoint saved by several ranks (consolidate
-            it first), or checkpoints whose tensors differ (the message names them).
+        InvalidArgumentError: fewer than two checkpoints, or checkpoints whose tensors differ (the message
+            names them).
 
     Example:
         >>> trainstate.average(["run/step_00900", "run/step_00950", "run/step_01000"], "run/swa")
@@ -76,10 +79,6 @@ def average(
         cks = [stack.enter_context(Checkpoint(p, key=resolved)) for p in ckpts]
         for ck in cks:
             ck.verify_headers()
-            if ck.world_size > 1:
-                raise InvalidArgumentError(
-                    f"{ck.path} was saved by {ck.world_size} ranks: trainstate.consolidate it first, then average"
-                )
         newest = cks[newest_index(cks)]
         check_same_tensors(cks)
         keys = {
@@ -87,13 +86,18 @@ def average(
             for at, n in tree.leaves(newest.manifest.tree)
             if isinstance(n, tree.TensorNode)
         }
+        root_node = newest.manifest.tree
+        names = {name: name for name in newest.manifest.tensors}
+        if newest.world_size > 1:  # written as one process would save it, keeping rank 0's per-rank values
+            root_node, names = one_process_tree(root_node, 0)
         entries: list[Entry] = []
-        for name, t in newest.manifest.tensors.items():
+        for name, new in names.items():
+            t = newest.manifest.tensors[name]
             if averaged(t.dtype, t.shape, keys.get(name, "")):
-                entries.append(lazy_entry(name, partial(mean, cks, name), t.dtype, t.shape, t.kind, t.nbytes))
+                entries.append(lazy_entry(new, partial(mean, cks, name), t.dtype, t.shape, t.kind, t.nbytes))
             else:
-                entries.append(stored_entry(newest, name, name))
-        snapshot = Snapshot(newest.manifest.tree, _metadata(newest, cks), entries)
+                entries.append(stored_entry(newest, new, name))
+        snapshot = Snapshot(root_node, _metadata(newest, cks), entries)
         return write_checkpoint(root, snapshot, storage=backend, options=options, start=start)
 
 
