@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import trainstate
-from trainstate._format import boxes, manifest
+from trainstate._format import boxes, manifest, manifest_limits
 
 
 def _grid(rows: int, cols: int, dup: bool = False) -> tuple[manifest.Chunk, ...]:
@@ -108,7 +108,7 @@ def test_parse_cost_bounds_what_json_loads_allocates(shape):
     finally:
         tracemalloc.stop()
     del parsed
-    assert manifest.parse_cost(raw) >= peak
+    assert manifest_limits.parse_cost(raw) >= peak
 
 
 def test_the_checksum_is_the_first_member_whatever_fields_a_newer_minor_version_adds():
@@ -152,7 +152,7 @@ def test_the_fast_entry_check_agrees_with_the_full_one(tmp_path, training_state,
 @pytest.mark.parametrize("char", [b"{", b"[", b",", b'"', b":", b"a", "\u00e9".encode()])
 def test_no_byte_costs_more_than_the_bound_that_lets_small_manifests_skip_counting(char):
     for text in (char * 999, b"\\u1234" + char * 999, "\u00e9".encode() + char * 999):
-        assert manifest.parse_cost(text) <= manifest.MAX_COST_PER_BYTE * len(text)
+        assert manifest_limits.parse_cost(text) <= manifest_limits.MAX_COST_PER_BYTE * len(text)
 
 
 def test_world_size_is_recorded_as_format_1_2_only_when_several_ranks_saved():
@@ -245,4 +245,4 @@ def test_the_column_check_of_sharded_entries_agrees_with_the_full_one(what, dama
 def test_byte_counts_of_a_large_manifest_match_bytes_count():
     alphabet = np.frombuffer(b'{}[],":ab\\u', dtype=np.uint8)
     raw = np.random.default_rng(0).choice(alphabet, 3 << 20).tobytes()
-    assert manifest._counts(raw, b'{[,":') == [raw.count(bytes([c])) for c in b'{[,":']
+    assert manifest_limits._counts(raw, b'{[,":') == [raw.count(bytes([c])) for c in b'{[,":']

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from trainstate._format import manifest, manifest_lines
+from trainstate._format import manifest, manifest_limits, manifest_lines
 from trainstate._format.manifest import Manifest, TensorEntry
 from trainstate._keys import Key
 from trainstate.errors import CorruptCheckpointError
@@ -33,7 +33,7 @@ from trainstate.errors import CorruptCheckpointError
 def parse(raw: bytes | bytearray, what: str = manifest.MANIFEST_NAME, key: Key | None = None) -> Manifest:
     """:func:`manifest.parse`, lazily where the bytes are in the line layout (same checks of the bytes and
     the header now, the rest when first needed); raises what it raises."""
-    manifest.check_limits(raw, what)
+    manifest_limits.check_limits(raw, what)
     lines = manifest_lines.split(raw)
     if lines is None:
         return manifest.parse(raw, what, key)

@@ -28,7 +28,7 @@ import logging
 import re
 from collections.abc import Collection
 
-from trainstate._format import manifest
+from trainstate._format import manifest, manifest_limits
 from trainstate._format.run_dir import POOL_DIR
 from trainstate._incremental.pool import foreign, is_pool_file
 from trainstate._storage import Storage
@@ -106,7 +106,7 @@ class PoolCollector:
         modification time, which object stores keep to the second, so an overwrite within that second
         would look unchanged.
         """
-        if size > manifest.MAX_BYTES:
+        if size > manifest_limits.MAX_BYTES:
             log.warning("not collecting the pool: %s is too large to be a manifest", path)
             return None
         try:

@@ -23,7 +23,7 @@ from trainstate import _frameworks as frameworks
 from trainstate import _keys
 from trainstate import _tree as tree
 from trainstate._cores import DEFAULT_THREADS
-from trainstate._format import datafile, lazy_manifest, manifest
+from trainstate._format import datafile, lazy_manifest, manifest, manifest_limits
 from trainstate._frameworks import adapter_for
 from trainstate._incremental import pool
 from trainstate._restore import key_or_damage
@@ -41,7 +41,7 @@ from trainstate.errors import (
     WrongKeyError,
 )
 
-MAX_MANIFEST = manifest.MAX_BYTES
+MAX_MANIFEST = manifest_limits.MAX_BYTES
 
 
 @dataclass(frozen=True)
