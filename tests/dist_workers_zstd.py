@@ -58,43 +58,46 @@ def _full(t: Any) -> np.ndarray:
     return t.detach().numpy().copy() if isinstance(t, torch.Tensor) else np.asarray(t).copy()
 
 
-def save(rank: int, world: int, path: str, compression: str | None) -> Any:
+def save(rank: int, world: int, path: str, compression: str | None, key: str | None = None) -> Any:
+    """Save the state compressed and / or encrypted; every rank seeds Python's, NumPy's and torch's
+    generators alike first (as a job seeded for reproducibility does), so nothing but the kernel's
+    generator can tell the ranks' nonces apart."""
+    import random
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
     before, _transforms.TRANSFORM_CHUNK_BYTES = _transforms.TRANSFORM_CHUNK_BYTES, CHUNK
     try:
-        result = trainstate.save(path, state_for(world), compression=compression)
+        result = trainstate.save(path, state_for(world), compression=compression, key=key)
     finally:
         _transforms.TRANSFORM_CHUNK_BYTES = before
     return result.nbytes
 
 
-def load(rank: int, world: int, path: str) -> Any:
+def load(rank: int, world: int, path: str, key: str | None = None) -> Any:
     """This rank's state restored into fresh DTensors at this world size, as whole arrays."""
     state = state_for(world, fill=7.0)
-    out = trainstate.load(path, state)
+    out = trainstate.load(path, state, key=key)
     got = {k: _full(state[k]) for k in whole()}
     got["small"] = np.asarray(out["small"])
     got["step"] = out["step"]
     return got
 
 
-def load_error(rank: int, world: int, path: str) -> Any:
+def load_error(rank: int, world: int, path: str, key: str | None = None) -> Any:
     """The error this rank's load raised (type name and message), or None."""
     try:
-        load(rank, world, path)
+        load(rank, world, path, key)
     except trainstate.CheckpointError as e:
         return (type(e).__name__, str(e))
     return None
 
 
 def refusals(rank: int, world: int, directory: str) -> Any:
-    """What the group refuses still: a key, incremental (save and manager), each message."""
+    """What the group refuses still: an incremental manager, and its message."""
     got = {}
     attempts = {
-        "key": lambda: trainstate.save(os.path.join(directory, "k"), {"w": torch.ones(4)}, key="00" * 32),
-        "key+zstd": lambda: trainstate.save(
-            os.path.join(directory, "kz"), {"w": torch.ones(4)}, key="00" * 32, compression="zstd"
-        ),
-        "manager key": lambda: trainstate.CheckpointManager(os.path.join(directory, "mk"), key="00" * 32),
         "incremental": lambda: trainstate.CheckpointManager(
             os.path.join(directory, "mi"), every_steps=1, incremental=True, compression="zstd"
         ),
@@ -108,12 +111,15 @@ def refusals(rank: int, world: int, directory: str) -> Any:
     return got
 
 
-def manager(rank: int, world: int, directory: str, async_save: bool) -> Any:
-    """Steps 0..5 saved compressed every 2 (keeping 2), then restore_latest into a fresh state."""
+def manager(
+    rank: int, world: int, directory: str, async_save: bool, compression: str | None = "zstd", key: str | None = None
+) -> Any:
+    """Steps 0..5 saved (compressed, and encrypted under ``key``) every 2 (keeping 2), then restore_latest
+    into a fresh state."""
     before, _transforms.TRANSFORM_CHUNK_BYTES = _transforms.TRANSFORM_CHUNK_BYTES, CHUNK
     try:
         with trainstate.CheckpointManager(
-            directory, every_steps=2, keep_last=2, compression="zstd", async_save=async_save
+            directory, every_steps=2, keep_last=2, compression=compression, key=key, async_save=async_save
         ) as mgr:
             for step in range(6):
                 state = state_for(world)
@@ -125,7 +131,7 @@ def manager(rank: int, world: int, directory: str, async_save: bool) -> Any:
     finally:
         _transforms.TRANSFORM_CHUNK_BYTES = before
     back = state_for(world, fill=7.0)
-    with trainstate.CheckpointManager(directory, compression="zstd") as again:
+    with trainstate.CheckpointManager(directory, compression=compression, key=key) as again:
         start = again.restore_latest(back)
     return {"listed": listed, "start": start, **{k: _full(back[k]) for k in ("rows", "columns", "table", "noise")}}
 
@@ -153,4 +159,31 @@ def save_scaled(rank: int, world: int, path: str, scale: float) -> Any:
         trainstate.save(path, state, compression="zstd")
     finally:
         _transforms.TRANSFORM_CHUNK_BYTES = before
+    return None
+
+
+def manager_resume_error(rank: int, world: int, directory: str, key: str) -> Any:
+    """The error a manager over ``directory`` with ``key`` raises at its start or its restore_latest."""
+    try:
+        with trainstate.CheckpointManager(directory, key=key) as mgr:
+            mgr.restore_latest(state_for(world, fill=7.0))
+    except trainstate.CheckpointError as e:
+        return (type(e).__name__, str(e))
+    return None
+
+
+def save_broken_nonces(rank: int, world: int, path: str) -> Any:
+    """An encrypted save on a host whose generator repeats itself: every rank draws the same nonces. The
+    error this rank's save raised (type name and message), or None."""
+    import types
+
+    from trainstate._transforms import aes_gcm
+
+    real, aes_gcm.os = aes_gcm.os, types.SimpleNamespace(urandom=lambda n: bytes(n))  # type: ignore[assignment]
+    try:
+        trainstate.save(path, state_for(world), key="3c" * 32)
+    except trainstate.CheckpointError as e:
+        return (type(e).__name__, str(e))
+    finally:
+        aes_gcm.os = real
     return None

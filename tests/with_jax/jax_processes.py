@@ -92,6 +92,9 @@ def error_of(call: Any) -> str:
     return "no error"
 
 
+KEY = "5a" * 32  # the key of the encrypted save
+
+
 def save(directory: str, process: int) -> dict[str, Any]:
     """Save on a 4x2 mesh over every process; refusals; a manager run; restore onto another sharding; then
     :func:`load`."""
@@ -103,6 +106,8 @@ def save(directory: str, process: int) -> dict[str, Any]:
     big = np.tile(np.arange(64, dtype=np.float32), (512, 1))  # compressible: zstd pays on every shard
     zstd = {**state, "big": jax.make_array_from_callback(big.shape, NamedSharding(mesh, P("x", "y")), lambda i: big[i])}
     out["zstd"] = trainstate.save(f"{directory}/zstd", zstd, compression="zstd").path  # each process its own
+    sealed = trainstate.save(f"{directory}/sealed", zstd, compression="zstd", key=KEY)  # each encrypts its own
+    out["sealed"] = sealed.path
     out["solo"] = error_of(lambda: trainstate.save(f"{directory}/solo{process}", state, collective=False))
     for i in range(8):  # many saves, each exchanging through the store
         trainstate.save(f"{directory}/many/{i}", {"step": state["step"]})

@@ -113,6 +113,31 @@ def test_a_compressed_save_by_two_processes_restores_in_one(saved) -> None:
     assert check(restored) == [] and np.array_equal(restored["big"], np.tile(np.arange(64, dtype=np.float32), (512, 1)))
 
 
+def test_an_encrypted_save_by_two_processes_has_unique_nonces_and_restores_in_one(saved) -> None:
+    pytest.importorskip("cryptography")
+    pytest.importorskip("zstandard")
+    from jax_processes import KEY, check, state_on, zeros_like
+
+    directory, results = saved
+    path = directory / "sealed"
+    body = json.loads((path / "manifest.json").read_bytes())
+    chunks = [c for t in body["tensors"].values() for c in t["chunks"]]
+    assert body["world_size"] == 2 and "encryption" in body
+    assert all(c["transforms"][-1]["name"] == "aes-256-gcm" for c in chunks)
+    assert {c["file"].split("-")[1] for c in chunks} == {"r00000", "r00001"}  # each process encrypted its own
+    nonces = [c["transforms"][-1]["nonce"] for c in chunks]
+    assert len(set(nonces)) == len(nonces)
+    with trainstate.open(path, key=KEY) as ck:
+        ck.verify()
+        assert np.array_equal(ck.read("big"), np.tile(np.arange(64, dtype=np.float32), (512, 1)))
+    target = zeros_like(state_on(jax.make_mesh((2, 4), ("x", "y")), P("y", "x")))
+    target["big"] = np.zeros((512, 64), np.float32)
+    restored = trainstate.load(path, target, key=KEY)
+    assert check(restored) == [] and np.array_equal(restored["big"], np.tile(np.arange(64, dtype=np.float32), (512, 1)))
+    with pytest.raises(trainstate.KeyRequiredError):
+        trainstate.load(path, zeros_like(state_on(jax.make_mesh((2, 4), ("x", "y")), P("y", "x"))))
+
+
 def test_one_process_restores_them_onto_one_device_and_onto_its_own_mesh(saved) -> None:
     from jax_processes import check, state_on, zeros_like
 

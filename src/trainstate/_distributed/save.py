@@ -29,6 +29,7 @@ from trainstate._save.encode import Snapshot, encode_state
 from trainstate._save.options import SaveOptions
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_data
 from trainstate._storage import Storage
+from trainstate._transforms import aes_gcm
 from trainstate.errors import DistributedError
 
 
@@ -70,9 +71,11 @@ def write_collective(
     """Write this rank's encoded ``snapshot`` (or report ``error``, its encoding's failure) with the other
     ranks' as one checkpoint at ``root``; every rank returns the same result or raises.
 
-    ``options`` come from :func:`~trainstate._save.options.save_options`. With compression each rank cuts
-    its boxes into chunks and compresses them as a single process does (``_save/chunked.py``); rank 0's
-    merge lists each box's chunks in its place. (Encryption is still refused there.)"""
+    ``options`` come from :func:`~trainstate._save.options.save_options`. With compression or a key each
+    rank cuts its boxes into chunks and compresses / encrypts them as a single process does
+    (``_save/chunked.py``: a fresh random nonce per chunk, from the kernel's generator, so ranks forked with
+    the same seeds still draw different ones); rank 0's merge lists each box's chunks in its place, checks
+    that no nonce repeats, and authenticates the one manifest under a salt of its own."""
     rank = coord.rank
     mine: Any
     if error is None:
@@ -288,6 +291,7 @@ def merge(
     transforms = {
         int(rank_row[f + k]): t for c, f in zip(cols, first.tolist()) for k, t in (c.transforms or {}).items()
     }
+    _refuse_repeated_nonces(transforms.values())
     table = ChunkTable(
         [name for name, _ in plan.headers],
         [header for _, header in plan.headers],
@@ -303,6 +307,14 @@ def merge(
     )
     tree = per_rank.merge(snapshot.tree, [w[2] for w in written], table)
     return Snapshot(tree, snapshot.metadata, []), files, table
+
+
+def _refuse_repeated_nonces(transforms: Any) -> None:
+    """Rank 0: no two chunks of the checkpoint encrypted under the same nonce (each rank draws its own at
+    random, 96 bits: a repeat means a broken generator, and GCM under a repeated nonce leaks both chunks)."""
+    nonces = [step["nonce"] for steps in transforms for step in steps if step.get("name") == aes_gcm.NAME]
+    if len(set(nonces)) != len(nonces):
+        raise RuntimeError("two chunks were encrypted under the same nonce: this host's random generator is broken")
 
 
 def _part(sent: np.ndarray | None, boxes: np.ndarray, width: int) -> np.ndarray:

@@ -88,7 +88,7 @@ def save_options(
 
     Raises:
         InvalidArgumentError: a value of the wrong kind (``threads=0``, ``fsync="yes"``, a malformed key or
-            compression spec), or features that do not combine (a collective save encrypted or incremental).
+            compression spec), or features that do not combine (a collective save that is incremental).
         MissingDependencyError: compression needs zstandard.
     """
     flags = {
@@ -114,14 +114,6 @@ def save_options(
         )
     resolved = _keys.resolve(key, key_env)
     pipeline = _transforms.pipeline(_transforms.compression(compression))
-    if together and resolved is not None:
-        # compression combines (each rank compresses its own chunks); encryption needs nonces unique job-wide
-        # and one authenticated manifest over every rank's chunks, which the collective save does not do yet
-        raise InvalidArgumentError(
-            "encryption (key= or key_env=) is not supported in collective saves yet: leave it out (compression "
-            "alone works), or pass collective=False: each rank then saves on its own, to a checkpoint or run "
-            "directory of its own"
-        )
     return SaveOptions(
         overwrite=flags["overwrite"],
         fsync=flags["fsync"],
