@@ -57,6 +57,13 @@ def full(state: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _manager(directory: str, options: dict[str, Any], **more: Any) -> trainstate.CheckpointManager:
+    """An incremental manager over ``directory``; ``options["endpoint"]``: on S3 at that endpoint."""
+    options = dict(options)
+    endpoint = options.pop("endpoint", None)
+    if endpoint is not None:
+        from dist_workers_consolidate import storage_for
+
+        options["storage"] = storage_for(endpoint)
     return trainstate.CheckpointManager(directory, incremental=True, **options, **more)
 
 
@@ -78,10 +85,15 @@ def run(rank: int, world: int, directory: str, options: dict[str, Any], steps: l
     return {"resumed": resumed, "restored": got, "written": written}
 
 
-def load(rank: int, world: int, path: str, key: str | None) -> Any:
+def load(rank: int, world: int, path: str, key: str | None, endpoint: str | None = None) -> Any:
     """The checkpoint at ``path`` restored into fresh DTensors at this world size, as whole arrays."""
     state = state_for(world, 0, fill=7.0)
-    out = trainstate.load(path, state, key=key)
+    if endpoint is not None:
+        from dist_workers_consolidate import storage_for
+
+        out = trainstate.load(path, state, key=key, storage=storage_for(endpoint))
+    else:
+        out = trainstate.load(path, state, key=key)
     return {**full(state), "step": out["step"]}
 
 

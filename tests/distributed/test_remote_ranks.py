@@ -25,6 +25,7 @@ pytest.importorskip("moto.server")
 from tools.s3_server import AWS_ISOLATION, MotoServer  # noqa: E402
 
 import dist_workers_consolidate as workers  # noqa: E402
+import dist_workers_incremental as incremental  # noqa: E402
 import ranks  # noqa: E402
 import trainstate  # noqa: E402
 
@@ -148,3 +149,32 @@ def test_the_path_arguments_of_a_remote_consolidate_are_checked_before_anything_
     assert _objects(server, url + "-out") == []
     trainstate.consolidate(url, tmp_path / "one", rank=1, storage=_storage(server))
     assert trainstate.load(tmp_path / "one")["mine"] == 2.0  # rank 1's value, as one process stores it
+
+
+def test_an_incremental_run_of_two_ranks_on_s3_shares_its_pool_and_three_ranks_restore_it(server):
+    pytest.importorskip("zstandard")
+    run = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+    options = {"endpoint": server.endpoint, "compression": "zstd"}
+    out = ranks.ok(ranks.run(2, incremental.run, run, options, [0, 1, 2, 3]))
+    written = out[0]["written"]
+    assert all(written[s] < 0.4 * written[0] for s in (1, 2, 3)), written  # the frozen shards are shared
+    fs = server.filesystem()
+    root = run.removeprefix("s3://")
+    kept = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root) if p.rsplit("/", 1)[-1].startswith("step_"))
+    assert kept == ["step_00000002", "step_00000003"]
+    named = {
+        f["path"]
+        for name in kept
+        for f in json.loads(fs.cat_file(f"{root}/{name}/manifest.json"))["files"]
+        if f.get("pool")
+    }
+    pool = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/_shared")}
+    assert named <= pool and {n.split("-")[1] for n in named} == {"r00000", "r00001"}  # pool-r<rank>-<id>-N
+    # what rank 0 wrote and no kept checkpoint names is gone; rank 1's waits out the age rule (an hour)
+    assert not {n for n in pool - named if n.split("-")[1] == "r00000"}
+    newest = f"{run}/step_00000003"
+    for at in (3, 1):
+        got = ranks.ok(ranks.run(at, incremental.load, newest, None, server.endpoint))
+        assert all(
+            all(np.array_equal(g[k], v) for k, v in incremental.whole(3).items()) and g["step"] == 3 for g in got
+        ), at

@@ -108,6 +108,18 @@ def save(directory: str, process: int) -> dict[str, Any]:
     out["zstd"] = trainstate.save(f"{directory}/zstd", zstd, compression="zstd").path  # each process its own
     sealed = trainstate.save(f"{directory}/sealed", zstd, compression="zstd", key=KEY)  # each encrypts its own
     out["sealed"] = sealed.path
+    # an incremental run: each process shares its own shards of the frozen "big" through the run's pool
+    with trainstate.CheckpointManager(f"{directory}/inc", keep_last=2, incremental=True, compression="zstd") as mgr:
+        for step in range(3):
+            moving = np.full((64, 8), float(step), np.float32)
+            part = {
+                "big": zstd["big"],
+                "moving": jax.make_array_from_callback(
+                    moving.shape, NamedSharding(mesh, P("x", "y")), lambda i, m=moving: m[i]
+                ),
+            }
+            mgr.save(step, part)
+        out["inc_written"] = {r.step: r.nbytes for r in mgr.history()}
     out["solo"] = error_of(lambda: trainstate.save(f"{directory}/solo{process}", state, collective=False))
     for i in range(8):  # many saves, each exchanging through the store
         trainstate.save(f"{directory}/many/{i}", {"step": state["step"]})
@@ -136,7 +148,7 @@ def save(directory: str, process: int) -> dict[str, Any]:
 
         from trainstate._distributed import jax_group
 
-        out["store_keys"] = len(global_state.client.key_value_dir_get_bytes("trainstate/"))
+        out["store_keys"] = sorted(k for k, _ in global_state.client.key_value_dir_get_bytes("trainstate/"))
         out["exchanges"] = sum(jax_group._counters.values())
     if process == 0:  # the others never come to this save: it times out, and nothing is committed
         out["alone"] = error_of(lambda: trainstate.save(f"{directory}/alone", {"a": np.zeros(3)}, timeout=3))
