@@ -126,8 +126,9 @@ def save_few(rank: int, world: int, path: str) -> Any:
     return {k: v.numpy().copy() for k, v in back.items()}
 
 
-def save_scaled(rank: int, world: int, path: str, scale: float) -> Any:
-    """``save`` compressed with every float tensor times ``scale`` (checkpoints to average)."""
+def save_scaled(rank: int, world: int, path: str, scale: float, key: str | None = None) -> Any:
+    """``save`` compressed (and encrypted under ``key``) with every float tensor times ``scale``
+    (checkpoints to average)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     state = state_for(world)
@@ -138,7 +139,7 @@ def save_scaled(rank: int, world: int, path: str, scale: float) -> Any:
     state["mine"] = trainstate.PerRank({"rank": rank, "moment": torch.full((4,), scale * (rank + 1))})
     before, _transforms.TRANSFORM_CHUNK_BYTES = _transforms.TRANSFORM_CHUNK_BYTES, CHUNK
     try:
-        trainstate.save(path, state, compression="zstd")
+        trainstate.save(path, state, compression="zstd", key=key)
     finally:
         _transforms.TRANSFORM_CHUNK_BYTES = before
     return None
