@@ -100,12 +100,13 @@ class CheckpointManager(Configured):
         incremental: write only the tensors whose bytes changed since the previous save; the others are
             shared with earlier checkpoints through the run's pool ``_shared/`` (docs/incremental.md). Every
             checkpoint still loads on its own where it was saved; copy one away with ``consolidate``.
-            Not yet for collective saves under a process group.
+            Under a process group each rank shares its own unchanged shards, in the one pool.
         compression: ``"zstd"`` or ``"zstd:LEVEL"``: every checkpoint's tensors compressed in chunks, as
             ``trainstate.save(compression=...)`` does (under a process group too: each rank compresses its own
             chunks). Restoring needs no argument.
         key: encrypt every checkpoint with this key (32 bytes, 64 hex digits or base64) and authenticate every
-            manifest it reads with it, for listing, retention and resuming (docs/encryption.md). A run's
+            manifest it reads with it, for listing, retention and resuming (docs/encryption.md); under a
+            process group each rank encrypts its own chunks. A run's
             checkpoints all use one key: with a key the manager refuses plain or differently keyed ones.
         key_env: the name of an environment variable that holds the key, instead of ``key``.
 
