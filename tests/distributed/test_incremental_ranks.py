@@ -87,15 +87,20 @@ def test_a_resume_on_three_ranks_restores_and_shares_pool_files_the_two_ranks_wr
     run = tmp_path / "run"
     ranks.ok(ranks.run(2, workers.run, str(run), {}, [0, 1, 2]))
     before = {p.name for p in (run / "_shared").iterdir()}
+    saved = _body(_kept(run)[-1])  # step 2's manifest: retention deletes it below
+    assert {POOL_NAME.fullmatch(f["path"]).group(1) for f in saved["files"]} == {"00000", "00001"}  # type: ignore[union-attr]
     out = ranks.ok(ranks.run(3, workers.run, str(run), {}, [3, 4]))
-    for got in out:
+    for got in out:  # every rank of three read what both ranks of two wrote
         assert got["resumed"] == 3 and _same(got["restored"], workers.whole(2))
     newest = _kept(run)[-1]
     assert newest.name == "step_00000004" and _body(newest)["world_size"] == 3
     files = {f["path"] for f in _body(newest)["files"]}
-    # the frozen shards the 2-rank job wrote still serve the 3-rank job's boxes where they tile them
-    reused = files & before
-    assert reused and any(POOL_NAME.fullmatch(n).group(1) == "00001" for n in reused)  # type: ignore[union-attr]
+    # the replicated table is whole at any world size: the 3-rank job shares the file the 2-rank job wrote
+    # it in (the frozen base's 120-row shards do not tile 80-row boxes: written once more, then shared)
+    table = {c["file"] for c in _body(newest)["tensors"]["table"]["chunks"]}
+    assert table == {c["file"] for c in saved["tensors"]["table"]["chunks"]} and table <= before
+    step3 = {c["file"] for c in _body(_kept(run)[0])["tensors"]["base"]["chunks"]}
+    assert {c["file"] for c in _body(newest)["tensors"]["base"]["chunks"]} == step3 and not step3 & before
     assert {POOL_NAME.fullmatch(n).group(1) for n in files - before} <= {"00000", "00001", "00002"}  # type: ignore[union-attr]
     for at in (2, 1):
         got = ranks.ok(ranks.run(at, workers.load, str(newest), None))
