@@ -538,43 +538,107 @@ def _check(rank: int, model: Any, optim: Any, expected: list[Any], tool: str) ->
         raise AssertionError(f"rank {rank}: after the {tool} load, {bad} of {len(expected)} tensors differ")
 
 
+def _incremental_worker(rank: int, world: int, root: str, rounds: int, steps: int, frozen: int) -> Any:
+    """One rank: ``rounds`` rounds (after a warm-up round) of a ``CheckpointManager(incremental=True)`` in
+    a fresh directory saving step 1, one more AdamW step, then the timed second save (step 2) and a timed
+    ``restore_latest``; beside it DCP's save and load of the same state after that step (DCP rewrites
+    everything). The model: MiniLM with its embeddings and first ``frozen`` encoder layers frozen."""
+    import torch
+    import torch.distributed as dist
+
+    model, optim, step = _minilm(world, steps, frozen)
+    state = {"model": model, "optim": optim, "step": steps}
+    nbytes = torch.tensor([sum(t.numel() * t.element_size() for t in _locals(model, optim))], dtype=torch.int64)
+    dist.all_reduce(nbytes)
+    dcp_save, dcp_load = _dcp_methods(model, optim, zstd=False)
+    times: dict[str, list[float]] = {}
+    stored: dict[str, int] = {}
+    for round_ in range(rounds + 1):
+        run, path = f"{root}/incremental-{world}", f"{root}/dcp-incremental-{world}"
+        _fresh(rank, run)()
+        dist.barrier()
+        mgr = trainstate.CheckpointManager(run, incremental=True)
+        try:
+            mgr.save(1, state, force=True)
+            first = _stored(run) if rank == 0 else 0
+            step()
+            expected = [t.clone() for t in _locals(model, optim)]
+            save_s = _timed(rank, partial(mgr.save, 2, state, force=True), os.sync)
+            if rank == 0:
+                stored["trainstate incremental"] = _stored(run) - first  # what the second save added
+            load_s = _timed(rank, partial(mgr.restore_latest, state), partial(_scramble, model, optim))
+        finally:
+            mgr.close()
+        _check(rank, model, optim, expected, "incremental")
+        dcp_s = _timed(rank, partial(dcp_save, path), _fresh(rank, path))
+        if rank == 0:
+            stored["DCP plain"] = _stored(path)
+        dcp_l = _timed(rank, partial(dcp_load, path), partial(_scramble, model, optim))
+        _check(rank, model, optim, expected, "DCP")
+        if round_:
+            for name, value in [
+                ("trainstate incremental save", save_s),
+                ("trainstate incremental load", load_s),
+                ("DCP plain save", dcp_s),
+                ("DCP plain load", dcp_l),
+            ]:
+                times.setdefault(name, []).append(value)
+    return {"times": times, "stored": stored, "nbytes": int(nbytes.item())} if rank == 0 else None
+
+
 def bench_features(worlds: list[int], rounds: int, steps: int, features: list[str], directory: str | None) -> None:
     root = tempfile.mkdtemp(prefix="trainstate-dist-features-", dir=directory)
-    results = {}
+    results: dict[int, list[Any]] = {}
+    plain = [f for f in features if f in FEATURES]
     try:
         for world in worlds:
-            log(f"{world} rank(s): {rounds} rounds of save and load: trainstate {', '.join(features)}; DCP")
-            results[world] = _run(world, root, rounds, steps, features, worker=_features_worker)
+            results[world] = []
+            if plain:
+                log(f"{world} rank(s): {rounds} rounds of save and load: trainstate {', '.join(plain)}; DCP")
+                results[world].append(_run(world, root, rounds, steps, plain, worker=_features_worker))
+            if "incremental" in features:
+                log(f"{world} rank(s): {rounds} rounds of two incremental saves (frozen base) and a load; DCP")
+                group = _run(world, root, rounds, steps, FROZEN, worker=_incremental_worker)
+                results[world].append(group)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(report_features(results, rounds, steps))
 
 
-def report_features(results: dict[int, Any], rounds: int, steps: int) -> str:
-    mb = next(iter(results.values()))["nbytes"] / 1e6
+FROZEN = 5  # the incremental rows: MiniLM's embeddings and its first 5 of 6 encoder layers frozen
+
+
+def report_features(results: dict[int, list[Any]], rounds: int, steps: int) -> str:
+    mb = {g["nbytes"] / 1e6 for groups in results.values() for g in groups if "trainstate plain" in g["stored"]}
     lines = [
-        f"all-MiniLM-L6-v2 fine-tuned {steps} AdamW steps under FSDP2 ({mb:.0f} MB: weights and Adam moments, "
-        f"fp32) on {_cpu()} ({os.cpu_count()} cores), gloo on CPU; stored: bytes on disk; seconds: the slowest "
-        f"rank's, median of {rounds} interleaved rounds after a warm-up round. Both tools fsync. zstd: level 3 "
-        "for both (trainstate per 4 MiB chunk, DCP's ZStandard extension one stream per file); key: "
-        "AES-256-GCM (DCP cannot encrypt: those rows compare with DCP plain).",
+        f"all-MiniLM-L6-v2 fine-tuned {steps} AdamW steps under FSDP2 ({', '.join(f'{m:.0f}' for m in mb)} MB: "
+        f"weights and Adam moments, fp32) on {_cpu()} ({os.cpu_count()} cores), gloo on CPU; stored: bytes on "
+        f"disk; seconds: the slowest rank's, median of {rounds} interleaved rounds after a warm-up round. Both "
+        "tools fsync. zstd: level 3 for both (trainstate per 4 MiB chunk, DCP's ZStandard extension one stream "
+        "per file); key: AES-256-GCM (DCP cannot encrypt: those rows compare with DCP plain). incremental: "
+        f"the embeddings and the first {FROZEN} of 6 encoder layers frozen, the second of two saves of a "
+        "manager (one AdamW step between them); stored: what that save added to the run's directory; load: "
+        "restore_latest; beside DCP saving the same state (it rewrites everything).",
         "",
         "| ranks | trainstate | stored MB | raw / stored | save s | load s | beside | DCP stored MB | DCP save s "
         "| DCP load s | stored vs DCP | save vs DCP | load vs DCP |",
         "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|",
     ]
-    for world, r in results.items():
-        med = {k: statistics.median(v) for k, v in r["times"].items()}
-        for name in (n for n in r["stored"] if n.startswith("trainstate ")):
-            feature = name.removeprefix("trainstate ")
-            other = "DCP zstd" if "zstd" in feature else "DCP plain"
-            ts = r["stored"][name], med[f"{name} save"], med[f"{name} load"]
-            dcp = r["stored"][other], med[f"{other} save"], med[f"{other} load"]
-            lines.append(
-                f"| {world} | {feature} | {ts[0] / 1e6:.1f} | {r['nbytes'] / ts[0]:.2f}x | {ts[1]:.2f} | {ts[2]:.2f} | {other} "
-                f"| {dcp[0] / 1e6:.1f} | {dcp[1]:.2f} | {dcp[2]:.2f} | {ts[0] / dcp[0]:.3f} "
-                f"| {_ratio(ts[1], dcp[1])} | {_ratio(ts[2], dcp[2])} |"
-            )
+    for world, groups in results.items():
+        for r in groups:
+            med = {k: statistics.median(v) for k, v in r["times"].items()}
+            for name in (n for n in r["stored"] if n.startswith("trainstate ")):
+                feature = name.removeprefix("trainstate ")
+                other = "DCP zstd" if "zstd" in feature else "DCP plain"
+                ts = r["stored"][name], med[f"{name} save"], med[f"{name} load"]
+                dcp = r["stored"][other], med[f"{other} save"], med[f"{other} load"]
+                if feature == "incremental":
+                    feature = f"incremental, 2nd save ({r['nbytes'] / 1e6:.0f} MB state)"
+                lines.append(
+                    f"| {world} | {feature} | {ts[0] / 1e6:.1f} | {r['nbytes'] / ts[0]:.2f}x | {ts[1]:.2f} "
+                    f"| {ts[2]:.2f} | {other} | {dcp[0] / 1e6:.1f} | {dcp[1]:.2f} | {dcp[2]:.2f} "
+                    f"| {ts[0] / dcp[0]:.3f} | {_ratio(ts[1], dcp[1])} | {_ratio(ts[2], dcp[2])} |"
+                )
     load = os.getloadavg()
     lines += ["", f"Load average at the end (1/5/15 min): {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}."]
     return "\n".join(lines)
@@ -607,8 +671,9 @@ def main() -> None:
     ap.add_argument("--dir", help="real ranks: where checkpoints go (default: the temporary directory)")
     ap.add_argument(
         "--features",
-        help=f"real ranks: only the feature section, trainstate with these beside DCP ({','.join(FEATURES)}; "
-        "default: the comparison above, then the feature section with all of them on the world sizes above 1)",
+        help=f"real ranks: only the feature section, trainstate with these beside DCP (of {','.join(FEATURES)},"
+        "incremental; default: the comparison above, then the feature section with "
+        f"{','.join(FEATURES)} on the world sizes above 1)",
     )
     ap.add_argument("--steps", type=int, default=8, help="feature section: AdamW steps of fine-tuning")
     args = ap.parse_args()
@@ -617,9 +682,9 @@ def main() -> None:
         return
     worlds = [int(x) for x in (args.ranks or "1,2,4").split(",")]
     features = (args.features or ",".join(FEATURES)).split(",")
-    unknown = sorted(set(features) - set(FEATURES))
+    unknown = sorted(set(features) - {*FEATURES, "incremental"})
     if unknown:
-        ap.error(f"--features: unknown {', '.join(unknown)} (known: {', '.join(FEATURES)})")
+        ap.error(f"--features: unknown {', '.join(unknown)} (known: {', '.join(FEATURES)}, incremental)")
     if not args.features:
         bench_ranks(worlds, args.rounds, args.width, args.layers, args.dir)
     bench_features([w for w in worlds if w > 1 or args.features], args.rounds, args.steps, features, args.dir)
