@@ -610,15 +610,21 @@ FROZEN = 5  # the incremental rows: MiniLM's embeddings and its first 5 of 6 enc
 
 def report_features(results: dict[int, list[Any]], rounds: int, steps: int) -> str:
     mb = {g["nbytes"] / 1e6 for groups in results.values() for g in groups if "trainstate plain" in g["stored"]}
+    incremental = any("trainstate incremental" in g["stored"] for groups in results.values() for g in groups)
     lines = [
         f"all-MiniLM-L6-v2 fine-tuned {steps} AdamW steps under FSDP2 ({', '.join(f'{m:.0f}' for m in mb)} MB: "
         f"weights and Adam moments, fp32) on {_cpu()} ({os.cpu_count()} cores), gloo on CPU; stored: bytes on "
-        f"disk; seconds: the slowest rank's, median of {rounds} interleaved rounds after a warm-up round. Both "
-        "tools fsync. zstd: level 3 for both (trainstate per 4 MiB chunk, DCP's ZStandard extension one stream "
-        "per file); key: AES-256-GCM (DCP cannot encrypt: those rows compare with DCP plain). incremental: "
-        f"the embeddings and the first {FROZEN} of 6 encoder layers frozen, the second of two saves of a "
-        "manager (one AdamW step between them); stored: what that save added to the run's directory; load: "
-        "restore_latest; beside DCP saving the same state (it rewrites everything).",
+        f"disk; seconds: the slowest rank's, median of {rounds} interleaved rounds after a warm-up round (range "
+        "in brackets). Both tools fsync. zstd: level 3 for both (trainstate per 4 MiB chunk, DCP's ZStandard "
+        "extension one stream per file); key: AES-256-GCM (DCP cannot encrypt: those rows compare with DCP plain)."
+    ]
+    if incremental:
+        lines[0] += (
+            f" incremental: the embeddings and the first {FROZEN} of 6 encoder layers frozen, the second of two "
+            "saves of a manager (one AdamW step between them); stored: what that save added to the run's "
+            "directory; load: restore_latest; beside DCP saving the same state (it rewrites everything)."
+        )
+    lines += [
         "",
         "| ranks | trainstate | stored MB | raw / stored | save s | load s | beside | DCP stored MB | DCP save s "
         "| DCP load s | stored vs DCP | save vs DCP | load vs DCP |",
@@ -626,22 +632,26 @@ def report_features(results: dict[int, list[Any]], rounds: int, steps: int) -> s
     ]
     for world, groups in results.items():
         for r in groups:
-            med = {k: statistics.median(v) for k, v in r["times"].items()}
+            t = r["times"]
+            med = {k: statistics.median(v) for k, v in t.items()}
             for name in (n for n in r["stored"] if n.startswith("trainstate ")):
                 feature = name.removeprefix("trainstate ")
                 other = "DCP zstd" if "zstd" in feature else "DCP plain"
-                ts = r["stored"][name], med[f"{name} save"], med[f"{name} load"]
-                dcp = r["stored"][other], med[f"{other} save"], med[f"{other} load"]
+                ts, dcp = r["stored"][name], r["stored"][other]
                 if feature == "incremental":
                     feature = f"incremental, 2nd save ({r['nbytes'] / 1e6:.0f} MB state)"
-                lines.append(
-                    f"| {world} | {feature} | {ts[0] / 1e6:.1f} | {r['nbytes'] / ts[0]:.2f}x | {ts[1]:.2f} "
-                    f"| {ts[2]:.2f} | {other} | {dcp[0] / 1e6:.1f} | {dcp[1]:.2f} | {dcp[2]:.2f} "
-                    f"| {ts[0] / dcp[0]:.3f} | {_ratio(ts[1], dcp[1])} | {_ratio(ts[2], dcp[2])} |"
-                )
+                cells = [str(world), feature, f"{ts / 1e6:.1f}", f"{r['nbytes'] / ts:.2f}x"]
+                cells += [_span(t[f"{name} {op}"]) for op in OPS]
+                cells += [other, f"{dcp / 1e6:.1f}", *(_span(t[f"{other} {op}"]) for op in OPS), f"{ts / dcp:.3f}"]
+                cells += [_ratio(med[f"{name} {op}"], med[f"{other} {op}"]) for op in OPS]
+                lines.append("| " + " | ".join(cells) + " |")
     load = os.getloadavg()
     lines += ["", f"Load average at the end (1/5/15 min): {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}."]
     return "\n".join(lines)
+
+
+def _span(times: list[float]) -> str:
+    return f"{statistics.median(times):.2f} [{min(times):.2f}-{max(times):.2f}]"
 
 
 def _ratio(ours: float, theirs: float) -> str:
