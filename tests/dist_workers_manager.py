@@ -180,16 +180,3 @@ def ddp_train(
         "optim": [t.numpy().copy() for s in opt.state_dict()["state"].values() for t in s.values()],
         "rng_next": float(torch.rand(1)),
     }
-
-
-def incremental_refused(rank: int, world: int, directory: str) -> Any:
-    """incremental=True under the process group: the error each rank got (none for collective=False)."""
-    refused = ""
-    try:
-        trainstate.CheckpointManager(directory, every_steps=1, incremental=True)
-    except trainstate.InvalidArgumentError as e:
-        refused = str(e)
-    own = os.path.join(directory, f"rank{rank}")
-    with trainstate.CheckpointManager(own, every_steps=1, incremental=True, collective=False) as mgr:
-        mgr.save(1, {"w": np.zeros(16, np.float32)})
-    return {"refused": refused, "own": sorted(os.listdir(own))}

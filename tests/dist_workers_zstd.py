@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -92,23 +91,6 @@ def load_error(rank: int, world: int, path: str, key: str | None = None) -> Any:
     except trainstate.CheckpointError as e:
         return (type(e).__name__, str(e))
     return None
-
-
-def refusals(rank: int, world: int, directory: str) -> Any:
-    """What the group refuses still: an incremental manager, and its message."""
-    got = {}
-    attempts = {
-        "incremental": lambda: trainstate.CheckpointManager(
-            os.path.join(directory, "mi"), every_steps=1, incremental=True, compression="zstd"
-        ),
-    }
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            got[name] = None
-        except trainstate.InvalidArgumentError as e:
-            got[name] = str(e)
-    return got
 
 
 def manager(

@@ -9,32 +9,29 @@ from trainstate._save.options import SaveOptions, save_options
 
 KEY = "00" * 32
 
-REFUSED = "not supported"
-
 
 @pytest.mark.parametrize(
-    ("given", "refused"),
+    "given",
     [
-        ({}, False),
-        ({"compression": "zstd"}, False),  # each rank compresses its own chunks
-        ({"key": KEY}, False),  # each rank encrypts its own chunks; rank 0 authenticates the manifest
-        ({"key": KEY, "compression": "zstd"}, False),
-        ({"incremental": True}, True),
-        ({"compression": "zstd", "collective": False}, False),  # each rank saves its own
-        ({"key": KEY, "read_only": True}, False),  # a reader writes nothing
-        ({"incremental": True, "read_only": True}, False),
+        {},
+        {"compression": "zstd"},  # each rank compresses its own chunks
+        {"key": KEY},  # each rank encrypts its own chunks; rank 0 authenticates the manifest
+        {"key": KEY, "compression": "zstd"},
+        {"incremental": True},  # each rank shares its own unchanged boxes through the run's pool
+        {"incremental": True, "key": KEY, "compression": "zstd"},
+        {"compression": "zstd", "collective": False},  # each rank saves its own
+        {"key": KEY, "read_only": True},  # a reader writes nothing
+        {"incremental": True, "read_only": True},
     ],
 )
-def test_what_a_collective_save_refuses(given: dict[str, object], refused: bool) -> None:
+def test_every_feature_combines_under_a_process_group_as_in_one_process(given: dict[str, object]) -> None:
     if "compression" in given:
         pytest.importorskip("zstandard")
-    if refused:
-        with pytest.raises(trainstate.InvalidArgumentError, match=REFUSED):
-            save_options(group_size=4, **given)  # type: ignore[arg-type]
-        save_options(group_size=1, **given)  # type: ignore[arg-type]  # one process: all of it combines
-    else:
-        options = save_options(group_size=4, **given)  # type: ignore[arg-type]
-        assert options.collective is (given.get("collective") is not False and not given.get("read_only"))
+    for size in (1, 4):
+        options = save_options(group_size=size, **given)  # type: ignore[arg-type]
+        assert options.collective is (size > 1 and given.get("collective") is not False and not given.get("read_only"))
+        assert options.incremental is bool(given.get("incremental"))
+        assert (options.key is not None) is ("key" in given)
 
 
 @pytest.mark.parametrize(

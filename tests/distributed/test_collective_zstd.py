@@ -111,12 +111,6 @@ def test_the_manager_saves_compressed_under_two_ranks_and_restore_latest_resumes
     assert any(c.get("transforms") for t in _manifest(newest)["tensors"].values() for c in t["chunks"])
 
 
-def test_incremental_under_a_group_is_still_refused_with_a_clear_message(tmp_path):
-    got = ranks.ok(ranks.run(2, workers.refusals, str(tmp_path)))
-    for refused in got:
-        assert refused["incremental"] and "incremental=True is not supported" in refused["incremental"], refused
-
-
 def test_ranks_with_nothing_to_write_take_part_in_a_compressed_save(tmp_path):
     got = ranks.ok(ranks.run(4, workers.save_few, str(tmp_path / "c")))
     assert all(np.array_equal(g["a"], np.zeros(4096)) and np.array_equal(g["b"], np.arange(3.0)) for g in got)

@@ -15,7 +15,7 @@ The protocol (docs/distributed.md), on the coordination group:
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -25,12 +25,23 @@ from trainstate._distributed.group import Coordinator, Failure
 from trainstate._distributed.plan import Assignment, RankPlan, assign, rank_plan
 from trainstate._format import manifest
 from trainstate._format.chunk_table import ChunkTable
-from trainstate._save.encode import Snapshot, encode_state
+from trainstate._save.encode import Entry, Snapshot, encode_state
 from trainstate._save.options import SaveOptions
 from trainstate._save.write import SaveResult, commit_manifest, plan_data, write_data
 from trainstate._storage import Storage
 from trainstate._transforms import aes_gcm
 from trainstate.errors import DistributedError
+
+
+class ShareWriter(Protocol):
+    """Writes a rank's share of a collective save somewhere other than the staging location (an
+    incremental run's pool, ``trainstate._incremental.save``), and hears how the save ended."""
+
+    def write_share(
+        self, entries: list[Entry], rank: int, options: SaveOptions
+    ) -> tuple[tuple[manifest.FileEntry, ...], dict[str, manifest.TensorEntry]]: ...
+
+    def settle(self, committed: bool) -> None: ...
 
 
 def save_collective(
@@ -67,6 +78,7 @@ def write_collective(
     storage: Storage,
     options: SaveOptions,
     start: float,
+    share_writer: ShareWriter | None = None,
 ) -> SaveResult:
     """Write this rank's encoded ``snapshot`` (or report ``error``, its encoding's failure) with the other
     ranks' as one checkpoint at ``root``; every rank returns the same result or raises.
@@ -75,7 +87,30 @@ def write_collective(
     rank cuts its boxes into chunks and compresses / encrypts them as a single process does
     (``_save/chunked.py``: a fresh random nonce per chunk, from the kernel's generator, so ranks forked with
     the same seeds still draw different ones); rank 0's merge lists each box's chunks in its place, checks
-    that no nonce repeats, and authenticates the one manifest under a salt of its own."""
+    that no nonce repeats, and authenticates the one manifest under a salt of its own. ``share_writer``
+    writes this rank's share instead (incremental runs: into the pool, sharing what did not change), and
+    hears whether the save committed."""
+    try:
+        result = _write_collective(coord, root, snapshot, error, storage, options, start, share_writer)
+    except BaseException:
+        if share_writer is not None:
+            share_writer.settle(False)
+        raise
+    if share_writer is not None:
+        share_writer.settle(True)
+    return result
+
+
+def _write_collective(
+    coord: Coordinator,
+    root: str,
+    snapshot: Snapshot | None,
+    error: Exception | None,
+    storage: Storage,
+    options: SaveOptions,
+    start: float,
+    share_writer: ShareWriter | None,
+) -> SaveResult:
     rank = coord.rank
     mine: Any
     if error is None:
@@ -101,9 +136,13 @@ def write_collective(
     tmp, indices = share
     assert snapshot is not None
     entries = [snapshot.entries[i] for i in indices]
-    groups, names = plan_data(storage, entries, options, prefix=f"data-r{rank:05d}")
+    names: list[str] = []  # the data files this rank writes in the staging location
     try:
-        files, tensors = write_data(storage, tmp, entries, groups, names, options)
+        if share_writer is None:
+            groups, names = plan_data(storage, entries, options, prefix=f"data-r{rank:05d}")
+            files, tensors = write_data(storage, tmp, entries, groups, names, options)
+        else:
+            files, tensors = share_writer.write_share(entries, rank, options)
         result: Any = (_written(files, tensors, options.encoding is not None), names, parts)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which aborts the save for every rank
         _remove(storage, tmp, names)
@@ -190,6 +229,7 @@ def _commit(
         storage.abort(tmp, names)
         return Failure(0, f"{type(e).__name__}: {e}")
     end = time.perf_counter()
+    nbytes -= sum(f.size for f in files if f.pool and not f.new)  # an incremental run's: written before
     return nbytes, end - start, wrote - start, end - wrote
 
 
@@ -220,7 +260,9 @@ def _written(
     per_box = [t.chunks for t in tensors.values()]  # in share order (write_data keeps it)
     chunks = [c for box in per_box for c in box]
     where = {f.path: i for i, f in enumerate(files)}
-    cut = transformed or any(len(box) != 1 for box in per_box)
+    # a row per box says nothing of its chunks: where a box is cut, or a chunk transformed (compressed, or
+    # one an incremental run shares from an earlier save), each row says which part of its box it holds
+    cut = transformed or any(len(box) != 1 for box in per_box) or any(c.transforms for c in chunks)
     width = max((len(c.offset) for c in chunks), default=0)
     return Written(
         files,
@@ -265,9 +307,9 @@ def merge(
     base = np.cumsum([0] + [len(c.files) for c in cols])[:-1]
     first = np.cumsum([0] + [len(c.file) for c in cols])[:-1]
     file = np.concatenate([c.file + b for c, b in zip(cols, base)]) if cols else np.zeros(0, np.int64)
+    files, file = _once(tuple(f for c in cols for f in c.files), file)
     ranges = np.concatenate([c.ranges for c in cols]) if cols else np.zeros((0, 2), np.int64)
     checksums = np.concatenate([c.checksums for c in cols]) if cols else np.zeros(0, "S1")
-    files = tuple(f for c in cols for f in c.files)
     width = plan.width
     tensor = rows[:, 0]
     offsets, shapes = rows[:, 1 : 1 + width], rows[:, 1 + width : 1 + 2 * width]
@@ -307,6 +349,19 @@ def merge(
     )
     tree = per_rank.merge(snapshot.tree, [w[2] for w in written], table)
     return Snapshot(tree, snapshot.metadata, []), files, table
+
+
+def _once(files: tuple[manifest.FileEntry, ...], file: np.ndarray) -> tuple[tuple[manifest.FileEntry, ...], np.ndarray]:
+    """Each data file listed once, and each chunk's index into that list: ranks of an incremental run may
+    refer to the same pool file (a box of it each, after a change of world size)."""
+    first: dict[str, int] = {}
+    for f in files:
+        first.setdefault(f.path, len(first))
+    if len(first) == len(files):
+        return files, file
+    where = np.array([first[f.path] for f in files], dtype=np.int64)
+    kept = {first[f.path]: f for f in reversed(files)}
+    return tuple(kept[i] for i in range(len(first))), where[file]
 
 
 def _refuse_repeated_nonces(transforms: Any) -> None:

@@ -2,10 +2,13 @@
 
 The index is the previous checkpoint's tensor entries, restricted to what a next checkpoint may refer to:
 tensors whose chunks all lie in pool files (a checkpoint's own files go with it when retention deletes
-it) and whose raw bytes have a known checksum. A tensor of the next save is unchanged when it has the
-same name, dtype and shape and its bytes hash, chunk box by chunk box, to the same raw checksums (the
-per-piece checksums, where the chunk has them): then the new manifest copies the old chunk entries
-verbatim (file, byte range, checksums, pieces, transforms) and no byte of it is written again.
+it) and whose raw bytes have a known checksum. A tensor of the next save -- or, in a collective save, the
+box of it a rank writes -- is unchanged when it has the same name, dtype and whole shape, stored chunks
+tile its box as slabs along its first dimension (one whole chunk, or a box cut into chunks by the writer;
+after a change of world size, the boxes other ranks wrote, where they tile it), and its bytes hash, chunk
+by chunk, to the same raw checksums (the per-piece checksums, where the chunk has them): then the new
+manifest copies the old chunk entries verbatim (file, byte range, checksums, pieces, transforms) and no
+byte of it is written again.
 
 The raw identity of a chunk (:func:`raw_sum`) is kept apart from its stored checksum: they are the same
 bytes only for a chunk without transforms. The index is rebuilt from the newest checkpoint's manifest
@@ -25,7 +28,6 @@ from typing import NamedTuple
 
 from trainstate import _checksum as checksum
 from trainstate import _transforms as transforms
-from trainstate._format import dtypes
 from trainstate._format.manifest import Chunk, FileEntry, Pieces, TensorEntry
 from trainstate._save.encode import Entry
 from trainstate.errors import CheckpointError
@@ -50,13 +52,33 @@ def raw_sum(chunk: Chunk) -> RawSum | None:
 
 @dataclass(frozen=True)
 class Stored:
-    """A tensor as the previous save stored it: its chunks, each chunk's raw identity, and where."""
+    """A tensor as the previous save stored it: its chunks (of every box: every rank's, after a
+    collective save), and each chunk's raw identity."""
 
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # the whole tensor's
     chunks: tuple[Chunk, ...]
     raw: tuple[RawSum, ...]
-    spans: tuple[tuple[int, int], ...]  # each chunk's bytes in the tensor's raw bytes (C order)
+
+    def covering(self, offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The chunks that tile the box at ``offset`` of ``shape`` exactly, as slabs along its first
+        dimension (so each is one run of the box's raw bytes), in order; None when they do not."""
+        if not shape:
+            return (0,) if len(self.chunks) == 1 else None
+        slabs = sorted(
+            (c.offset[0], i)
+            for i, c in enumerate(self.chunks)
+            if c.offset[1:] == offset[1:]
+            and c.shape[1:] == shape[1:]
+            and offset[0] <= c.offset[0] < offset[0] + shape[0]
+        )
+        at, out = offset[0], []
+        for begin, i in slabs:
+            if begin != at:
+                return None
+            at += self.chunks[i].shape[0]
+            out.append(i)
+        return tuple(out) if at == offset[0] + shape[0] and out else None
 
 
 class Index:
@@ -72,7 +94,8 @@ class Index:
 
     @classmethod
     def of(cls, tensors: Mapping[str, TensorEntry], files: Iterable[FileEntry]) -> Index:
-        """The index of a manifest's tensors and files (a manifest just written, or read after a restart)."""
+        """The index of a manifest's tensors and files (a manifest just written, or read after a restart;
+        or the tensors of this rank's share of a collective save)."""
         pooled = {f.path: f for f in files if f.pool}
         out: dict[str, Stored] = {}
         for name in tensors:
@@ -92,39 +115,38 @@ class Index:
         return Index(keep, {n: f for n, f in self.files.items() if n not in gone})
 
     def unchanged(self, e: Entry) -> tuple[Chunk, ...] | None:
-        """The stored chunks of ``e`` if its bytes are those the previous save stored, else None."""
+        """The stored chunks of ``e`` (a whole tensor, or one box of it) if its bytes are those the
+        previous save stored there, else None."""
         s = self.tensors.get(e.name)
-        if s is None or s.dtype != e.dtype or s.shape != e.shape or e.global_shape != e.shape:
+        if s is None or s.dtype != e.dtype or s.shape != e.global_shape:
+            return None
+        covering = s.covering(e.offset, e.shape)
+        if covering is None:
             return None
         data = e.adapter.byte_view(e.value)
         if data.nbytes != e.nbytes:
             return None
-        for (begin, end), raw in zip(s.spans, s.raw):
-            if not _same(data[begin:end], raw):
+        row = data.nbytes // e.shape[0] if e.shape and e.shape[0] else 0
+        for i in covering:
+            c = s.chunks[i]
+            begin = (c.offset[0] - e.offset[0]) * row if e.shape else 0
+            end = begin + c.shape[0] * row if e.shape else data.nbytes
+            if not _same(data[begin:end], s.raw[i]):
                 return None
-        return s.chunks
+        return tuple(s.chunks[i] for i in covering)
 
 
 def _stored(t: TensorEntry, pooled: Mapping[str, FileEntry]) -> Stored | None:
     """``t`` as the index keeps it, or None when a next save cannot refer to it."""
     if not t.chunks or any(c.file not in pooled for c in t.chunks):
         return None
-    raws, spans = [], []
-    row = dtypes.from_code(t.dtype).itemsize
-    for n in t.shape[1:]:
-        row *= n
+    raws = []
     for c in t.chunks:
         raw = raw_sum(c)
         if raw is None:
             return None
-        if t.shape:  # a box must be whole rows (a slab along dimension 0) to be one run of raw bytes
-            if any(c.offset[1:]) or c.shape[1:] != t.shape[1:]:
-                return None
-            spans.append((c.offset[0] * row, (c.offset[0] + c.shape[0]) * row))
-        else:
-            spans.append((0, row))
         raws.append(raw)
-    return Stored(t.dtype, t.shape, t.chunks, tuple(raws), tuple(spans))
+    return Stored(t.dtype, t.shape, t.chunks, tuple(raws))
 
 
 def _same(data: memoryview, raw: RawSum) -> bool:

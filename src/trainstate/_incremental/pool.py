@@ -20,7 +20,7 @@ from trainstate._format.run_dir import POOL_DIR
 from trainstate._storage import Storage
 from trainstate.errors import CorruptCheckpointError, InvalidArgumentError
 
-PREFIX = "pool"  # pool files are pool-<12 hex digits, new per save>-NNNNN.safetensors
+PREFIX = "pool"  # pool files are pool-<12 hex digits, new per save>[-r<rank>]-NNNNN.safetensors
 
 
 def run_directory(storage: Storage, checkpoint: str) -> str:
@@ -64,12 +64,14 @@ def refuse_foreign(storage: Storage, pool: str) -> None:
         )
 
 
-def save_prefix(storage: Storage) -> str:
-    """The prefix of one save's pool files: ``pool-<id>``, unique to the save.
+def save_prefix(storage: Storage, rank: int | None = None) -> str:
+    """The prefix of one save's pool files: ``pool-<id>``, unique to the save, and ``-r<rank>`` after it for
+    a rank's share of a collective save (``pool-<id>-r00003``): files named per rank and save.
 
     Where the storage names data files uniquely per save itself (``in_place``), it adds the id.
     """
-    return PREFIX if storage.capabilities.in_place else f"{PREFIX}-{uuid.uuid4().hex[:12]}"
+    own = "" if storage.capabilities.in_place else f"-{uuid.uuid4().hex[:12]}"
+    return f"{PREFIX}{own}" + (f"-r{rank:05d}" if rank is not None else "")
 
 
 def is_pool_file(name: str) -> bool:

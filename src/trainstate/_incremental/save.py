@@ -53,6 +53,7 @@ class IncrementalSaver:
         self._base = base
         self._index: Index | None = None  # None until the first save looks for one
         self._busy: frozenset[str] = frozenset()  # pool files of the save in flight (written or used)
+        self._pending: Index | None = None  # a collective save's share, until it is known to have committed
         self._lock = threading.Lock()
         self._check = PoolCheck(storage, self.pool)
         self.written: set[str] = set()  # pool files this process's saves wrote: unnamed, they need no waiting
@@ -81,17 +82,7 @@ class IncrementalSaver:
             with self._lock:
                 self._index = Index.empty()
             return result
-        index = self._index if self._index is not None else self._load_base()
-        reused = _unchanged(index, snapshot.entries, options.threads)
-        damaged = self._check.damaged((c for chunks in reused.values() for c in chunks), index.files, options.threads)
-        if damaged:  # never name bytes that are gone or wrong: those tensors are written again
-            log.warning(
-                "pool files %s of %s are missing or damaged: the tensors stored there are written again",
-                sorted(damaged),
-                self.pool,
-            )
-            reused = {n: chunks for n, chunks in reused.items() if not any(c.file in damaged for c in chunks)}
-            index = index.without_files(damaged)
+        index, reused = self._dedupe(snapshot.entries, options.threads)
         new = [e for e in snapshot.entries if e.name not in reused]
         shared = {c.file for chunks in reused.values() for c in chunks}
         groups, names = plan_data(self.storage, new, options, save_prefix(self.storage)) if new else ([], [])
@@ -116,6 +107,78 @@ class IncrementalSaver:
         )
         return SaveResult(str(final), nbytes, end - start, at - start, end - at)
 
+    def write_share(
+        self, entries: list[Entry], rank: int, options: SaveOptions
+    ) -> tuple[tuple[FileEntry, ...], dict[str, TensorEntry]]:
+        """This rank's share of a collective save (``trainstate._distributed.save``): the boxes whose bytes
+        did not change refer to the pool files they are in (another rank's, after a change of world size),
+        the rest is written into the pool, in files named for this rank and save. Returns the files and the
+        tensors (in share order) for rank 0's manifest.
+
+        The files stay protected until :meth:`settle` hears whether the save committed; a collection runs
+        on rank 0 only between saves, when no rank is writing (the save's protocol orders it).
+        """
+        index, reused = self._dedupe(entries, options.threads)
+        new = [e for e in entries if e.name not in reused]
+        shared = {c.file for chunks in reused.values() for c in chunks}
+        groups, names = plan_data(self.storage, new, options, save_prefix(self.storage, rank)) if new else ([], [])
+        with self._lock:
+            self._busy = frozenset([*names, *shared])
+            self.written.update(names)
+        written, fresh = self._write_pool(new, groups, names, options)
+        files = (
+            *(replace(f, pool=True, new=True) for f in written),
+            *(replace(f, new=False) for name, f in index.files.items() if name in shared),
+        )
+        tensors = {
+            e.name: TensorEntry(e.dtype, e.global_shape, e.kind, reused[e.name]) if e.name in reused else fresh[e.name]
+            for e in entries
+        }
+        with self._lock:
+            self._pending = Index.of(tensors, files)
+        log.debug("wrote rank %d's share incrementally: %d of %d boxes unchanged", rank, len(reused), len(entries))
+        return files, tensors
+
+    def settle(self, committed: bool) -> None:
+        """The collective save :meth:`write_share` took part in is over: committed (its share becomes the
+        index the next save dedupes against) or not (the index stays; what it wrote is the collection's)."""
+        with self._lock:
+            if committed and self._pending is not None:
+                self._index = self._pending
+            self._pending = None
+            self._busy = frozenset()
+
+    def _dedupe(self, entries: list[Entry], threads: int) -> tuple[Index, dict[str, tuple[Chunk, ...]]]:
+        """The index, and the entries it finds unchanged with their stored chunks, once the pool files
+        under them are checked: a tensor stored in a file gone or altered is written again."""
+        index = self._index if self._index is not None else self._load_base()
+        reused = _unchanged(index, entries, threads)
+        damaged = self._check.damaged((c for chunks in reused.values() for c in chunks), index.files, threads)
+        if damaged:  # never name bytes that are gone or wrong: those tensors are written again
+            log.warning(
+                "pool files %s of %s are missing or damaged: the tensors stored there are written again",
+                sorted(damaged),
+                self.pool,
+            )
+            reused = {n: chunks for n, chunks in reused.items() if not any(c.file in damaged for c in chunks)}
+            index = index.without_files(damaged)
+        return index, reused
+
+    def _write_pool(
+        self, new: list[Entry], groups: list[list[Entry]], names: list[str], options: SaveOptions
+    ) -> tuple[tuple[FileEntry, ...], dict[str, TensorEntry]]:
+        """Write ``new`` into the pool, its names durable before a manifest names them."""
+        storage = self.storage
+        refuse_foreign(storage, self.pool)
+        if storage.capabilities.makedirs:  # real directories (object stores have prefixes instead)
+            ensure_directory(self.pool, "the shared pool")
+        if not new:
+            return (), {}
+        written, fresh = write_data(storage, self.pool, new, groups, names, options)
+        if options.fsync and storage.capabilities.makedirs:
+            _fsync_directory(self.pool)
+        return written, fresh
+
     def _write(
         self,
         final: str,
@@ -130,19 +193,9 @@ class IncrementalSaver:
         """Write the new tensors into the pool and commit the manifest: its tensors and files, the bytes
         written, and the clock when the manifest was written."""
         storage = self.storage
-        refuse_foreign(storage, self.pool)
-        if storage.capabilities.makedirs:  # real directories (object stores have prefixes instead)
-            ensure_directory(self.pool, "the shared pool")
         tmp = storage.begin(final, overwrite=options.overwrite)
         try:
-            written: tuple[FileEntry, ...] = ()
-            fresh: dict[str, TensorEntry] = {}
-            if new:
-                written, fresh = write_data(storage, self.pool, new, groups, names, options)
-                if (
-                    options.fsync and storage.capabilities.makedirs
-                ):  # the new names durable before a manifest names them
-                    _fsync_directory(self.pool)
+            written, fresh = self._write_pool(new, groups, names, options)
             used = {c.file for chunks in reused.values() for c in chunks}
             files = (
                 *(replace(f, pool=True, new=True) for f in written),

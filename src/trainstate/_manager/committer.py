@@ -144,7 +144,14 @@ class Committer:
         assert self.ranks is not None
         c = self.config
         result = write_collective(
-            self.ranks.saves, path, snapshot, error, storage=c.storage, options=c.options, start=time.perf_counter()
+            self.ranks.saves,
+            path,
+            snapshot,
+            error,
+            storage=c.storage,
+            options=c.options,
+            start=time.perf_counter(),
+            share_writer=self.incremental,  # incremental runs: each rank writes its share into the pool
         )
         deleted: tuple[str, ...] = ()
         failure: Exception | None = None

@@ -20,7 +20,6 @@ from trainstate import _arguments as arguments
 from trainstate import _keys, _transforms
 from trainstate._cores import DEFAULT_THREADS
 from trainstate._storage import Storage
-from trainstate.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def save_options(
 
     Raises:
         InvalidArgumentError: a value of the wrong kind (``threads=0``, ``fsync="yes"``, a malformed key or
-            compression spec), or features that do not combine (a collective save that is incremental).
+            compression spec).
         MissingDependencyError: compression needs zstandard.
     """
     flags = {
@@ -106,12 +105,9 @@ def save_options(
     if workers is not None:
         workers = arguments.positive_int(workers, "workers")
     together = collective is not False and group_size > 1 and not flags["read_only"]
-    # The feature-combination matrix: every refusal of a combination is here, and only here.
-    if together and flags["incremental"]:
-        raise InvalidArgumentError(
-            "incremental=True is not supported for collective saves (several ranks of a process group) yet: pass "
-            "collective=False with a directory per rank, or save full checkpoints (incremental=False)"
-        )
+    # The feature-combination matrix. Every feature combines with every other, in one process and under a
+    # process group (compression, encryption and incremental in a collective save: each rank transforms its
+    # own chunks and shares its own unchanged boxes); a combination refused some day is refused here only.
     resolved = _keys.resolve(key, key_env)
     pipeline = _transforms.pipeline(_transforms.compression(compression))
     return SaveOptions(
