@@ -33,6 +33,7 @@ with optional("torch", extra="torch", needed_for="trainstate._data (ResumableSam
     from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from trainstate import _seeding as seeding
+from trainstate._sample_stream import Position, SampleStream
 from trainstate.errors import CheckpointError, InvalidArgumentError
 
 log = logging.getLogger("trainstate")
@@ -53,6 +54,16 @@ class ResumableSampler(Sampler[int]):
             first indices to a multiple of ``num_replicas``. Default 1: the whole dataset. Pass both
             explicitly under DDP (e.g. ``dist.get_world_size()`` and ``dist.get_rank()``).
         rank: this rank's place among the ``num_replicas``.
+        global_batch_size: one global sample stream for every world size (docs/distributed.md, "Changing
+            the world size"): each epoch's order (from ``seed`` and the epoch) is cut into global batches of
+            this many samples, and each of the ``num_replicas`` ranks takes its contiguous slice of each, cut
+            into ``micro_batches``. The sampler is then a *batch* sampler
+            (``DataLoader(ds, batch_sampler=sampler)``) and its position is global: it restores on any number
+            of ranks. Default None: the per-rank stream above, restored at the same world size only.
+        micro_batches: with ``global_batch_size``, micro-batches per global batch on each rank (gradient
+            accumulation: the loop steps the optimizer after each ``micro_batches`` batches).
+        drop_last: with ``global_batch_size``, end each epoch at its last whole global batch instead of
+            padding the last one with the epoch's first samples.
 
     Attributes:
         epoch: the epoch being iterated (the next one, once an epoch's last batch was taken and a new
@@ -60,7 +71,9 @@ class ResumableSampler(Sampler[int]):
         seed: the shuffle seed.
 
     Under torch.distributed its position is saved per rank (each rank's loader drew its own base seed), so
-    a resume at the same world size is exact; a different world size is refused by the restore.
+    a resume at the same world size is exact; a different world size is refused by the restore. With
+    ``global_batch_size`` the position is one for the whole job, and a resume at any world size continues
+    the same global stream.
 
     Once attached, it yields indices that carry their sample's seed (``int`` subclasses), and the loader's
     dataset sees each sample with the global generators seeded from (``seed``, epoch, index).
@@ -81,8 +94,11 @@ class ResumableSampler(Sampler[int]):
         seed: int = 0,
         num_replicas: int = 1,
         rank: int = 0,
+        global_batch_size: int | None = None,
+        micro_batches: int = 1,
+        drop_last: bool = False,
     ) -> None:
-        for value, what in ((num_replicas, "num_replicas"), (rank, "rank")):
+        for value, what in ((num_replicas, "num_replicas"), (rank, "rank"), (micro_batches, "micro_batches")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(f"ResumableSampler: {what} must be a non-negative int, got {value!r:.40}")
         if num_replicas < 1 or rank >= num_replicas:
@@ -101,6 +117,14 @@ class ResumableSampler(Sampler[int]):
         self._batch_size = 1
         self._loader_rng: torch.Tensor | None = None  # RNG the epoch's iterator drew its base seed from
         self._resume_rng: torch.Tensor | None = None
+        # the global stream (global_batch_size): one position for the job, saved as plain values on every rank
+        self.micro_batches = micro_batches
+        self._stream: SampleStream | None = None
+        self._position = Position()
+        if global_batch_size is not None:
+            self._stream = SampleStream(self.total, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
+            self._stream.check(num_replicas, micro_batches)
+        self.__trainstate_per_rank__ = self._stream is None  # a global position is the same on every rank
 
     def attach(self, loader: DataLoader[Any]) -> DataLoader[Any]:
         """Count what ``loader`` actually hands to the loop and seed its samples; returns the loader.
@@ -112,6 +136,15 @@ class ResumableSampler(Sampler[int]):
             >>> sampler = trainstate.ResumableSampler(dataset, seed=0)
             >>> loader = sampler.attach(DataLoader(dataset, batch_size=32, sampler=sampler))
         """
+        if self._stream is not None:
+            if loader.batch_sampler is not self:
+                raise ValueError(
+                    "a ResumableSampler with global_batch_size is a batch sampler: build the loader with "
+                    "DataLoader(dataset, batch_sampler=sampler) and pass that loader to attach()"
+                )
+            self._loader = loader
+            _hooks(loader).counter = self
+            return seed_per_sample(loader)
         if loader.sampler is not self and getattr(loader.batch_sampler, "sampler", None) is not self:
             raise ValueError("attach() takes the DataLoader built with this sampler")
         size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
@@ -132,6 +165,8 @@ class ResumableSampler(Sampler[int]):
             >>> next(iter(loader)); sampler.consumed    # after one batch of 32
             32
         """
+        if self._stream is not None:
+            return self._position.batches * self._stream.global_batch_size
         return min(self.n, self._start + self._batches * self._batch_size)
 
     def _order(self) -> list[int]:
@@ -147,14 +182,33 @@ class ResumableSampler(Sampler[int]):
         padded = order + (order * self.num_replicas)[: self.n * self.num_replicas - self.total]
         return padded[self.rank :: self.num_replicas]
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[Any]:
+        if self._stream is not None:
+            return self._global_batches()
         order = self._order()[self._start :]
         if self._loader is None:
             return iter(order)
         key = seeding.epoch_seed(self.seed, self.epoch)
         return (seeding.SeededIndex(i, seeding.sample_seed(key, i)) for i in order)
 
+    def _global_batches(self) -> Iterator[list[int]]:
+        """This rank's micro-batches of the rest of the epoch's global stream, from the position now."""
+        stream, p, k = self._stream, self._position, self.micro_batches
+        assert stream is not None
+        key = seeding.epoch_seed(stream.seed, p.epoch)
+        first = p.micro
+        for b in range(p.batches, stream.batches):
+            parts = stream.share(p.epoch, b, self.rank, self.num_replicas, k)
+            for part in parts[first:]:
+                if self._loader is None:
+                    yield part.tolist()
+                else:
+                    yield [seeding.SeededIndex(i, seeding.sample_seed(key, i)) for i in part.tolist()]
+            first = 0
+
     def __len__(self) -> int:
+        if self._stream is not None:
+            return (self._stream.batches - self._position.batches) * self.micro_batches - self._position.micro
         return self.n - self._start
 
     def state_dict(self) -> dict[str, Any]:
@@ -172,6 +226,8 @@ class ResumableSampler(Sampler[int]):
                 "ResumableSampler: call loader = sampler.attach(DataLoader(...)) before saving it, so it can count "
                 "the batches the loop consumed"
             )
+        if self._stream is not None:
+            return self._position.state(self._stream, self.num_replicas, self.micro_batches)
         state: dict[str, Any] = {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed}
         if self._loader_rng is not None and 0 < self.consumed < self.n:  # mid-epoch: its iterator is resumed
             state["loader_rng"] = self._loader_rng
@@ -184,6 +240,31 @@ class ResumableSampler(Sampler[int]):
             >>> sampler.load_state_dict(saved)   # usually through trainstate.load / restore_latest
             >>> next(iter(loader))               # the batch the interrupted run would have seen next
         """
+        if self._stream is not None:
+            if "global_batch_size" not in state:
+                raise CheckpointError(
+                    "ResumableSampler(global_batch_size=...) cannot continue from a per-rank position (saved by a "
+                    "sampler without global_batch_size): resume with the sampler as it was saved, or start the epoch"
+                )
+            if self._position.load(dict(state), self._stream, self.num_replicas, self.micro_batches):
+                log.warning(
+                    "ResumableSampler: the checkpoint was saved part-way through global batch %d of epoch %d, by %s "
+                    "ranks with %s micro-batches each; on %d x %d it starts that global batch again from its first "
+                    "sample (its gradients were never applied, so no sample counts twice)",
+                    self._position.batches,
+                    self._position.epoch,
+                    state.get("world_size"),
+                    state.get("micro_batches"),
+                    self.num_replicas,
+                    self.micro_batches,
+                )
+            self.seed, self.epoch = self._stream.seed, self._position.epoch
+            return
+        if "consumed" not in state:
+            raise CheckpointError(
+                "this ResumableSampler has no global_batch_size and the checkpoint holds a global position: build "
+                f"it with global_batch_size={state.get('global_batch_size')!r} as the saved run did"
+            )
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
         self._start, self._batches = int(state["consumed"]), 0
         # an epoch whose last batch was taken is over: the next iterator draws its seed afresh, as it would have
@@ -194,19 +275,39 @@ class ResumableSampler(Sampler[int]):
 
     # called by the loader hook
     def _iterator_starting(self) -> None:
+        if self._stream is not None:
+            if self._position.batches >= self._stream.batches:  # the last batch taken, StopIteration never seen
+                self._epoch_finished()
+            if self._loader is not None:  # the base seed from (seed, epoch, rank): the same in every run
+                g = torch.Generator()
+                g.manual_seed(seeding.sample_seed(seeding.epoch_seed(self.seed, self.epoch), self.rank) >> 1)
+                _hooks(self._loader).base_seed_rng = g.get_state()
+            return
         if self._batches:  # a new iterator after a partial one (a break): continue where the loop stopped
             self._start = self.consumed
         self._batches = 0
         if self._start >= self.n:  # the loop took the last batch but never saw StopIteration
             self._epoch_finished()
 
+    def _fresh_epoch(self) -> bool:
+        """Whether the next iterator starts an epoch afresh (not part-way through one)."""
+        if self._stream is not None:
+            return self._position.batches == 0 and self._position.micro == 0
+        return not 0 < self._start < self.n
+
     def _iterator_started(self, loader_rng: torch.Tensor) -> None:
         self._loader_rng = loader_rng
 
     def _batch_received(self) -> None:
+        if self._stream is not None:
+            self._position.received(self.micro_batches)
         self._batches += 1
 
     def _epoch_finished(self) -> None:
+        if self._stream is not None:
+            self._position.next_epoch()
+            self.epoch = self._position.epoch
+            return
         self.epoch += 1
         self._start = self._batches = 0
 
@@ -381,7 +482,7 @@ def arm_exact_resume(target: Any) -> None:
         return
     # a sampler restored at the end of its epoch starts the next one afresh: its loader draws from the RNG
     # as restored, as the interrupted run did after the save
-    fresh = {id(s._loader) for s in _walk(target) if isinstance(s, ResumableSampler) and not 0 < s._start < s.n}
+    fresh = {id(s._loader) for s in _walk(target) if isinstance(s, ResumableSampler) and s._fresh_epoch()}
     for loader in loaders_in(target):
         if id(loader) in fresh:
             continue

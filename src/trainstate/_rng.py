@@ -7,6 +7,7 @@ initialized. Restoring it makes the next draws identical to the ones after the s
 
 from __future__ import annotations
 
+import hashlib
 import random
 import sys
 from collections.abc import Mapping
@@ -29,7 +30,13 @@ class RNGState:
         >>> trainstate.save("ckpt", state)   # ... later, in a new process:
         >>> trainstate.load("ckpt", state)   # the next random draws match the uninterrupted run
 
-    Under torch.distributed each rank saves and restores its own generators (a per-rank value).
+    Under torch.distributed each rank saves and restores its own generators (a per-rank value). Restored
+    on another number of ranks, where no saved rank is this one, the generators are re-derived instead
+    (:meth:`rederive`): seeded from (``seed``, the checkpoint's step, the new rank), the same in every run
+    that resumes that checkpoint on that many ranks.
+
+    Args (besides the generators):
+        seed: the run's seed, for :meth:`rederive` (default 0).
     """
 
     __trainstate_per_rank__ = True
@@ -38,7 +45,9 @@ class RNGState:
         self,
         numpy_generators: Mapping[str, np.random.Generator] | None = None,
         torch_generators: Mapping[str, Any] | None = None,
+        seed: int = 0,
     ) -> None:
+        self.seed = int(seed)
         self.numpy_generators = dict(numpy_generators or {})
         self.torch_generators = dict(torch_generators or {})
         self.restored_torch_state: tuple[Any, list[Any]] | None = None
@@ -97,6 +106,36 @@ class RNGState:
             self.restored_torch_state = (_as_byte_tensor(torch, state["torch"]).clone(), cuda)
             self.reapply_torch()
 
+    def rederive(self, rank: int, step: int) -> None:
+        """Seed every generator from (:attr:`seed`, ``step``, ``rank``): what a restore does on another number
+        of ranks than saved the checkpoint (no saved rank's generators are this rank's own).
+
+        The rule (docs/distributed.md, "Changing the world size"): ``k = SHA-256("trainstate rng v1", seed,
+        step, rank)``'s first 8 bytes as an integer; Python's ``random`` is seeded with ``k``, NumPy's global
+        generator with ``k >> 32``, torch's CPU (and every CUDA) generator with ``k & 0xFFFFFFFF``, and each
+        named generator with ``SHA-256(k, its name)`` likewise.
+
+        Example:
+            >>> rng = trainstate.RNGState(seed=1234)
+            >>> rng.rederive(rank=2, step=800)    # what a restore on 3 ranks of a 4-rank checkpoint does
+        """
+        k = _derived(self.seed, step, rank)
+        random.seed(k)
+        np.random.seed(k >> 32)
+        for name, g in self.numpy_generators.items():
+            g.bit_generator.state = type(g.bit_generator)(_derived(k, 0, 0, name)).state
+        torch = _torch()
+        if torch is not None:
+            torch.manual_seed(k & 0xFFFFFFFF)  # CUDA's generators too, where CUDA is up
+            for name, g in self.torch_generators.items():
+                g.manual_seed(_derived(k, 0, 0, name) & 0xFFFFFFFF)
+            cuda = (
+                list(torch.cuda.get_rng_state_all())
+                if torch.cuda.is_available() and torch.cuda.is_initialized()
+                else []
+            )
+            self.restored_torch_state = (torch.get_rng_state().clone(), cuda)
+
     def reapply_torch(self) -> None:
         """Set torch's global generators (CPU, and CUDA where present) to the last restored state again.
 
@@ -115,6 +154,12 @@ class RNGState:
         torch.set_rng_state(cpu)
         if cuda and torch.cuda.is_available():  # pragma: no cover - needs a GPU
             torch.cuda.set_rng_state_all(cuda)
+
+
+def _derived(seed: int, step: int, rank: int, name: str = "") -> int:
+    """64 bits from (seed, step, rank, name): the first 8 bytes of their SHA-256, little-endian."""
+    text = f"trainstate rng v1\0{seed}\0{step}\0{rank}\0{name}".encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
 
 
 def _torch() -> Any:

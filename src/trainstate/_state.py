@@ -129,7 +129,7 @@ def is_per_rank(value: Any) -> bool:
     """Whether ``value`` is saved per rank under torch.distributed."""
     return (
         isinstance(value, PerRank)
-        or bool(getattr(type(value), "__trainstate_per_rank__", False))
+        or getattr(value, "__trainstate_per_rank__", False) is True  # on the instance: a sampler says per object
         or (is_stateful(value) and rebuilt_from_checkpoint(value))  # a data loader: each rank's own position
     )
 

@@ -112,12 +112,20 @@ def test_plain_values_that_differ_between_ranks_are_refused_naming_the_key(tmp_p
     assert not (tmp_path / "c").exists()
 
 
-def test_per_rank_values_at_another_world_size_are_a_clear_error(tmp_path):
+def test_per_rank_values_at_another_world_size_are_a_clear_error_and_generators_are_re_derived(tmp_path):
     path = str(tmp_path / "c")
     ranks.ok(ranks.run(2, workers.replicated_save, path))
     torch.manual_seed(5)
+    mine = trainstate.PerRank({"rank": -1})
     with pytest.raises(trainstate.StateMismatchError, match="saved by 2 ranks") as info:
-        trainstate.load(path, {"model": torch.nn.Linear(64, 32), "step": 0, "rng": trainstate.RNGState()}, strict=False)
+        trainstate.load(path, {"model": torch.nn.Linear(64, 32), "step": 0, "mine": mine}, strict=False)
     assert "world size" in str(info.value)
+    # an RNGState has a rule for another world size: seeded from (its seed, the step, this rank)
+    trainstate.load(
+        path, {"model": torch.nn.Linear(64, 32), "step": 0, "rng": trainstate.RNGState(seed=9)}, strict=False
+    )
+    got = torch.rand(3)
+    trainstate.RNGState(seed=9).rederive(rank=0, step=0)  # a plain save records no step: 0
+    assert torch.equal(torch.rand(3), got)
     trainstate.load(path, {"model": torch.nn.Linear(64, 32), "step": 0}, strict=False)  # without them: fine
     assert trainstate.load(path)["mine"] == {"0": {"rank": 0}, "1": {"rank": 1}}  # no target: every rank's

@@ -170,14 +170,23 @@ def test_one_process_restores_them_onto_one_device_and_onto_its_own_mesh(saved) 
         assert restored["params"]["w"].sharding.mesh == mesh
 
 
-def test_one_process_resumes_the_managers_run_of_two_keeping_its_own_rng(saved, caplog) -> None:
+def test_one_process_resumes_the_managers_run_of_two_re_deriving_its_rng(saved, caplog) -> None:
+    import logging
+    import random
+
     from jax_processes import check, state_on, zeros_like
 
+    caplog.set_level(logging.INFO, "trainstate")
     target = zeros_like(state_on(jax.make_mesh((4, 2), ("x", "y")), P("x", "y")))
     with trainstate.CheckpointManager(saved[0] / "run", read_only=True) as mgr:
         assert mgr.restore_latest(target) == 4
+    got = random.random()
     assert check(target, step=3) == []
-    assert "_rng: restoring on 1 process(es) a checkpoint whose per-process values were saved by 2" in caplog.text
+    assert "_rng: restoring on 1 process(es) a checkpoint 2 process(es) saved: rank 0's generators are re-derived" in (
+        caplog.text
+    )
+    trainstate.RNGState().rederive(rank=0, step=3)  # the documented rule, seed 0: the same draws
+    assert random.random() == got
 
 
 def test_processes_that_pass_different_paths_are_refused(saved) -> None:

@@ -64,3 +64,10 @@ def check_declaration(metadata: Any) -> None:
 
 def _well_formed(keys: Any) -> bool:
     return isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+
+
+def saved_step(metadata: Any) -> int:
+    """The step a manager recorded among its facts (``metadata["trainstate"]["step"]``), else 0."""
+    facts = metadata.get(FACTS_KEY) if isinstance(metadata, dict) else None
+    step = facts.get("step") if isinstance(facts, dict) else None
+    return step if type(step) is int else 0

@@ -31,7 +31,7 @@ from typing import Any, TypeAlias
 from trainstate import _state
 from trainstate import _tree as tree
 from trainstate._distributed import per_rank
-from trainstate._format.added_keys import declared_keys
+from trainstate._format.added_keys import declared_keys, saved_step
 from trainstate._frameworks import (
     WRAPPER_PREFIXES,
     Bound,
@@ -261,6 +261,26 @@ class Restorer:
         )
         return lambda: target
 
+    def _rederive(self, key: str, inner: Any, target: Any, saved: int) -> Planned:
+        """A per-rank value (an RNGState) saved by another number of ranks: none of them is this rank, so its
+        value is re-derived from (its seed, the checkpoint's step, this rank) by the documented rule."""
+        step = saved_step(self.ck.metadata)
+        log.info(
+            "%s: restoring on %d process(es) a checkpoint %d process(es) saved: rank %d's generators are re-derived "
+            "from (seed, step %d, rank)",
+            key,
+            self.world,
+            saved,
+            self.rank,
+            step,
+        )
+
+        def finish() -> Any:
+            inner.rederive(self.rank, step)
+            return target
+
+        return finish
+
     def _plan_per_rank(self, target: Any, node: tree.Node, path: tuple[str, ...], free: bool) -> Planned:
         """A per-rank part: this rank's own value, saved by as many ranks as there are now (docs/distributed.md)."""
         key = tree.join(path) or "<root>"
@@ -270,6 +290,8 @@ class Restorer:
                 self.mismatched.append((key, _describe(target), "values saved per rank (trainstate.PerRank)"))
                 return lambda: target
             chosen = per_rank.entry(node, self.rank, self.world)
+            if chosen is None and callable(getattr(inner, "rederive", None)):
+                return self._rederive(key, inner, target, per_rank.saved_ranks(node))
             if chosen is None and self._writer_added(path):
                 return self._keep_own(key, target, f"saved by {per_rank.saved_ranks(node)} processes")
             if chosen is None:
@@ -280,6 +302,8 @@ class Restorer:
                 self.world_size_changed = True
                 return lambda: target
             node, path = chosen, path + (str(self.rank),)
+        elif self.world > 1 and callable(getattr(inner, "rederive", None)):
+            return self._rederive(key, inner, target, 1)
         elif self.world > 1 and self._writer_added(path):
             return self._keep_own(key, target, "saved by one process")
         elif self.world > 1:  # a per-rank target, a value saved by one process: every rank would get the same
