@@ -1,0 +1,123 @@
+"""Functions each rank runs in the attacks on collective incremental / encrypted saves (importable by spawned
+processes): states that change in small ways between saves (the last bytes, the dtype, the sharding)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+import trainstate
+from trainstate import _transforms
+
+CHUNK = 4 << 10  # raw bytes per compressed chunk here: every shard is cut into several slabs
+
+
+def whole(variant: str) -> dict[str, np.ndarray]:
+    """The arrays of ``variant``: ``w`` sharded, ``r`` replicated; each variant differs from ``base`` in one
+    way a dedupe could miss."""
+    w = (np.arange(64 * 48, dtype=np.float32) % 1000).reshape(64, 48)
+    r = np.arange(3000, dtype=np.float32)
+    if variant == "tail":  # only the very last bytes of the last box
+        w[-1, -1] += 1
+        r[-1] += 1
+    elif variant == "dtype":  # the same bytes under another dtype
+        w, r = w.view(np.int32), r.view(np.int32)
+    elif variant == "shape":  # the same bytes under another shape
+        w = w.reshape(48, 64)
+    elif variant == "head":  # only the very first bytes
+        w[0, 0] += 1
+    return {"w": w, "r": r}
+
+
+def state_for(world: int, variant: str, fill: int | None = None) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    arrays = whole(variant)
+    if fill is not None:
+        arrays = {k: np.full_like(v, fill) for k, v in arrays.items()}
+    mesh = init_device_mesh("cpu", (world,))
+    dim = 1 if variant == "shard1" else 0
+    return {
+        "w": distribute_tensor(torch.from_numpy(arrays["w"].copy()), mesh, [Shard(dim)]),
+        "r": torch.from_numpy(arrays["r"].copy()),
+    }
+
+
+def saves(rank: int, world: int, run: str, plan: list[tuple[int, str]], options: dict[str, Any]) -> Any:
+    """Save each ``(step, variant)`` of ``plan`` with an incremental manager (sync, every checkpoint kept
+    unless ``options`` says otherwise); the bytes each save wrote."""
+    options = dict(options)
+    options.setdefault("keep_last", 100)
+    before, _transforms.TRANSFORM_CHUNK_BYTES = _transforms.TRANSFORM_CHUNK_BYTES, CHUNK
+    try:
+        with trainstate.CheckpointManager(run, incremental=True, every_steps=1, **options) as mgr:
+            for step, variant in plan:
+                mgr.save(step, state_for(world, variant))
+            mgr.wait()
+            return {r.step: r.nbytes for r in mgr.history()}
+    finally:
+        _transforms.TRANSFORM_CHUNK_BYTES = before
+
+
+def load(rank: int, world: int, path: str, variant: str, key: str | None) -> Any:
+    """The checkpoint at ``path`` restored at this world size into ``variant``'s layout, as whole arrays."""
+    state = state_for(world, variant, fill=7)
+    trainstate.load(path, state, key=key)
+    out = {}
+    for k, t in state.items():
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out[k] = t.detach().numpy().copy()
+    return out
+
+
+def single_saves(run: str, plan: list[tuple[int, str]], options: dict[str, Any]) -> None:
+    """As :func:`saves`, in one process without a group: whole torch tensors."""
+    options = dict(options)
+    options.setdefault("keep_last", 100)
+    with trainstate.CheckpointManager(run, incremental=True, every_steps=1, **options) as mgr:
+        for step, variant in plan:
+            mgr.save(step, {k: torch.from_numpy(v.copy()) for k, v in whole(variant).items()})
+
+
+def killed_writing(rank: int, world: int, run: str, plan: list[tuple[int, str]], options: dict[str, Any]) -> Any:
+    """As :func:`saves`, but rank 1 is SIGKILLed at its last save, right after it wrote its pool files."""
+    import os
+    import signal
+
+    from trainstate._incremental.save import IncrementalSaver
+
+    if rank == 1:
+        real = IncrementalSaver._write_pool
+        count = [0]
+
+        def write_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = real(self, *args, **kwargs)
+            count[0] += 1
+            if count[0] == len(plan):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        IncrementalSaver._write_pool = write_then_die  # type: ignore[method-assign]
+    return saves(rank, world, run, plan, {**options, "timeout": 15})
+
+
+def save_keys(rank: int, world: int, path: str, keys: list[str | None], compression: str | None = None) -> Any:
+    """``trainstate.save`` with ``keys[rank]`` on each rank (a job whose nodes hold different keys)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {k: torch.from_numpy(v.copy()) for k, v in whole("base").items()}
+    state["w"] = distribute_tensor(state["w"], mesh, [Shard(0)])
+    return trainstate.save(path, state, key=keys[rank], compression=compression).nbytes
+
+
+def manager_keys(rank: int, world: int, run: str, keys: list[str | None]) -> Any:
+    """An incremental manager whose key is ``keys[rank]`` on each rank, saving twice."""
+    with trainstate.CheckpointManager(run, incremental=True, every_steps=1, key=keys[rank]) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_for(world, "base" if step == 1 else "tail"))
+    return "saved"
