@@ -121,3 +121,29 @@ def manager_keys(rank: int, world: int, run: str, keys: list[str | None]) -> Any
         for step in (1, 2):
             mgr.save(step, state_for(world, "base" if step == 1 else "tail"))
     return "saved"
+
+
+def edges(world: int, step: int) -> dict[str, Any]:
+    """Boxes a dedupe or a merge may trip over: a tensor with fewer rows than ranks (an empty shard), an
+    empty tensor sharded and replicated, a 0-d tensor; ``step`` changes the tiny one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    return {
+        "tiny": distribute_tensor(torch.arange(10, dtype=torch.float32).reshape(2, 5) + step, mesh, [Shard(0)]),
+        "frozen": distribute_tensor(torch.arange(10, dtype=torch.float64).reshape(2, 5), mesh, [Shard(0)]),
+        "none": distribute_tensor(torch.zeros(0, 8), mesh, [Shard(0)]),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(3.5),
+    }
+
+
+def edge_saves(rank: int, world: int, run: str, steps: list[int], options: dict[str, Any]) -> Any:
+    with trainstate.CheckpointManager(run, incremental=True, every_steps=1, keep_last=2, **options) as mgr:
+        back = {k: (v * 0 - 1 if v.numel() else v) for k, v in edges(world, 0).items()}
+        resumed = mgr.restore_latest(back)
+        for step in steps:
+            mgr.save(step, edges(world, step))
+        got = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).numpy().copy() for k, v in back.items()}
+        return {"resumed": resumed, "restored": got}

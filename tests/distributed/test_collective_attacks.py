@@ -184,3 +184,45 @@ def test_a_rank_killed_after_writing_its_pool_files_commits_nothing_and_the_next
     ranks.ok(ranks.run(2, workers.saves, str(run), [(4, "tail"), (5, "base")], {}))
     _check(run, [(1, "base"), (2, "tail"), (4, "tail"), (5, "base")], None)
     assert {p.name for p in (run / "_shared").iterdir()} == _named(run)
+
+
+def test_a_resume_on_three_ranks_right_after_a_damaged_pool_file_falls_back_and_never_names_it(tmp_path):
+    import dist_workers_incremental as incremental
+
+    run = tmp_path / "run"
+    ranks.ok(ranks.run(2, incremental.run, str(run), {}, [0, 1, 2, 3]))
+    newest = sorted(p for p in run.iterdir() if p.name.startswith("step_"))[-1]
+    body = json.loads((newest / "manifest.json").read_bytes())
+    victim = run / "_shared" / next(c["file"] for c in body["tensors"]["moving"]["chunks"] if "-r00001-" in c["file"])
+    raw = bytearray(victim.read_bytes())
+    raw[-3] ^= 0x10
+    victim.write_bytes(bytes(raw))
+    out = ranks.ok(ranks.run(3, incremental.run, str(run), {}, [3, 4]))
+    for got in out:
+        assert got["resumed"] == 3 and all(
+            np.array_equal(got["restored"][k], v) for k, v in incremental.whole(2).items()
+        )
+    fresh = sorted(p for p in run.iterdir() if p.name.startswith("step_"))[-1]
+    assert victim.name not in {f["path"] for f in json.loads((fresh / "manifest.json").read_bytes())["files"]}
+    got = ranks.ok(ranks.run(2, incremental.load, str(fresh), None))
+    assert all(np.array_equal(g[k], v) for g in got for k, v in incremental.whole(4).items())
+
+
+def test_a_pool_file_swapped_in_from_another_run_under_the_same_key_is_refused(tmp_path):
+    options = _encrypting()
+    first, second = tmp_path / "a", tmp_path / "b"
+    for run in (first, second):  # two runs of the same state under the same key
+        ranks.ok(ranks.run(2, workers.saves, str(run), [(1, "base")], options))
+    mine = sorted((first / "_shared").iterdir())
+    theirs = sorted((second / "_shared").iterdir())
+    victim = next(p for p in mine if "-r00001-" in p.name)
+    donor = next(p for p in theirs if "-r00001-" in p.name and p.stat().st_size == victim.stat().st_size)
+    shutil.copyfile(donor, victim)
+    path = first / "step_00000001"
+    target = {"w": np.zeros((64, 48), np.float32), "r": np.zeros(3000, np.float32)}
+    with pytest.raises(trainstate.CorruptCheckpointError, match=victim.name):
+        trainstate.load(str(path), target, key=KEY)
+    with pytest.raises(trainstate.CorruptCheckpointError), trainstate.open(str(path), key=KEY) as ck:
+        ck.verify()
+    errors = ranks.run(2, workers.load, str(path), "base", KEY)
+    assert all(isinstance(e, ranks.RankError) and "Checkpoint" in e.kind for e in errors), errors
