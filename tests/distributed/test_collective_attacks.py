@@ -226,3 +226,20 @@ def test_a_pool_file_swapped_in_from_another_run_under_the_same_key_is_refused(t
         ck.verify()
     errors = ranks.run(2, workers.load, str(path), "base", KEY)
     assert all(isinstance(e, ranks.RankError) and "Checkpoint" in e.kind for e in errors), errors
+
+
+def test_a_reader_refuses_plaintext_chunks_in_an_encrypted_checkpoint(tmp_path):
+    pytest.importorskip("cryptography")
+    path = tmp_path / "ck"
+    ranks.ok(ranks.run(2, workers.save_keys_unchecked, str(path), [KEY, None]))
+    body = json.loads((path / "manifest.json").read_bytes())
+    assert body["encryption"] and any(not c.get("transforms") for c in body["tensors"]["w"]["chunks"])
+    # written by a writer without the key comparison (this one before it): refused, never read as plaintext
+    with (
+        pytest.raises(trainstate.CorruptCheckpointError, match="not encrypted"),
+        trainstate.open(str(path), key=KEY) as ck,
+    ):
+        ck.verify()
+    target = {"w": np.zeros((64, 48), np.float32), "r": np.zeros(3000, np.float32)}
+    with pytest.raises(trainstate.CorruptCheckpointError, match="not encrypted"):
+        trainstate.load(str(path), target, key=KEY)
