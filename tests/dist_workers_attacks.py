@@ -156,3 +156,28 @@ def save_keys_unchecked(rank: int, world: int, path: str, keys: list[str | None]
 
     save._key_identity = lambda options: None  # type: ignore[attr-defined]
     return save_keys(rank, world, path, keys)
+
+
+def deleted_between_saves(rank: int, world: int, run: str, options: dict[str, Any]) -> Any:
+    """Save, then rank 0 deletes by hand every pool file rank 1 wrote, then save the same state again: the
+    second checkpoint must not name the deleted files."""
+    import os
+
+    import torch.distributed as dist
+
+    before, _transforms.TRANSFORM_CHUNK_BYTES = _transforms.TRANSFORM_CHUNK_BYTES, CHUNK
+    try:
+        with trainstate.CheckpointManager(run, incremental=True, every_steps=1, keep_last=5, **options) as mgr:
+            mgr.save(1, state_for(world, "base"))
+            gone = []
+            if rank == 0:
+                pool = os.path.join(run, "_shared")
+                gone = [n for n in os.listdir(pool) if "-r00001-" in n]
+                for name in gone:
+                    os.remove(os.path.join(pool, name))
+            dist.barrier()
+            mgr.save(2, state_for(world, "base"))
+            mgr.save(3, state_for(world, "tail"))
+        return gone
+    finally:
+        _transforms.TRANSFORM_CHUNK_BYTES = before

@@ -243,3 +243,20 @@ def test_a_reader_refuses_plaintext_chunks_in_an_encrypted_checkpoint(tmp_path):
     target = {"w": np.zeros((64, 48), np.float32), "r": np.zeros(3000, np.float32)}
     with pytest.raises(trainstate.CorruptCheckpointError, match="not encrypted"):
         trainstate.load(str(path), target, key=KEY)
+
+
+@pytest.mark.parametrize("features", ["plain", "zstd+key"])
+def test_pool_files_deleted_by_hand_between_two_saves_of_a_running_job_are_written_again(tmp_path, features):
+    options = {} if features == "plain" else _encrypting()
+    run = tmp_path / "run"
+    gone = ranks.ok(ranks.run(2, workers.deleted_between_saves, str(run), options))[0]
+    assert gone
+    for step in (2, 3):
+        files = {f["path"] for f in json.loads((run / f"step_{step:08d}" / "manifest.json").read_bytes())["files"]}
+        assert not files & set(gone), step
+    _check(run, [(2, "base"), (3, "tail")], options.get("key"))
+    with (
+        pytest.raises(trainstate.CorruptCheckpointError),
+        trainstate.open(str(run / "step_00000001"), key=options.get("key")) as ck,
+    ):
+        ck.verify()
