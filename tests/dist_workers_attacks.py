@@ -115,9 +115,11 @@ def save_keys(rank: int, world: int, path: str, keys: list[str | None], compress
     return trainstate.save(path, state, key=keys[rank], compression=compression).nbytes
 
 
-def manager_keys(rank: int, world: int, run: str, keys: list[str | None]) -> Any:
+def manager_keys(rank: int, world: int, run: str, keys: list[str | None], async_save: bool = False) -> Any:
     """An incremental manager whose key is ``keys[rank]`` on each rank, saving twice."""
-    with trainstate.CheckpointManager(run, incremental=True, every_steps=1, key=keys[rank]) as mgr:
+    with trainstate.CheckpointManager(
+        run, incremental=True, every_steps=1, key=keys[rank], async_save=async_save
+    ) as mgr:
         for step in (1, 2):
             mgr.save(step, state_for(world, "base" if step == 1 else "tail"))
     return "saved"
@@ -181,3 +183,12 @@ def deleted_between_saves(rank: int, world: int, run: str, options: dict[str, An
         return gone
     finally:
         _transforms.TRANSFORM_CHUNK_BYTES = before
+
+
+def save_key_env(rank: int, world: int, path: str, names: list[str]) -> Any:
+    """``trainstate.save`` with ``key_env=names[rank]`` (a node where the variable is not set)."""
+    import os
+
+    os.environ["TRAINSTATE_ATTACK_KEY"] = "5a" * 32
+    state = {k: torch.from_numpy(v.copy()) for k, v in whole("base").items()}
+    return trainstate.save(path, state, key_env=names[rank]).nbytes

@@ -68,10 +68,11 @@ def test_ranks_that_disagree_on_the_key_refuse_to_save_on_every_rank(tmp_path, k
     assert not path.exists()
 
 
-def test_a_manager_whose_ranks_hold_different_keys_refuses_its_first_save(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_manager_whose_ranks_hold_different_keys_refuses_its_first_save(tmp_path, async_save):
     pytest.importorskip("cryptography")
     run = tmp_path / "run"
-    errors = ranks.run(2, workers.manager_keys, str(run), [KEY, OTHER], timeout=60)
+    errors = ranks.run(2, workers.manager_keys, str(run), [KEY, OTHER], async_save, timeout=60)
     assert all(isinstance(e, ranks.RankError) and "same key" in e.message for e in errors), errors
     assert not [p for p in run.iterdir() if p.name.startswith("step_")]
 
