@@ -117,7 +117,7 @@ def _write_collective(
         assert snapshot is not None
         try:
             digests, parts = per_rank.split(snapshot.tree)
-            mine = (_plan_of(snapshot), digests, str(root))
+            mine = (_plan_of(snapshot), digests, str(root), _key_identity(options))
         except Exception as e:  # noqa: BLE001 - every rank still takes part, so the others hear why
             error = e
     if error is not None:
@@ -171,6 +171,28 @@ def _plan_of(snapshot: Snapshot) -> RankPlan:
     )
 
 
+_KEY_IDENTITY_INFO = b"trainstate collective key identity v1"
+
+
+def _key_identity(options: SaveOptions) -> bytes | None:
+    """What rank 0 compares of each rank's key: a subkey for this purpose alone (it tells nothing of the
+    key, and is only sent to rank 0, never written), or None without a key."""
+    return None if options.key is None else options.key.derive(_KEY_IDENTITY_INFO, length=16)
+
+
+def _keys_differ(rank: int, theirs: bytes | None, ours: bytes | None) -> str:
+    if theirs is None or ours is None:
+        has, lacks = (0, rank) if theirs is None else (rank, 0)
+        found = f"rank {has} saves with a key, rank {lacks} without one"
+    else:
+        found = f"rank {rank} saves with another key than rank 0"
+    return (
+        f"{found}: each rank encrypts its own chunks, so an encrypted collective save needs the same key on "
+        "every rank (else rank 0 would commit chunks its key cannot decrypt, or plaintext ones in an encrypted "
+        "checkpoint). Pass the same key= (or key_env= naming a variable that holds it on every node)"
+    )
+
+
 def _decide(sent: list[Any], storage: Storage, root: str, overwrite: bool) -> tuple[list[Any], Assignment | None]:
     """Rank 0: every rank's share (the staging location and the boxes it writes), or a Failure for all;
     and the plan, which the commit reads the manifest's boxes from."""
@@ -184,6 +206,10 @@ def _decide(sent: list[Any], storage: Storage, root: str, overwrite: bool) -> tu
                 "save writes one checkpoint, so every rank passes the same path (one every rank sees: a shared "
                 "filesystem or an object store), or collective=False to save each rank's own",
             )
+    if failed is None:
+        other = next((r for r, s in enumerate(sent) if s[3] != sent[0][3]), None)
+        if other is not None:  # rank 0 would seal chunks it cannot decrypt, or name plaintext ones
+            failed = Failure(other, _keys_differ(other, sent[other][3], sent[0][3]))
     if failed is None:
         differ = per_rank.differing_keys([s[1] for s in sent])
         if differ:

@@ -138,7 +138,7 @@ class _LineTensors(Mapping[str, TensorEntry]):
             raw = lines.find(name) if lines is not None and type(name) is str else manifest_lines.MISSING
             if raw is not manifest_lines.MISSING:
                 with manifest.malformed(f"tensor {name!r:.80} in the manifest"):
-                    entry = self.found[name] = manifest.tensor_entry(name, raw, self._sizes)
+                    entry = self.found[name] = manifest.tensor_entry(name, raw, self._sizes, self._owner.encrypted)
                 return entry
         return self._owner.whole().tensors[name]  # KeyError for a name it does not list
 

@@ -290,7 +290,7 @@ def _build(body: dict[str, Any], what: str = "manifest") -> Manifest:
     fields = head(body)
     raw_tensors = _typed(body["tensors"], dict, "tensors")
     _check_byte_ranges(raw_tensors)
-    tensors = _LazyTensors(raw_tensors, sizes(fields["files"]))
+    tensors = _LazyTensors(raw_tensors, sizes(fields["files"]), fields["encrypted"])
     return Manifest(
         tree=_tree.parse(body["tree"], raw_tensors, f"{what} tree"),
         tensors=tensors,
@@ -336,9 +336,10 @@ class _LazyTensors(Mapping[str, TensorEntry]):
     Every read looks its entry up here first, so nothing is read from a file before its entry passed.
     """
 
-    def __init__(self, raw: dict[str, Any], sizes: dict[str, int]) -> None:
+    def __init__(self, raw: dict[str, Any], sizes: dict[str, int], encrypted: bool = False) -> None:
         self._raw = raw
         self._sizes = sizes
+        self._encrypted = encrypted
         self._done: dict[str, TensorEntry] = {}
 
     def __getitem__(self, name: str) -> TensorEntry:
@@ -346,7 +347,7 @@ class _LazyTensors(Mapping[str, TensorEntry]):
         if entry is None:
             raw = self._raw[name]  # KeyError for a name that is not listed: the caller's mistake
             with malformed(f"tensor {name!r:.80} in the manifest"):
-                entry = self._done[name] = tensor_entry(name, raw, self._sizes)
+                entry = self._done[name] = tensor_entry(name, raw, self._sizes, self._encrypted)
         return entry
 
     def __iter__(self) -> Iterator[str]:
@@ -457,12 +458,25 @@ def _file_entry(f: Any) -> FileEntry:
 _KINDS = frozenset({"torch", "numpy", "numpy-scalar"})
 
 
-def tensor_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
+def tensor_entry(name: str, t: Any, sizes: dict[str, int], encrypted: bool = False) -> TensorEntry:
+    """Tensor ``name``'s entry, checked; ``encrypted``: the manifest is an encrypted checkpoint's, whose
+    writer encrypts every chunk last, so a chunk stored otherwise is refused."""
     entry = None
     if type(t) is dict:
         chunks = t.get("chunks")
         entry = _sharded_entry(t, sizes) if type(chunks) is list and len(chunks) > 1 else _plain_entry(t, sizes)
-    return entry if entry is not None else _checked_entry(name, t, sizes)
+    if entry is None:
+        entry = _checked_entry(name, t, sizes)
+    if encrypted and any(
+        not c.transforms or c.transforms[-1].get("name") != manifest_mac.ALGORITHM for c in entry.chunks
+    ):
+        raise CorruptCheckpointError(
+            f"tensor {name}: a chunk of this encrypted checkpoint is not encrypted ({manifest_mac.ALGORITHM} is "
+            "not its last transform), though its manifest is authenticated with the key: a writer that broke "
+            "the rule that every chunk is encrypted saved it (a collective save whose ranks held different keys, "
+            "before trainstate compared them). Restore another checkpoint"
+        )
+    return entry
 
 
 def _checked_entry(name: str, t: Any, sizes: dict[str, int]) -> TensorEntry:
