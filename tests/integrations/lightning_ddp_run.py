@@ -9,7 +9,8 @@ Launched by test_lightning_ddp.py with torchrun (Lightning then takes the proces
 Trains ROOT to the end, resuming from its ``last.ckpt`` when there is one; ModelCheckpoint saves every 3 steps
 (each rank trains 4 batches an epoch of the DistributedSampler's half). ``--kill-after STEP`` SIGKILLs every
 rank in the batch after STEP's checkpoint; ``--reference`` then trains REF from scratch in the same processes.
-Each rank writes its final weights to ``ROOT/final/rank{R}`` (``trainstate.save``, that rank alone). The key is
+Every rank's generators are seeded by rank as training starts (``SeedPerRank``), so the ranks' random draws
+differ. Each rank writes its final weights to ``ROOT/final/rank{R}`` (``trainstate.save``, that rank alone). The key is
 read from ``$TRAINSTATE_TEST_KEY``.
 """
 
@@ -46,6 +47,14 @@ class KillAfter(run.L.Callback):  # type: ignore[misc]
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SeedPerRank(run.L.Callback):  # type: ignore[misc]
+    """Seed torch's, NumPy's and Python's generators by rank (after Lightning seeded every rank alike, before a
+    checkpoint is restored): each rank's noise and dropout differ, so a resume must give each rank its own."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        run.L.seed_everything(100 + trainer.global_rank, verbose=False)
+
+
 def fit(root: Path, kill_after: int | None) -> None:
     run.L.seed_everything(0, verbose=False)
     model = run.Tiny()
@@ -59,7 +68,12 @@ def fit(root: Path, kill_after: int | None) -> None:
         devices=2,
         strategy="ddp",
         plugins=[run.TrainstateCheckpointIO(compression="zstd", key_env=KEY_ENV)],
-        callbacks=[run.ExactResume(), checkpoint, *([KillAfter(kill_after)] if kill_after is not None else [])],
+        callbacks=[
+            SeedPerRank(),
+            run.ExactResume(),
+            checkpoint,
+            *([KillAfter(kill_after)] if kill_after is not None else []),
+        ],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
