@@ -3,13 +3,13 @@
 Launched by test_huggingface_ddp.py as a user launches a Trainer script::
 
     python -m torch.distributed.run --nproc_per_node 2 hf_trainer_ddp_run.py RUN_DIR FINAL_DIR [--kill-at STEP]
-        [--reference REF_DIR REF_FINAL_DIR]
+        [--reference REF_DIR REF_FINAL_DIR] [--async]
 
 Each rank trains its half of every batch (the Trainer's DistributedSampler); the callback saves collectively every
 ``--save-steps`` updates, compressed with zstd and encrypted with the key in ``$TRAINSTATE_TEST_KEY``. Every rank's
 generators are seeded apart as training begins (``SeedPerRank``), so the ranks' dropout masks differ. A run
 resumes from RUN_DIR's newest checkpoint when it has one. ``--kill-at STEP`` SIGKILLs every rank once the checkpoint
-of STEP is committed; ``--reference`` then trains REF_DIR from scratch, uninterrupted, in the same processes. Each
+of STEP was handed to the manager (with ``--async``, saving in the background, it may still be in flight); ``--reference`` then trains REF_DIR from scratch, uninterrupted, in the same processes. Each
 rank writes its final weights to ``FINAL_DIR/rank{R}`` (``trainstate.save``, that rank alone), so the test can
 also see that the ranks agree.
 """
@@ -45,8 +45,10 @@ class SeedPerRank(TrainerCallback):  # type: ignore[misc]
         hf_set_seed(100 + dist.get_rank())
 
 
-def train(run_dir: str, final: str, kill_at: int | None, save_steps: int) -> None:
-    cb = TrainstateCallback(os.path.join(run_dir, "ckpt"), keep_last=2, compression="zstd", key_env=KEY_ENV)
+def train(run_dir: str, final: str, kill_at: int | None, save_steps: int, async_save: bool) -> None:
+    cb = TrainstateCallback(
+        os.path.join(run_dir, "ckpt"), keep_last=2, compression="zstd", key_env=KEY_ENV, async_save=async_save
+    )
     kill = [run.KillAfterSave(kill_at)] if kill_at is not None else []
     t = run.trainer(run_dir, [cb, SeedPerRank(), *kill], save_steps=save_steps, ddp_backend="gloo")
     point = cb.resume_point(t)
@@ -62,11 +64,12 @@ def main(argv: list[str]) -> None:
     p.add_argument("--kill-at", type=int)
     p.add_argument("--save-steps", type=int, default=2)
     p.add_argument("--reference", nargs=2)
+    p.add_argument("--async", dest="async_save", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    train(a.run_dir, a.final, a.kill_at, a.save_steps)
+    train(a.run_dir, a.final, a.kill_at, a.save_steps, a.async_save)
     if a.reference is not None:
-        train(*a.reference, None, a.save_steps)
+        train(*a.reference, None, a.save_steps, a.async_save)
 
 
 if __name__ == "__main__":
