@@ -16,6 +16,11 @@ batches k..p-1 are pulled, each from the RNG it was pulled from, and kept for th
 save is put back. From there on the resumed run is the uninterrupted one. The cost is loading k batches
 again (not training on them).
 
+A ``DistributedSampler`` (Lightning's under DDP) draws its shuffle from ``(seed, epoch)``, its epoch set by the
+framework through ``set_epoch``. A framework may start the resumed epoch's iterator before it sets that epoch
+(Lightning does), so the epoch the interrupted iterator started under is recorded too and set again before the
+replay.
+
 Persistent workers (``persistent_workers=True``) keep their random streams across epochs, which no replay of
 one epoch reproduces: they are refused.
 """
@@ -68,6 +73,7 @@ class EpochReplay:
                 "exact resume replays plain DataLoaders: use one or the other"
             )
         self._epoch_start: dict[str, Any] | None = None  # RNG the current epoch's iterator started from
+        self._sampler_epoch: int | None = None  # the set_epoch value it started under (a DistributedSampler)
         self._pulled = 0  # batches pulled from the current iterator
         self._before: deque[tuple[int, dict[str, Any]]] = deque(maxlen=_KEEP)  # (pull, RNG right before it)
         self._plan: dict[str, Any] | None = None
@@ -97,12 +103,15 @@ class EpochReplay:
                 self._pulled - trained,
                 _KEEP,
             )
-        return {
+        position: dict[str, Any] = {
             "epoch_start": self._epoch_start,
             "trained": trained,
             "pulled": self._pulled,
             "in_flight": [s if s is not None else {} for s in in_flight],
         }
+        if self._sampler_epoch is not None:
+            position["sampler_epoch"] = self._sampler_epoch
+        return position
 
     def resume(self, position: Mapping[str, Any] | None, rng_at_save: Mapping[str, Any]) -> None:
         """Replay the epoch ``position`` describes when the loader's next iterator starts, then set the RNG
@@ -127,6 +136,7 @@ class EpochReplay:
             "trained": trained,
             "in_flight": in_flight,
             "at_save": rng_at_save,
+            "sampler_epoch": position.get("sampler_epoch"),  # absent from checkpoints saved before it was kept
         }
         self._start_from = None
 
@@ -142,11 +152,15 @@ class EpochReplay:
         rng = RNGState(torch_generators=_generators(loader))
         if self._start_from is not None:
             rng.load_state_dict(self._start_from)
+        sampler = _epoch_sampler(loader)
         if self._plan is not None:
             rng.load_state_dict(self._plan["epoch_start"])
             if getattr(loader, "next_iter_state", None) is not None:  # torchdata's own resume: we replay instead
                 loader.next_iter_state = None
+            if sampler is not None and self._plan["sampler_epoch"] is not None:
+                sampler.set_epoch(int(self._plan["sampler_epoch"]))  # its shuffle is drawn when the replay pulls
         self._epoch_start = rng.state_dict()
+        self._sampler_epoch = int(sampler.epoch) if sampler is not None else None
         self._pulled = 0
         self._before.clear()
 
@@ -201,6 +215,16 @@ class _ReplayingIterator:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._it, name)
+
+
+def _epoch_sampler(loader: DataLoader[Any]) -> Any:
+    """The loader's sampler when it shuffles by an epoch number set from outside (``DistributedSampler``,
+    Lightning's ``DistributedSamplerWrapper``): an int ``epoch`` and a ``set_epoch``; else None."""
+    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    epoch = getattr(sampler, "epoch", None)
+    if isinstance(epoch, int) and not isinstance(epoch, bool) and callable(getattr(sampler, "set_epoch", None)):
+        return sampler
+    return None
 
 
 def _generators(loader: DataLoader[Any]) -> dict[str, Any]:

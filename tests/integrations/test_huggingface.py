@@ -155,6 +155,21 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path: Path) -> None:
         stray.resume_point(run.trainer(str(tmp_path), []))  # the callback is not the Trainer's
 
 
+def test_several_processes_without_a_collective_manager_are_refused(tmp_path: Path) -> None:
+    """A Trainer of several processes needs the callback's manager to save with all of them (the 2-process runs
+    are test_huggingface_ddp.py); here the Trainer's arguments say 2 and the manager has one process."""
+    from types import SimpleNamespace
+
+    two = SimpleNamespace(world_size=2)
+    cb = TrainstateCallback(tmp_path / "a")
+    with pytest.raises(trainstate.InvalidArgumentError, match="its manager sees 1 .*launch with torchrun"):
+        cb._check_ranks(two, cb.manager)
+    cb = TrainstateCallback(tmp_path / "b", collective=False)
+    with pytest.raises(trainstate.InvalidArgumentError, match="collective=False would have each rank write"):
+        cb._check_ranks(two, cb.manager)
+    cb._check_ranks(SimpleNamespace(world_size=1), cb.manager)  # one process: nothing to check
+
+
 def test_the_callback_added_twice(tmp_path: Path) -> None:
     cb = TrainstateCallback(tmp_path / "ckpt")
     trainer = run.trainer(str(tmp_path), [cb], num_train_epochs=1, eval_strategy="no")  # saves at 3 and 5

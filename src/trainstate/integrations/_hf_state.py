@@ -8,7 +8,8 @@
 * :class:`DeferredRNG` saves the process's generators (an :class:`~trainstate.RNGState`), but restoring it
   holds them until :meth:`DeferredRNG.apply`: the Trainer's loop draws from torch's generator when a data
   loader iterator starts, so the callback puts the generators back at the point of the loop the save was
-  taken at, not when the checkpoint is read.
+  taken at, not when the checkpoint is read. Under a process group it is a per-rank value, as an
+  ``RNGState`` is: each rank saves and gets back its own generators.
 * :class:`Record` is a dict of plain values that comes back as it was saved (the data position).
 """
 
@@ -62,6 +63,10 @@ class TrainerStateView:
     ``TrainerControl``; their ``state()`` goes into ``stateful_callbacks`` as ``Trainer._save_checkpoint`` puts it.
     ``flos`` returns the floating-point operations the Trainer counted since it last added them to ``total_flos``
     (it does at each log and in its own save): they belong to the saved total.
+
+    Under a process group the ranks' snapshots differ (each logs its own run times, counts its own flos), and
+    a collective save takes one value for everyone: the callback sets :attr:`shared` to rank 0's snapshot
+    (with every rank's flos) for the save, as the Trainer writes rank 0's ``trainer_state.json``.
     """
 
     def __init__(self, state: Callable[[], Any], callbacks: Callable[[], list[Any]], flos: Callable[[], float]) -> None:
@@ -70,12 +75,19 @@ class TrainerStateView:
         self._flos = flos
         self.saved: dict[str, Any] | None = None
         self.leave_out_last_log = False  # the Trainer's end-of-training summary, logged before the last save
+        self.shared: dict[str, Any] | None = None  # what every rank saves, set around a collective save
 
     def state_dict(self) -> dict[str, Any]:
+        if self.shared is not None:
+            return self.shared
+        return self.snapshot(float(self._flos()))
+
+    def snapshot(self, flos: float) -> dict[str, Any]:
+        """This process's ``TrainerState`` as the Trainer would save it, with ``flos`` not yet counted added."""
         snapshot: dict[str, Any] = plain(dataclasses.asdict(self._state()))
         if self.leave_out_last_log and snapshot["log_history"]:
             snapshot["log_history"] = snapshot["log_history"][:-1]
-        snapshot["total_flos"] = snapshot["total_flos"] + float(self._flos())
+        snapshot["total_flos"] = snapshot["total_flos"] + flos
         exported: dict[str, Any] = dict(snapshot.get("stateful_callbacks") or {})
         fresh: dict[str, Any] = {}
         for cb in self._callbacks():
@@ -93,7 +105,9 @@ class TrainerStateView:
 
 
 class DeferredRNG:
-    """An :class:`~trainstate.RNGState` whose restore waits for :meth:`apply`."""
+    """An :class:`~trainstate.RNGState` whose restore waits for :meth:`apply`; per rank under a process group."""
+
+    __trainstate_per_rank__ = True
 
     def __init__(self) -> None:
         self.pending: dict[str, Any] | None = None

@@ -28,6 +28,13 @@ everything from the checkpoint, checks that the data position still fits, and pu
 loop was when the checkpoint was taken (after the resumed epoch's first batch is fetched, or before its iterator
 starts at an epoch boundary). With ``seed_per_sample`` (the default) randomness in fetching batches is a function of
 the sample (``_hf_data.py``), so a resume is bit-exact where the Trainer's own is not (transformers #39215).
+
+DDP (several processes, ``torchrun``): every rank builds the callback and its manager, and every rank takes part
+in each save and restore (the manager's collective saves: each rank writes its share of one checkpoint, the
+replicated model and optimizer once between them, compressed / encrypted as in one process). The generators are
+saved per rank; the ``TrainerState`` saved is rank 0's (each rank logs its own run times), as the Trainer writes
+rank 0's ``trainer_state.json``. Rank 0 picks the checkpoint to resume from, and every rank resumes from it, at the
+same number of processes (the data position records it). DeepSpeed and FSDP are refused (:meth:`_check`).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from trainstate._frameworks import load_takes_strict, unwrapped
 from trainstate._manager import CheckpointManager
 from trainstate._manager.newest import newest_restorable
 from trainstate._manager.policies import CheckpointInfo, KeepBest
+from trainstate._manager.ranks import ManagerRanks
 from trainstate._restore.checkpoint import open_checkpoint
 from trainstate.errors import (
     CheckpointError,
@@ -118,12 +126,16 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
     the manager's). A preemption signal (SIGTERM, SIGINT, SIGUSR1) saves at the end of the current step and stops
     training; :attr:`preempted` says so after ``train()`` returns.
 
+    Under DDP (``torchrun``) build the callback on every rank with the same options: the ranks save each checkpoint
+    together (``compression`` and ``key`` included), and a signal that reaches one rank stops and saves them all.
+
     Attributes:
         resumed_from: the step of the checkpoint :meth:`resume_point` picked, or None (a fresh run).
 
     Raises:
         InvalidArgumentError: a save schedule or an unknown option (at once); ``save_strategy="no"``,
-            DeepSpeed, FSDP, several processes, a second TrainstateCallback on the Trainer,
+            DeepSpeed, FSDP, several processes without a collective manager (``collective=False``), a second
+            TrainstateCallback on the Trainer,
             ``load_best_model_at_end`` without a ``keep_best`` on its metric in the Trainer's direction
             (``greater_is_better``), or a fresh start in a directory that holds checkpoints without :meth:`resume_point` having
             looked at them (when training begins).
@@ -270,8 +282,17 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
                         "callback a run directory of its own"
                     ) from None
 
-        # the same choice, and the same fatal errors, as the restore_latest that train() runs (newest.py)
-        found = newest_restorable(manager.list, manager.catalog, trainer_state, doing="resumed from")
+        # the same choice, and the same fatal errors, as the restore_latest that train() runs (newest.py); under a
+        # process group rank 0 verifies and chooses (once, not once per rank) and every rank resumes from its choice
+        ranks = manager._ranks
+        found, failed = None, None
+        if ranks.leader:
+            try:
+                found = newest_restorable(manager.list, manager.catalog, trainer_state, doing="resumed from")
+            except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
+                failed = e
+        ranks.agree(failed, "TrainstateCallback.resume_point()")
+        found = ranks.from_leader(found, "TrainstateCallback.resume_point()")
         if found is not None:
             weights = list(trainer.model.state_dict().keys())
             folder = stand_in.write(plain(found.value), weights, manager.catalog.path(found.name))
@@ -311,7 +332,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
 
     def _begin(self, args: Any, state: Any, kw: dict[str, Any]) -> None:
         self._check(args)
-        self._open()
+        self._check_ranks(args, self._open())
         self._pending = self._saved = None
         self._args, self._loader = args, kw.get("train_dataloader")
         optimizer = kw.get("optimizer")
@@ -332,7 +353,8 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         if self._resume is not None:
             self._restore(args, state)
         elif state.global_step == 0 and self._trainer is None:
-            newest = self._manager.latest()
+            ranks = self._manager._ranks
+            newest = ranks.from_leader(self._manager.latest() if ranks.leader else None, "TrainstateCallback")
             if newest is not None:  # resume_point never looked: most likely forgotten
                 raise InvalidArgumentError(
                     f"{self._manager.directory} already holds checkpoints (the newest: step {newest.step}) and this "
@@ -381,7 +403,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._seen(state, control)
         if self._live is None:
             return control
-        if self._manager._preemption_pending():
+        if self._preempting():
             # saved once this step's logs and evaluation are in the Trainer's state, as a save it decided is:
             # the resumed run starts after this step and would never log it again
             self._pending = state.global_step
@@ -491,6 +513,15 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             )
         self._state, self._control = state, control
 
+    def _preempting(self) -> bool:
+        """Whether a preemption signal is pending: on any rank, under a process group, so that every rank stops
+        after this step and saves it (one all-reduce of a flag per step; the Trainer's DDP step makes several)."""
+        pending = self._manager._preemption_pending()
+        ranks = self._manager._ranks
+        if isinstance(ranks, ManagerRanks):
+            return bool(ranks.control.max([int(pending)], "TrainstateCallback (preemption)")[0])
+        return pending
+
     def _take_over(self, state: Any, control: Any) -> Any:
         """The Trainer is about to save: write the checkpoint instead, after this step's logging and evaluation."""
         if self._live is not None and control.should_save:
@@ -518,11 +549,27 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         self._policy.reason = f"Trainer save_strategy={strategy!r}" + (
             f", save_steps={args.save_steps}" if strategy == "steps" else ""
         )
+        self._trainer_state.shared = self._agreed_trainer_state()
         try:
             self._manager.save(step, self._live, metrics=metrics, epoch=epoch)
         finally:
             self._policy.due = None
+            self._trainer_state.shared = None
         self._saved = step
+
+    def _agreed_trainer_state(self) -> dict[str, Any] | None:
+        """Under a process group: the ``TrainerState`` every rank saves, rank 0's (each rank logs its own run
+        times), with the flos every rank counted since the Trainer last summed them (as ``Trainer.store_flos``
+        does). None in one process, where the state is read as the save encodes it."""
+        ranks = self._manager._ranks
+        if not isinstance(ranks, ManagerRanks):
+            return None
+        flos = self._flos()
+        mine = self._trainer_state.snapshot(0.0) if ranks.leader else None
+        got = ranks.control.all_gather((mine, flos), "TrainstateCallback (the TrainerState)")
+        agreed: dict[str, Any] = got[0][0]
+        agreed["total_flos"] = agreed["total_flos"] + sum(f for _, f in got)
+        return agreed
 
     def _flos(self) -> float:
         """The Trainer's floating-point operations not yet in ``total_flos`` (``Trainer.store_flos`` adds them)."""
@@ -632,13 +679,10 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
             )
         if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
             raise InvalidArgumentError(
-                "TrainstateCallback does not support DeepSpeed or FSDP yet (their model and optimizer are sharded "
-                "across processes): train without them, or keep the Trainer's own checkpoints"
-            )
-        if int(args.world_size) > 1:
-            raise InvalidArgumentError(
-                f"TrainstateCallback runs in one process for now, and this Trainer has {args.world_size}: train in one "
-                "process, or keep the Trainer's own checkpoints"
+                "TrainstateCallback does not support DeepSpeed or FSDP yet: their model and optimizer are sharded "
+                "across processes (DeepSpeed's ZeRO partitions, FSDP's flat parameters), which the callback would "
+                "have to save through their own sharded state dicts, and that is neither built nor tested; train "
+                "with DDP (several processes, torchrun) or in one process, or keep the Trainer's own checkpoints"
             )
         if args.load_best_model_at_end:
             metric = _eval_name(args.metric_for_best_model or "loss")
@@ -656,6 +700,21 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
                     f"which retention must keep{found}: pass keep_best=({metric!r}, {mode!r}, 1) to TrainstateCallback"
                 )
 
+    def _check_ranks(self, args: Any, manager: CheckpointManager) -> None:
+        """Under DDP every rank's manager saves its part of one checkpoint together (a collective save)."""
+        world = int(args.world_size)
+        if world > 1 and manager._ranks.world != world:
+            why = (
+                "collective=False would have each rank write the same checkpoints over the others'"
+                if self._options.get("collective") is False
+                else f"its manager sees {manager._ranks.world} (no torch.distributed process group)"
+            )
+            raise InvalidArgumentError(
+                f"the Trainer runs in {world} processes, and TrainstateCallback saves collectively with all of them, "
+                f"but {why}: launch with torchrun (the Trainer then starts the process group), and leave "
+                "collective= unset"
+            )
+
     def _load_best(self, args: Any, state: Any) -> None:
         """Load the model of the checkpoint the Trainer records as best (``best_global_step``: on a tie, the
         first), else the best by the metric; ``state.best_model_checkpoint`` then names it. Set here, after the
@@ -667,6 +726,8 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         best = kept.get(getattr(state, "best_global_step", None) or -1)
         if best is None:
             best = self._manager.best(metric, "max" if args.greater_is_better else "min")
+        ranks = self._manager._ranks  # under a process group every rank restores rank 0's choice (collectively)
+        best = ranks.from_leader(best, "TrainstateCallback (load_best_model_at_end)")
         if best is None:
             log.warning("TrainstateCallback: no checkpoint has the metric %r; keeping the last model", metric)
             return

@@ -7,6 +7,11 @@ written in the background — and ``ckpt_path="last"`` / ``"best"`` / a path loa
 callback that also saves what Lightning leaves out (the random number generators and the data loader's place
 in its epoch), so a run killed mid-epoch and resumed ends bit-identical to one never interrupted.
 
+Under DDP Lightning hands the checkpoint to rank 0 alone, which saves it as one process does (compression and
+encryption included); ``ExactResume`` gathers every rank's generators and data position into it, and each rank
+gets its own back. FSDP, ``ModelParallelStrategy`` and DeepSpeed write their checkpoints with their own code, not
+through a ``CheckpointIO``: the plugin does not reach them.
+
 Works with ``lightning`` (``import lightning as L``) and ``pytorch_lightning``; ``pip install
 "trainstate[lightning]"``. docs/lightning.md has the details.
 
@@ -538,7 +543,9 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
 
     def state_dict(self) -> dict[str, Any]:
         """What Lightning stores for this callback in each checkpoint: the random generators and the
-        DataLoader's place in its epoch, as tensors.
+        DataLoader's place in its epoch, as tensors. Under DDP (a torch.distributed process group) it also
+        holds every rank's, under ``ranks`` (gathered from every rank: Lightning builds the checkpoint on each,
+        then rank 0 writes it), and each rank gets its own back at the same number of ranks.
 
         Example:
             >>> sorted(ExactResume().state_dict())
@@ -564,6 +571,9 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
                 position = self._replay.position(trained)
                 if position is not None:
                     state["loader"] = _tensors_only(position)
+        ranks = _every_rank(state)
+        if ranks is not None:  # DDP: rank 0 writes the checkpoint, but each rank's generators are its own
+            state["ranks"] = ranks
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -577,7 +587,7 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         if trainer is None or trainer.state.fn != "fit":
             return  # validate / test / predict from a checkpoint: nothing to resume
         self._resumed = True
-        state = _on_cpu(state_dict)
+        state = _own_rank(_on_cpu(state_dict))
         RNGState().load_state_dict(state["rng"])  # an epoch that ended at the save starts from it
         self._pending = state
         if self._replay is not None and self._loader is not None and self._loader() is not None:
@@ -633,6 +643,49 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         if self._replay is not None and loader is not None:
             self._replay.close(loader)
         self._replay, self._loader = None, None
+
+
+def _every_rank(state: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Under torch.distributed (Lightning's DDP), every rank's ``state``, by rank; None in one process.
+    Lightning builds the checkpoint on every rank (then rank 0 alone writes it), so every rank is here."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    # as NumPy arrays: torch's unpickling of a tensor's storage in all_gather_object fails on CPU
+    dist.all_gather_object(gathered, _arrays({k: v for k, v in state.items() if k != "ranks"}))
+    return [_tensors_only(one) for one in gathered]
+
+
+def _arrays(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, Mapping):
+        return {k: _arrays(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_arrays(v) for v in value]
+    return value
+
+
+def _own_rank(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """This rank's part of a saved ExactResume state: its own generators and data position when the
+    checkpoint holds every rank's (saved under DDP) and the world size is the same; else the state saved
+    (rank 0's), with a warning when the ranks' do not fit."""
+    ranks = state.get("ranks")
+    if not ranks:
+        return state
+    dist = torch.distributed
+    initialized = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    if world != len(ranks):
+        warnings.warn(
+            f"ExactResume: this checkpoint holds the random generators of {len(ranks)} ranks and the run has "
+            f"{world}: every rank takes rank 0's, so the resume is not exact; resume with {len(ranks)} ranks for that",
+            stacklevel=3,
+        )
+        return state
+    own: Mapping[str, Any] = ranks[rank]
+    return own
 
 
 def _tensors_only(value: Any) -> Any:
