@@ -10,17 +10,18 @@ rank in a session of its own). At once a new job starts (at 4 ranks: the test's 
 up); it resumes each feature set's run from that run's newest checkpoint, one after the other, and trains to
 the end. Each must end bit-identical (weights, AdamW moments, each rank's next random draws) to an
 uninterrupted run of the same program (on the ranks of tests/ranks.py). The newest checkpoint of each
-killed-and-resumed run (at 4 ranks: of the zstd + key run) then restores on 1 and on 3 ranks to the values
-a single process reads from it, which are the uninterrupted run's final values.
+killed-and-resumed run (at 4 ranks: of the zstd + key + incremental run) then restores on 1 and on 3 ranks
+to the values a single process reads from it, which are the uninterrupted run's final values.
 
-Adding a feature set (``{"compression": "zstd", "key": KEY, "incremental": True}`` once collective saves
-take ``incremental=True``) is one entry in FEATURE_SETS.
+The feature sets are zstd, a key, and zstd + key + incremental (which covers zstd + key): adding one is one
+entry in FEATURE_SETS.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,12 +47,12 @@ KEY = "5e" * 32
 FEATURE_SETS = {  # name -> CheckpointManager arguments
     "zstd": {"compression": "zstd"},
     "key": {"key": KEY},
-    "zstd+key": {"compression": "zstd", "key": KEY},
+    "zstd+key+incremental": {"compression": "zstd", "key": KEY, "incremental": True},
 }
 STEPS, EVERY = 25, 4  # saves at 0, 4, ..., 24: the newest checkpoint holds the final state
 PACE = 0.2  # seconds the killed job sleeps after each step: time to see its checkpoints and kill it mid-run
 # The runs whose newest checkpoint is restored on 1 and on 3 ranks (seconds of CPU each), per world size
-RESTORED_ELSEWHERE = {2: set(FEATURE_SETS), 4: {"zstd+key"}}
+RESTORED_ELSEWHERE = {2: set(FEATURE_SETS), 4: {"zstd+key+incremental"}}
 # Where the killed job resumes: a new torchrun job (fresh interpreters, as after a preemption), or, at 4 ranks,
 # the test's rank processes (tests/ranks.py), already up: a 4-rank torchrun job costs over 30 s of CPU.
 RESUME_IN_A_NEW_JOB = {2: True, 4: False}
@@ -182,7 +183,10 @@ def _check_run(base: Path, job: dict, world: int, name: str) -> None:
     newest = directory / f"step_{STEPS - 1:08d}"
     key = FEATURE_SETS[name].get("key")
     pipelines, files = _transforms(newest)
-    assert {f.split("-")[1] for f in files} == {f"r{r:05d}" for r in range(world)}  # each rank wrote its shards
+    writers = {re.search(r"-(r\d{5})-", f).group(1) for f in files}  # type: ignore[union-attr]
+    assert writers == {f"r{r:05d}" for r in range(world)}  # each rank wrote its shards
+    if FEATURE_SETS[name].get("incremental"):  # in the run's pool, files named per save and rank
+        assert all(f.startswith("pool-") and (directory / "_shared" / f).is_file() for f in files), files
     if "compression" in FEATURE_SETS[name]:
         assert any("zstd" in p for p in pipelines), (name, pipelines)
     if key is not None:
