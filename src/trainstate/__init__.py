@@ -37,6 +37,7 @@ from trainstate._restore import load
 from trainstate._restore.checkpoint import Checkpoint, TensorInfo
 from trainstate._restore.checkpoint import open_checkpoint as open
 from trainstate._rng import RNGState
+from trainstate._sample_stream import GlobalBatches
 from trainstate._save import SaveResult
 from trainstate._saving import save
 from trainstate._state import PerRank, Stateful
@@ -110,6 +111,7 @@ __all__ = [
     "FileInfo",
     "FormatVersionError",
     "FsspecStorage",
+    "GlobalBatches",
     "HistoryEntry",
     "IncompleteCheckpointError",
     "InvalidArgumentError",

@@ -16,6 +16,7 @@ pytest.importorskip("torch.distributed")
 
 import dist_workers_elastic as workers  # noqa: E402
 import ranks  # noqa: E402
+from helpers import cli  # noqa: E402
 from trainstate._sample_stream import SampleStream  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is missing")
@@ -90,6 +91,16 @@ def test_a_job_killed_on_4_ranks_resumed_on_2_3_1_2_4_consumes_every_sample_once
         assert (duplicated, dropped) == (0, 0)
     # every epoch record of the kept log matches the epoch its step belongs to
     assert all(r["epoch"] == r["step"] // per_epoch for r in kept)
+    # the checkpoint says what it holds: the world size that saved it and the global data position
+    newest = sorted((tmp_path / "run").glob("step_*"))[-1]
+    shown = cli("inspect", str(newest)).stdout
+    assert "data position (sampler)" in shown and "restores on any number of ranks" in shown, shown
+    info = json.loads(cli("inspect", "--json", str(newest)).stdout)
+    (position,) = info["data_positions"]
+    assert info["world_size"] == 4 and position["global_batch_size"] == workers.GLOBAL_BATCH
+    step = int(newest.name.split("_")[1])  # the optimizer steps done: one global batch each
+    assert position["epoch"] * per_epoch + position["batches"] == step + 1, position
+    assert position["samples"] == position["batches"] * workers.GLOBAL_BATCH
 
     # the same samples' augmentation draws as an uninterrupted run (here on 4 ranks, never killed)
     (tmp_path / "reference").mkdir()

@@ -62,6 +62,7 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
         metadata = ck.metadata
         metadata_values = leaves(ck.manifest.metadata)
         shared, manifest_nbytes = shared_size(ck), manifest_size(ck.storage, ck.path)
+        positions = _positions(leaves(ck.manifest.tree))
         head = {
             "path": path,
             "format_version": ck.manifest.format_version,
@@ -78,6 +79,7 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
             "manifest_nbytes": manifest_nbytes,
             "tensor_count": len(ck.keys()),
             "transforms": transforms,
+            "data_positions": positions,
         }
     tensor_bytes = sum(i.nbytes for i in infos)
     stored_bytes = sum(n for n, _ in stored.values())
@@ -121,6 +123,7 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
                 + _shared_text(head),
             ),
             ("tensors", str(head["tensor_count"])),
+            *((f"data position ({p['path']})", str(p["text"])) for p in positions),
             *(
                 [
                     (
@@ -177,6 +180,37 @@ def inspect(out: Printer, path: str, pattern: str | None, *, chunks: bool = Fals
     on_disk = f", stored in {_ratio(tensor_bytes, stored_bytes)}" if transforms else ""
     out.line(f"{shown}, {size(tensor_bytes)} ({tensor_bytes} bytes){on_disk}")
     return 0
+
+
+def _positions(values: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """Every global sample stream's position in the state (a ResumableSampler with global_batch_size, a
+    GlobalBatches): where it holds ``global_batch_size``, ``epoch``, ``batches`` and ``samples`` side by side."""
+    plain = dict(values)
+    out = []
+    for path, value in values:
+        if not path.endswith(".global_batch_size") and path != "global_batch_size":
+            continue
+        at = path[: -len("global_batch_size")]
+        epoch, batches, samples = (plain.get(at + k) for k in ("epoch", "batches", "samples"))
+        if not all(type(v) is int for v in (value, epoch, batches, samples)):
+            continue
+        world = plain.get(at + "world_size")
+        text = (
+            f"epoch {epoch}, {samples} samples consumed ({batches} global batches of {value})"
+            + (f", by {world} ranks" if type(world) is int else "")
+            + ": restores on any number of ranks"
+        )
+        out.append(
+            {
+                "path": at.rstrip(".") or "<root>",
+                "epoch": epoch,
+                "samples": samples,
+                "batches": batches,
+                "global_batch_size": value,
+                "text": text,
+            }
+        )
+    return out
 
 
 def _shared_text(head: dict[str, Any]) -> str:
