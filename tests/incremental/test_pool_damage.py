@@ -185,6 +185,18 @@ def test_when_every_checkpoint_shares_one_damaged_pool_file_the_error_says_the_w
         assert mgr.restore_latest(target, exclude="base") == 3 and target["w"][0] == 2
 
 
+def test_when_the_whole_pool_is_gone_the_error_says_so_not_to_exclude_tensors(tmp_path: Path) -> None:
+    import shutil
+
+    with manager(tmp_path) as mgr:
+        for step in range(3):
+            mgr.save(step, state(step))
+    shutil.rmtree(tmp_path / "_shared")  # deleted by hand
+    with manager(tmp_path) as mgr, pytest.raises(trainstate.CorruptCheckpointError, match="_shared/\\) is gone") as e:
+        mgr.restore_latest(state(0))
+    assert "exclude=" not in str(e.value)
+
+
 def test_a_run_whose_pool_links_to_another_runs_pool_is_refused_and_collects_nothing(tmp_path: Path) -> None:
     """Run b's _shared linked to run a's (to keep a frozen base once): each run's collection deleted the
     other's pool files, so a's checkpoints lost their bytes to b's retention."""

@@ -114,6 +114,11 @@ class Restorer:
 
 
 def _advice(failures: list[tuple[str, str]]) -> str:
+    if any("shared pool" in why and "does not exist" in why for _, why in failures):
+        return (
+            "\nThe run's shared pool (_shared/) is gone, and with it the bytes of every checkpoint of this "
+            "incremental run: put it back (from a copy of the whole run directory), or start over in a fresh one."
+        )
     shared = (
         " In an incremental run the checkpoints share the pool's files, so one damaged pool file damages every "
         "checkpoint that names it: restore_latest(state, exclude=[the tensors named above]) restores the rest "
