@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "trainstate"
 # The layers, from the ground up: each name is a top-level module or subpackage of trainstate.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "_arguments", "_optional", "_gc", "_hashes", "_checksum", "_version", "_cores"),  # leaves
-    ("_keys", "_rng", "_seeding", "_data", "_replay"),  # keys, RNG capture, seeding, the data position
+    ("_keys", "_rng", "_seeding", "_sample_stream", "_data", "_replay"),  # keys, RNG, seeding, the data position
     ("_transforms",),  # chunk codecs: zstd, AES-GCM
     ("_tree",),  # the state tree: nodes, the walker, the JSON grammar, decode
     ("_format",),  # manifest, data files, dtypes, archive, the run directory's names
