@@ -120,6 +120,15 @@ def save(directory: str, process: int) -> dict[str, Any]:
             }
             mgr.save(step, part)
         out["inc_written"] = {r.step: r.nbytes for r in mgr.history()}
+    # the global sample stream: each process takes its micro-batches; the position saved is the job's
+    batches = trainstate.GlobalBatches(60, global_batch_size=12, seed=4, rank=process, world_size=2, micro_batches=2)
+    taken = []
+    for part in batches:
+        taken.append(part.tolist())
+        if len(taken) == 6:  # three global batches
+            break
+    trainstate.save(f"{directory}/stream", {"data": batches, "step": 3})
+    out["stream_taken"] = taken
     out["solo"] = error_of(lambda: trainstate.save(f"{directory}/solo{process}", state, collective=False))
     for i in range(8):  # many saves, each exchanging through the store
         trainstate.save(f"{directory}/many/{i}", {"step": state["step"]})

@@ -157,6 +157,20 @@ def test_an_incremental_run_of_two_processes_shares_the_frozen_shards_and_restor
         assert np.array_equal(ck.read("moving"), np.full((64, 8), 2.0, np.float32))
 
 
+def test_a_global_sample_stream_two_processes_took_part_of_continues_in_one(saved) -> None:
+    from trainstate._sample_stream import SampleStream
+
+    directory, results = saved
+    one = trainstate.GlobalBatches(60, global_batch_size=12, seed=4, world_size=1, micro_batches=4)
+    trainstate.load(directory / "stream", {"data": one, "step": 0})
+    assert one.state_dict()["batches"] == 3 and one.state_dict()["world_size"] == 1
+    rest = [i for part in one for i in part.tolist()]
+    order = SampleStream(60, 12, seed=4).order(0).tolist()
+    # what the two processes took, global batch by global batch (process 0's slice, then process 1's)
+    taken = [[i for r in (0, 1) for m in results[r]["stream_taken"][2 * b : 2 * b + 2] for i in m] for b in range(3)]
+    assert [i for batch in taken for i in batch] + rest == order  # each sample once, in the global order
+
+
 def test_one_process_restores_them_onto_one_device_and_onto_its_own_mesh(saved) -> None:
     from jax_processes import check, state_on, zeros_like
 
