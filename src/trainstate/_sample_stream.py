@@ -207,6 +207,13 @@ class GlobalBatches:
 
     @property
     def epoch(self) -> int:
+        """The epoch being iterated (the next one, once an epoch's iterator ran to its end).
+
+        Example:
+            >>> batches = trainstate.GlobalBatches(60, global_batch_size=12)
+            >>> _ = list(batches); batches.epoch
+            1
+        """
         return self.position.epoch
 
     def __iter__(self) -> Iterator[np.ndarray]:
@@ -224,9 +231,20 @@ class GlobalBatches:
         return (self.stream.batches - p.batches) * self.micro_batches - p.micro
 
     def state_dict(self) -> dict[str, Any]:
-        """The global position (the same on every rank): restores at any world size."""
+        """The global position (the same on every rank): restores at any world size.
+
+        Example:
+            >>> batches = trainstate.GlobalBatches(60, global_batch_size=12)
+            >>> _ = next(iter(batches)); batches.state_dict()["batches"]
+            1
+        """
         return self.position.state(self.stream, self.world_size, self.micro_batches)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved stream at its next global batch (see :meth:`Position.load`)."""
+        """Continue the saved stream at its next global batch (see :meth:`Position.load`).
+
+        Example:
+            >>> three = trainstate.GlobalBatches(60, global_batch_size=12, rank=0, world_size=3)
+            >>> three.load_state_dict(saved_by_four_ranks)   # usually through trainstate.load / restore_latest
+        """
         self.position.load(dict(state), self.stream, self.world_size, self.micro_batches)
