@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -163,3 +164,24 @@ def make_training_state(seed: int = 0, steps: int = 2) -> dict[str, Any]:
 def fresh_like(seed: int = 123) -> dict[str, Any]:
     """The same structure, untrained, with different weights."""
     return make_training_state(seed=seed, steps=0)
+
+
+def torchrun(script: Path, *args: object, env: dict[str, str], nproc: int = 2) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --nproc_per_node NPROC SCRIPT ARGS`` on a free loopback port, its
+    output (stdout and stderr together) captured; a launch that hangs is stopped (SIGTERM, which torchrun
+    passes to its workers) and fails the test with its output."""
+    import pytest
+
+    import ranks
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(ranks.free_port()), str(script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        try:
+            out, _ = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=60)
+            pytest.fail("the launch hung:\n" + out[-6000:])
+    return subprocess.CompletedProcess(command, proc.returncode, out, "")

@@ -10,10 +10,7 @@ resumes it and, in the same processes, trains the uninterrupted reference.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +21,8 @@ pytest.importorskip("zstandard")
 pytest.importorskip("cryptography")
 torch = pytest.importorskip("torch")
 
-import ranks  # noqa: E402
 import trainstate  # noqa: E402
+from helpers import torchrun  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is missing")
 
@@ -34,17 +31,7 @@ KEY = "3c" * 32
 
 
 def _launch(*args: object) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TRAINSTATE_TEST_KEY": KEY, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(ranks.free_port()), str(SCRIPT), *map(str, args)]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-        try:
-            out, _ = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # torchrun passes it to its workers
-            out, _ = proc.communicate(timeout=60)
-            pytest.fail("the launch hung:\n" + out[-6000:])
-    return subprocess.CompletedProcess(command, proc.returncode, out, "")
+    return torchrun(SCRIPT, *args, env={"TRAINSTATE_TEST_KEY": KEY})
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
