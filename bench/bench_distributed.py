@@ -18,12 +18,10 @@ Each time is the slowest rank's (barrier, operation, barrier), median of ``--rou
 of warm-up; every load is checked against the saved values. Beside them, what the disk allows: a raw sequential write with fsync
 and a read of the same bytes from one process (bench_core.save_raw / load_raw).
 
-The features (compression, encryption, incremental) beside DCP: bench_distributed_features.py, run from
-here after the comparison above (on the world sizes above 1), or alone with ``--features``.
+The features (compression, encryption, incremental) beside DCP: bench_distributed_features.py.
 
     .venv/bin/python bench/bench_distributed.py --simulate --ranks 1024 --tensors 1000
     .venv/bin/python bench/bench_distributed.py --ranks 1,2,4 --rounds 3
-    .venv/bin/python bench/bench_distributed.py --ranks 2,4 --features plain,zstd,key,zstd+key,incremental
 """
 
 from __future__ import annotations
@@ -398,26 +396,12 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048, help="real ranks: each linear layer is width x width")
     ap.add_argument("--layers", type=int, default=8, help="real ranks: linear layers (8 x 2048^2: 0.40 GB)")
     ap.add_argument("--dir", help="real ranks: where checkpoints go (default: the temporary directory)")
-    from bench_distributed_features import ALL_FEATURES, bench_features
-
-    ap.add_argument(
-        "--features",
-        help=f"real ranks: only the feature section, trainstate with these beside DCP (of {','.join(ALL_FEATURES)};"
-        " default: the comparison above, then the feature section with all of them on the world sizes above 1)",
-    )
-    ap.add_argument("--steps", type=int, default=8, help="feature section: AdamW steps of fine-tuning")
     args = ap.parse_args()
     if args.simulate:
         report_simulation(int(args.ranks or 1024), args.tensors, args.repeats)
         return
     worlds = [int(x) for x in (args.ranks or "1,2,4").split(",")]
-    features = args.features.split(",") if args.features else ALL_FEATURES
-    unknown = sorted(set(features) - set(ALL_FEATURES))
-    if unknown:
-        ap.error(f"--features: unknown {', '.join(unknown)} (known: {', '.join(ALL_FEATURES)})")
-    if not args.features:
-        bench_ranks(worlds, args.rounds, args.width, args.layers, args.dir)
-    bench_features([w for w in worlds if w > 1 or args.features], args.rounds, args.steps, features, args.dir)
+    bench_ranks(worlds, args.rounds, args.width, args.layers, args.dir)
 
 
 if __name__ == "__main__":

