@@ -195,6 +195,10 @@ def test_when_the_whole_pool_is_gone_the_error_says_so_not_to_exclude_tensors(tm
     with manager(tmp_path) as mgr, pytest.raises(trainstate.CorruptCheckpointError, match="_shared/\\) is gone") as e:
         mgr.restore_latest(state(0))
     assert "exclude=" not in str(e.value)
+    from helpers import cli
+
+    shown = cli("ls", str(tmp_path), code=None).stdout  # not "complete": none of them loads
+    assert "pool missing" in shown and "0 complete" in shown and "3 pool missing" in shown, shown
 
 
 def test_a_run_whose_pool_links_to_another_runs_pool_is_refused_and_collects_nothing(tmp_path: Path) -> None:

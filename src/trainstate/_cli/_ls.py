@@ -144,7 +144,13 @@ def directory_rows(directory: str, key_env: str | None = None) -> list[dict[str,
         logger.setLevel(level)
     rows = [_row(i, i.path, manifest_size(backend, i.path)) for i in infos]
     listed = {i.name for i in infos}
-    for name in backend.list(root):
+    entries = backend.list(root)
+    if POOL_DIR not in entries:  # an incremental run whose pool is gone: its checkpoints cannot load
+        for listed_row, info in zip(rows, infos):
+            if info.pooled:
+                listed_row["status"] = "pool missing"
+                listed_row["note"] = f"its data files were in {POOL_DIR}/, which is gone"
+    for name in entries:
         path = backend.join(root, name)
         if name in listed or not _is_dir(backend, path):
             continue
@@ -234,9 +240,13 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
     )
     for r in rows:
         status = r["status"] if not r["note"] else f"{r['status']}: {clip(r['note'], 70)}"
-        style = {"incomplete": "yellow", "deleting": "dim", "corrupt": "red", "newer format": "magenta"}.get(
-            r["status"]
-        )
+        style = {
+            "incomplete": "yellow",
+            "deleting": "dim",
+            "corrupt": "red",
+            "pool missing": "red",
+            "newer format": "magenta",
+        }.get(r["status"])
         t.add(
             r["name"],
             "" if r["step"] is None else r["step"],
@@ -250,7 +260,7 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
         )
     out.table(t)
     complete = [r for r in rows if r["status"] == "complete"]
-    others = {s: sum(r["status"] == s for r in rows) for s in ("incomplete", "deleting", "corrupt")}
+    others = {s: sum(r["status"] == s for r in rows) for s in ("incomplete", "deleting", "corrupt", "pool missing")}
     extra = "".join(f", {n} {s}" for s, n in others.items() if n)
     if pool:  # checkpoints share the pool's files: their sizes overlap
         out.line(f"{len(complete)} complete{extra}; {size(pool)} in the shared pool, which they share")
