@@ -204,6 +204,7 @@ class GlobalBatches:
         self.micro_batches = _count(micro_batches, "micro_batches")
         self.stream.check(self.world_size, self.micro_batches)
         self.position = Position()
+        self._taken = 0  # micro-batches of the epoch taken when the current iteration began (its len)
 
     @property
     def epoch(self) -> int:
@@ -211,6 +212,13 @@ class GlobalBatches:
 
     def __iter__(self) -> Iterator[np.ndarray]:
         """The rest of the current epoch's micro-batches for this rank; the epoch ends with the iterator."""
+        p = self.position
+        if p.batches >= self.stream.batches:  # a loop took the last micro-batch and stopped (zip, islice)
+            p.next_epoch()
+        self._taken = p.batches * self.micro_batches + p.micro
+        return self._rest()
+
+    def _rest(self) -> Iterator[np.ndarray]:
         p, k = self.position, self.micro_batches
         while p.batches < self.stream.batches:
             parts = self.stream.share(p.epoch, p.batches, self.rank, self.world_size, k)
@@ -218,10 +226,11 @@ class GlobalBatches:
             p.received(k)
             yield part
         p.next_epoch()
+        self._taken = 0
 
     def __len__(self) -> int:
-        p = self.position
-        return (self.stream.batches - p.batches) * self.micro_batches - p.micro
+        """The micro-batches of the epoch this iteration yields (fixed while it runs)."""
+        return self.stream.batches * self.micro_batches - self._taken
 
     def state_dict(self) -> dict[str, Any]:
         """The global position (the same on every rank): restores at any world size."""
@@ -229,4 +238,6 @@ class GlobalBatches:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved stream at its next global batch (see :meth:`Position.load`)."""
-        self.position.load(dict(state), self.stream, self.world_size, self.micro_batches)
+        p = self.position
+        p.load(dict(state), self.stream, self.world_size, self.micro_batches)
+        self._taken = p.batches * self.micro_batches + p.micro

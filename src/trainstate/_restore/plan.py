@@ -362,6 +362,13 @@ class Restorer:
                     target.load_state_dict(state, strict=self.strict)
                 else:
                     target.load_state_dict(state)
+            except StateMismatchError as e:  # stays one (what the docs promise), its keys under this one's
+                raise StateMismatchError(
+                    [f"{key}.{k}" for k in e.missing],
+                    [f"{key}.{k}" for k in e.unexpected],
+                    [(f"{key}.{k}", want, got) for k, want, got in e.mismatched],
+                    hint=e.hint,
+                ) from e
             except Exception as e:
                 raise CheckpointError(f"{key}: {type(target).__name__}.load_state_dict failed: {e}") from e
             return held
