@@ -183,3 +183,12 @@ def test_dropout_after_a_resume_at_the_same_world_size_is_bit_identical(tmp_path
     _train(resumed, loader2, save_at + 1, 9)
     for a, b in zip(state["model"].parameters(), resumed["model"].parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_restore_that_brings_another_seed_is_not_served_the_cached_order_of_the_old_one():
+    saved_run = trainstate.GlobalBatches(TOTAL, global_batch_size=G, seed=SEED)
+    next(iter(saved_run))
+    resumed = trainstate.GlobalBatches(TOTAL, global_batch_size=G, seed=0)
+    next(iter(resumed))  # a sanity batch before the restore: epoch 0's order of seed 0, cached
+    resumed.load_state_dict(saved_run.state_dict())
+    assert next(iter(resumed)).tolist() == _order(0)[G : 2 * G]

@@ -64,7 +64,7 @@ class SampleStream:
                 f"{self.total} samples: every epoch would be empty"
             )
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
-        self._cached: tuple[int, np.ndarray] | None = None
+        self._cached: tuple[tuple[int, int], np.ndarray] | None = None  # (seed, epoch): a restore sets the seed
 
     @property
     def batches(self) -> int:
@@ -74,7 +74,7 @@ class SampleStream:
 
     def order(self, epoch: int) -> np.ndarray:
         """The epoch's global stream: ``batches * global_batch_size`` indices."""
-        if self._cached is not None and self._cached[0] == epoch:
+        if self._cached is not None and self._cached[0] == (self.seed, epoch):
             return self._cached[1]
         if self.shuffle:
             order = np.random.Generator(np.random.PCG64([self.seed & (2**63 - 1), epoch])).permutation(self.total)
@@ -83,7 +83,7 @@ class SampleStream:
         n = self.batches * self.global_batch_size
         if n > self.total:
             order = np.concatenate([order, np.resize(order, n - self.total)])
-        self._cached = (epoch, order[:n])
+        self._cached = ((self.seed, epoch), order[:n])
         return self._cached[1]
 
     def check(self, world: int, micro_batches: int) -> None:
