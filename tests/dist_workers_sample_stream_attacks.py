@@ -75,3 +75,26 @@ def load_with_another_global_batch(rank: int, world: int, path: str) -> str:
     except trainstate.CheckpointError as e:
         return f"{type(e).__name__}: {e}"
     return "loaded"
+
+
+def _either(world: int, rank: int, global_stream: bool) -> tuple[trainstate.ResumableSampler, Any]:
+    if global_stream:
+        return _sampler(world, rank)
+    sampler = trainstate.ResumableSampler(40, seed=3, num_replicas=world, rank=rank)
+    return sampler, sampler.attach(torch.utils.data.DataLoader(list(range(40)), batch_size=4, sampler=sampler))
+
+
+def save_either(rank: int, world: int, path: str, global_stream: bool) -> None:
+    sampler, loader = _either(world, rank, global_stream)
+    it = iter(loader)
+    next(it)
+    trainstate.save(path, {"sampler": sampler})
+
+
+def load_either(rank: int, world: int, path: str, global_stream: bool) -> str:
+    sampler, _ = _either(world, rank, global_stream)
+    try:
+        trainstate.load(path, {"sampler": sampler})
+    except trainstate.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"

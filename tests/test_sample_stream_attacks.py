@@ -192,3 +192,9 @@ def test_a_restore_that_brings_another_seed_is_not_served_the_cached_order_of_th
     next(iter(resumed))  # a sanity batch before the restore: epoch 0's order of seed 0, cached
     resumed.load_state_dict(saved_run.state_dict())
     assert next(iter(resumed)).tolist() == _order(0)[G : 2 * G]
+
+
+def test_a_numpy_integer_length_is_a_length():
+    """``GlobalBatches(x.shape[0])`` of a JAX/NumPy loop can be a NumPy integer: it raised "has no len()"."""
+    assert len(trainstate.GlobalBatches(np.int64(TOTAL), global_batch_size=G)) == TOTAL // G
+    assert len(trainstate.ResumableSampler(np.int64(TOTAL), global_batch_size=G)) == TOTAL // G

@@ -195,7 +195,7 @@ class GlobalBatches:
         world_size: int = 1,
         micro_batches: int = 1,
     ) -> None:
-        total = data_source if isinstance(data_source, int) else len(data_source)
+        total = int(data_source) if isinstance(data_source, (int, np.integer)) else len(data_source)
         self.stream = SampleStream(total, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
         self.world_size = _count(world_size, "world_size")
         self.rank = _count(rank, "rank", 0)

@@ -43,3 +43,20 @@ def test_named_generators_are_rederived_per_rank_and_the_same_in_every_resume(tm
     for r in range(2):  # the named ones were re-derived too, not left as restored or as built
         assert three[r][3:] != same[r][3:], r
     assert ranks.ok(ranks.run(1, workers.restore_rng, run)) == [three[0]]  # rank 0's rule does not depend on R
+
+
+def test_a_per_rank_sampler_checkpoint_and_a_global_one_are_told_apart_on_two_ranks(tmp_path):
+    """Switching between ResumableSampler() and ResumableSampler(global_batch_size=) across a resume: the
+    global position saved by 2 ranks was described as 'one value saved by one process' (with a hint about a
+    change of world size that did not happen)."""
+    for saved_global in (False, True):
+        path = str(tmp_path / f"c{saved_global}")
+        ranks.ok(ranks.run(2, workers.save_either, path, saved_global))
+        out = ranks.run(2, workers.load_either, path, not saved_global)
+        for message in out:
+            assert message.startswith("StateMismatchError"), out
+            if saved_global:
+                assert "one value for every rank (saved so by 2 ranks" in message, out
+                assert "world size" not in message, out
+            else:
+                assert "ResumableSampler (one value for every rank), checkpoint has values saved per rank" in message
