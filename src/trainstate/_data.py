@@ -22,7 +22,7 @@ ResumableSampler gets it from ``attach()``; any other map-style loader (torchdat
 from __future__ import annotations
 
 import logging
-import numbers
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sized
 from typing import Any, Protocol, TypeVar
@@ -106,7 +106,7 @@ class ResumableSampler(Sampler[int]):
             raise InvalidArgumentError(
                 f"ResumableSampler: rank must be in 0..num_replicas-1, got rank={rank} of num_replicas={num_replicas}"
             )
-        self.total = int(data_source) if isinstance(data_source, numbers.Integral) else len(data_source)
+        self.total = len(data_source) if isinstance(data_source, Sized) else operator.index(data_source)
         self.num_replicas, self.rank = num_replicas, rank
         self.n = -(-self.total // num_replicas)  # this rank's samples per epoch
         self.shuffle = shuffle

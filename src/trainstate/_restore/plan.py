@@ -288,7 +288,11 @@ class Restorer:
         if isinstance(node, tree.StatefulNode) and per_rank.is_per_rank_node(node):
             if not _state.is_per_rank(target):
                 self.mismatched.append(
-                    (key, f"{_describe(target)} (one value for every rank)", "values saved per rank (trainstate.PerRank)")
+                    (
+                        key,
+                        f"{_describe(target)} (one value for every rank)",
+                        "values saved per rank (trainstate.PerRank)",
+                    )
                 )
                 return lambda: target
             chosen = per_rank.entry(node, self.rank, self.world)
@@ -308,12 +312,12 @@ class Restorer:
             return self._rederive(key, inner, target, 1)
         elif self.world > 1 and self._writer_added(path):
             return self._keep_own(key, target, "saved by one process")
-        elif self.world > 1 and self.ck.world_size > 1:  # saved as one value by several ranks: another kind
+        elif self.world > 1 and self.ck.manifest.world_size > 1:  # saved as one value by several ranks: another kind
             self.mismatched.append(
                 (
                     key,
                     f"a per-rank value on {self.world} ranks",
-                    f"one value for every rank (saved so by {self.ck.world_size} ranks, as a ResumableSampler with "
+                    f"one value for every rank (saved so by {self.ck.manifest.world_size} ranks, as a ResumableSampler with "
                     "global_batch_size saves)",
                 )
             )
