@@ -1,4 +1,4 @@
-"""Rank functions for tests/distributed/test_sample_stream_attacks.py: the global sample stream and re-derived
+"""Rank functions for tests/distributed/test_elastic_attacks.py: the global sample stream and re-derived
 generators on real gloo ranks, the ways users break them."""
 
 from __future__ import annotations
