@@ -146,13 +146,15 @@ class Noisy(Dataset):
         return x, int(i) % 3
 
 
-def _build(workers: int, init_seed: int):
+def _build(workers: int, init_seed: int, persistent: bool = False):
     torch.manual_seed(init_seed)
     np.random.seed(init_seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.4), torch.nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sampler = trainstate.ResumableSampler(26, seed=5, global_batch_size=8, micro_batches=2)
-    loader = sampler.attach(DataLoader(Noisy(), batch_sampler=sampler, num_workers=workers))
+    loader = sampler.attach(
+        DataLoader(Noisy(), batch_sampler=sampler, num_workers=workers, persistent_workers=persistent)
+    )
     return {"model": model, "optim": opt, "sampler": sampler, "rng": trainstate.RNGState()}, loader
 
 
@@ -173,12 +175,12 @@ def _train(state, loader, start: int, stop: int, save=None) -> None:
                 break
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
 @pytest.mark.parametrize("save_at", [1, 3])  # mid-epoch; the epoch's last global batch (4 per epoch)
-def test_dropout_after_a_resume_at_the_same_world_size_is_bit_identical(tmp_path, workers, save_at):
-    state, loader = _build(workers, 0)
+def test_dropout_after_a_resume_at_the_same_world_size_is_bit_identical(tmp_path, workers, persistent, save_at):
+    state, loader = _build(workers, 0, persistent)
     _train(state, loader, 0, 9, lambda s: trainstate.save(tmp_path / "c", state) if s == save_at else None)
-    resumed, loader2 = _build(workers, 99)
+    resumed, loader2 = _build(workers, 99, persistent)
     trainstate.load(tmp_path / "c", resumed)
     _train(resumed, loader2, save_at + 1, 9)
     for a, b in zip(state["model"].parameters(), resumed["model"].parameters()):
