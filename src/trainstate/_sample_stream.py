@@ -208,6 +208,12 @@ class GlobalBatches:
 
     @property
     def epoch(self) -> int:
+        """The epoch being iterated (the next one once an iteration ran to its end).
+
+        Example:
+            >>> batches.epoch
+            0
+        """
         return self.position.epoch
 
     def __iter__(self) -> Iterator[np.ndarray]:
@@ -233,11 +239,24 @@ class GlobalBatches:
         return self.stream.batches * self.micro_batches - self._taken
 
     def state_dict(self) -> dict[str, Any]:
-        """The global position (the same on every rank): restores at any world size."""
+        """The global position (the same on every rank): restores at any world size.
+
+        Example:
+            >>> trainstate.GlobalBatches(100, global_batch_size=32).state_dict()["batches"]
+            0
+        """
         return self.position.state(self.stream, self.world_size, self.micro_batches)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved stream at its next global batch (see :meth:`Position.load`)."""
+        """Continue the saved stream at its next global batch (see :meth:`Position.load`).
+
+        Raises:
+            StateMismatchError: the saved stream is another one (global batch size, dataset length, drop_last,
+                shuffle).
+
+        Example:
+            >>> batches.load_state_dict(saved)   # usually through trainstate.load / restore_latest
+        """
         p = self.position
         p.load(dict(state), self.stream, self.world_size, self.micro_batches)
         self._taken = p.batches * self.micro_batches + p.micro
