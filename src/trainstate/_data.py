@@ -22,6 +22,7 @@ ResumableSampler gets it from ``attach()``; any other map-style loader (torchdat
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sized
 from typing import Any, Protocol, TypeVar
@@ -105,7 +106,7 @@ class ResumableSampler(Sampler[int]):
             raise InvalidArgumentError(
                 f"ResumableSampler: rank must be in 0..num_replicas-1, got rank={rank} of num_replicas={num_replicas}"
             )
-        self.total = data_source if isinstance(data_source, int) else len(data_source)
+        self.total = len(data_source) if isinstance(data_source, Sized) else operator.index(data_source)
         self.num_replicas, self.rank = num_replicas, rank
         self.n = -(-self.total // num_replicas)  # this rank's samples per epoch
         self.shuffle = shuffle
@@ -121,6 +122,7 @@ class ResumableSampler(Sampler[int]):
         self.micro_batches = micro_batches
         self._stream: SampleStream | None = None
         self._position = Position()
+        self._taken = 0  # micro-batches of the epoch taken when the current iterator started (its len)
         if global_batch_size is not None:
             self._stream = SampleStream(self.total, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
             self._stream.check(num_replicas, micro_batches)
@@ -207,8 +209,8 @@ class ResumableSampler(Sampler[int]):
             first = 0
 
     def __len__(self) -> int:
-        if self._stream is not None:
-            return (self._stream.batches - self._position.batches) * self.micro_batches - self._position.micro
+        if self._stream is not None:  # fixed while an iterator runs, as the per-rank stream's
+            return self._stream.batches * self.micro_batches - self._taken
         return self.n - self._start
 
     def state_dict(self) -> dict[str, Any]:
@@ -259,6 +261,7 @@ class ResumableSampler(Sampler[int]):
                     self.micro_batches,
                 )
             self.seed, self.epoch = self._stream.seed, self._position.epoch
+            self._taken = self._position.batches * self.micro_batches + self._position.micro
             return
         if "consumed" not in state:
             raise CheckpointError(
@@ -278,6 +281,7 @@ class ResumableSampler(Sampler[int]):
         if self._stream is not None:
             if self._position.batches >= self._stream.batches:  # the last batch taken, StopIteration never seen
                 self._epoch_finished()
+            self._taken = self._position.batches * self.micro_batches + self._position.micro
             if self._loader is not None:  # the base seed from (seed, epoch, rank): the same in every run
                 g = torch.Generator()
                 g.manual_seed(seeding.sample_seed(seeding.epoch_seed(self.seed, self.epoch), self.rank) >> 1)
@@ -306,7 +310,7 @@ class ResumableSampler(Sampler[int]):
     def _epoch_finished(self) -> None:
         if self._stream is not None:
             self._position.next_epoch()
-            self.epoch = self._position.epoch
+            self.epoch, self._taken = self._position.epoch, 0
             return
         self.epoch += 1
         self._start = self._batches = 0
@@ -391,6 +395,12 @@ class _CountingIterator:
     def __len__(self) -> int:
         return len(self._it)
 
+    def _reset(self, loader: DataLoader[Any], first_iter: bool = False) -> None:
+        """A persistent-workers loader's next epoch (or its next iterator after a ``break``): no new iterator is
+        made, so the sampler is told here that one starts."""
+        self._counter._iterator_starting()
+        self._it._reset(loader, first_iter)
+
     def __getattr__(self, name: str) -> Any:  # _reset, _finished, ... for persistent workers
         return getattr(self._it, name)
 
@@ -439,7 +449,9 @@ def seed_per_sample(loader: L) -> L:
             f"seed_per_sample needs a map-style dataset (samples fetched by index), found "
             f"the iterable dataset {type(loader.dataset).__name__}: seed its iterator yourself"
         )
-    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    sampler = loader.batch_sampler  # a ResumableSampler(global_batch_size=) is the batch sampler itself
+    if not isinstance(sampler, ResumableSampler):
+        sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
     if loader.persistent_workers and loader.num_workers > 0 and not isinstance(sampler, ResumableSampler):
         raise CheckpointError(
             "seed_per_sample cannot tell the epochs of persistent_workers=True apart (their base seed is drawn "

@@ -64,7 +64,7 @@ class SampleStream:
                 f"{self.total} samples: every epoch would be empty"
             )
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
-        self._cached: tuple[int, np.ndarray] | None = None
+        self._cached: tuple[tuple[int, int], np.ndarray] | None = None  # (seed, epoch): a restore sets the seed
 
     @property
     def batches(self) -> int:
@@ -74,7 +74,7 @@ class SampleStream:
 
     def order(self, epoch: int) -> np.ndarray:
         """The epoch's global stream: ``batches * global_batch_size`` indices."""
-        if self._cached is not None and self._cached[0] == epoch:
+        if self._cached is not None and self._cached[0] == (self.seed, epoch):
             return self._cached[1]
         if self.shuffle:
             order = np.random.Generator(np.random.PCG64([self.seed & (2**63 - 1), epoch])).permutation(self.total)
@@ -83,7 +83,7 @@ class SampleStream:
         n = self.batches * self.global_batch_size
         if n > self.total:
             order = np.concatenate([order, np.resize(order, n - self.total)])
-        self._cached = (epoch, order[:n])
+        self._cached = ((self.seed, epoch), order[:n])
         return self._cached[1]
 
     def check(self, world: int, micro_batches: int) -> None:
@@ -195,7 +195,7 @@ class GlobalBatches:
         world_size: int = 1,
         micro_batches: int = 1,
     ) -> None:
-        total = data_source if isinstance(data_source, int) else len(data_source)
+        total = int(data_source) if isinstance(data_source, (int, np.integer)) else len(data_source)
         self.stream = SampleStream(total, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
         self.world_size = _count(world_size, "world_size")
         self.rank = _count(rank, "rank", 0)
@@ -204,6 +204,7 @@ class GlobalBatches:
         self.micro_batches = _count(micro_batches, "micro_batches")
         self.stream.check(self.world_size, self.micro_batches)
         self.position = Position()
+        self._taken = 0  # micro-batches of the epoch taken when the current iteration began (its len)
 
     @property
     def epoch(self) -> int:
@@ -218,6 +219,13 @@ class GlobalBatches:
 
     def __iter__(self) -> Iterator[np.ndarray]:
         """The rest of the current epoch's micro-batches for this rank; the epoch ends with the iterator."""
+        p = self.position
+        if p.batches >= self.stream.batches:  # a loop took the last micro-batch and stopped (zip, islice)
+            p.next_epoch()
+        self._taken = p.batches * self.micro_batches + p.micro
+        return self._rest()
+
+    def _rest(self) -> Iterator[np.ndarray]:
         p, k = self.position, self.micro_batches
         while p.batches < self.stream.batches:
             parts = self.stream.share(p.epoch, p.batches, self.rank, self.world_size, k)
@@ -225,10 +233,11 @@ class GlobalBatches:
             p.received(k)
             yield part
         p.next_epoch()
+        self._taken = 0
 
     def __len__(self) -> int:
-        p = self.position
-        return (self.stream.batches - p.batches) * self.micro_batches - p.micro
+        """The micro-batches of the epoch this iteration yields (fixed while it runs)."""
+        return self.stream.batches * self.micro_batches - self._taken
 
     def state_dict(self) -> dict[str, Any]:
         """The global position (the same on every rank): restores at any world size.
@@ -243,8 +252,14 @@ class GlobalBatches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved stream at its next global batch (see :meth:`Position.load`).
 
+        Raises:
+            StateMismatchError: the saved stream is another one (global batch size, dataset length, drop_last,
+                shuffle).
+
         Example:
             >>> three = trainstate.GlobalBatches(60, global_batch_size=12, rank=0, world_size=3)
             >>> three.load_state_dict(saved_by_four_ranks)   # usually through trainstate.load / restore_latest
         """
-        self.position.load(dict(state), self.stream, self.world_size, self.micro_batches)
+        p = self.position
+        p.load(dict(state), self.stream, self.world_size, self.micro_batches)
+        self._taken = p.batches * self.micro_batches + p.micro

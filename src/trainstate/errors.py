@@ -179,6 +179,7 @@ class StateMismatchError(CheckpointError):
         missing: keys the target has and the checkpoint lacks.
         unexpected: keys the checkpoint has and the target lacks.
         mismatched: ``(key, expected, found)`` triples for shape, dtype or kind differences.
+        hint: what to do about it (the message's last line; empty: the default advice).
 
     Example:
         >>> trainstate.save("ckpt", {"w": np.zeros(3), "step": 1})
@@ -199,6 +200,7 @@ class StateMismatchError(CheckpointError):
         self.missing = missing
         self.unexpected = unexpected
         self.mismatched = mismatched
+        self.hint = hint
         lines = ["the restore target does not match the checkpoint:"]
         if missing:
             lines.append(f"  missing in checkpoint ({len(missing)}): {_short(missing)}")

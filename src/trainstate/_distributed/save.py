@@ -218,7 +218,9 @@ def _decide(sent: list[Any], storage: Storage, root: str, overwrite: bool) -> tu
                 other,
                 f"rank {other}'s state differs from rank 0's under {key!r:.80} (outside per-rank values): every "
                 "rank must save the same structure and plain values; wrap what differs by rank in "
-                "trainstate.PerRank(...)",
+                "trainstate.PerRank(...). A value meant to be the same on every rank (a ResumableSampler with "
+                "global_batch_size, a step count) that differs means the ranks are out of step: one took more "
+                "batches than another before this save",
             )
     if failed is None:
         try:

@@ -287,7 +287,13 @@ class Restorer:
         inner = target.value if isinstance(target, _state.PerRank) else target
         if isinstance(node, tree.StatefulNode) and per_rank.is_per_rank_node(node):
             if not _state.is_per_rank(target):
-                self.mismatched.append((key, _describe(target), "values saved per rank (trainstate.PerRank)"))
+                self.mismatched.append(
+                    (
+                        key,
+                        f"{_describe(target)} (one value for every rank)",
+                        "values saved per rank (trainstate.PerRank)",
+                    )
+                )
                 return lambda: target
             chosen = per_rank.entry(node, self.rank, self.world)
             if chosen is None and callable(getattr(inner, "rederive", None)):
@@ -306,6 +312,16 @@ class Restorer:
             return self._rederive(key, inner, target, 1)
         elif self.world > 1 and self._writer_added(path):
             return self._keep_own(key, target, "saved by one process")
+        elif self.world > 1 and self.ck.manifest.world_size > 1:  # saved as one value by several ranks: another kind
+            self.mismatched.append(
+                (
+                    key,
+                    f"a per-rank value on {self.world} ranks",
+                    f"one value for every rank (saved so by {self.ck.manifest.world_size} ranks, as a ResumableSampler with "
+                    "global_batch_size saves)",
+                )
+            )
+            return lambda: target
         elif self.world > 1:  # a per-rank target, a value saved by one process: every rank would get the same
             self.mismatched.append((key, f"a per-rank value on {self.world} ranks", "one value saved by one process"))
             self.world_size_changed = True
@@ -362,6 +378,13 @@ class Restorer:
                     target.load_state_dict(state, strict=self.strict)
                 else:
                     target.load_state_dict(state)
+            except StateMismatchError as e:  # stays one (what the docs promise), its keys under this one's
+                raise StateMismatchError(
+                    [f"{key}.{k}" for k in e.missing],
+                    [f"{key}.{k}" for k in e.unexpected],
+                    [(f"{key}.{k}", want, got) for k, want, got in e.mismatched],
+                    hint=e.hint,
+                ) from e
             except Exception as e:
                 raise CheckpointError(f"{key}: {type(target).__name__}.load_state_dict failed: {e}") from e
             return held
