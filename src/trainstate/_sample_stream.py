@@ -172,8 +172,12 @@ class GlobalBatches:
 
     Args:
         data_source: the dataset, or its length.
-        global_batch_size, seed, shuffle, drop_last: the stream (:class:`SampleStream`).
-        rank, world_size: this process's place among the data-parallel processes.
+        global_batch_size: samples per global batch (per optimizer step, over every process).
+        seed: the shuffle seed.
+        shuffle: a fresh permutation each epoch; False: the dataset's order.
+        drop_last: end each epoch at its last whole global batch instead of padding the last one.
+        rank: this process's place among the data-parallel processes.
+        world_size: the number of data-parallel processes.
         micro_batches: micro-batches per global batch on each rank (gradient accumulation).
 
     Example:
