@@ -116,7 +116,7 @@ def test_the_sampler_refuses_a_loader_built_without_batch_sampler_and_a_per_rank
     from torch.utils.data import DataLoader
 
     sampler = trainstate.ResumableSampler(16, global_batch_size=4)
-    with pytest.raises(ValueError, match="batch_sampler=sampler"):
+    with pytest.raises(trainstate.InvalidArgumentError, match="batch_sampler=sampler"):
         sampler.attach(DataLoader(torch.arange(16.0), sampler=sampler, batch_size=4))
     sampler.attach(DataLoader(torch.arange(16.0), batch_sampler=sampler))
     with pytest.raises(trainstate.CheckpointError, match="per-rank position"):

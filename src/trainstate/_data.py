@@ -132,7 +132,8 @@ class ResumableSampler(Sampler[int]):
         """Count what ``loader`` actually hands to the loop and seed its samples; returns the loader.
 
         Raises:
-            ValueError: ``loader`` was not built with this sampler, or has no fixed batch size.
+            InvalidArgumentError: ``loader`` was not built with this sampler (with ``global_batch_size``: as its
+                ``batch_sampler``), or has no fixed batch size (a ValueError too).
 
         Example:
             >>> sampler = trainstate.ResumableSampler(dataset, seed=0)
@@ -140,7 +141,7 @@ class ResumableSampler(Sampler[int]):
         """
         if self._stream is not None:
             if loader.batch_sampler is not self:
-                raise ValueError(
+                raise InvalidArgumentError(
                     "a ResumableSampler with global_batch_size is a batch sampler: build the loader with "
                     "DataLoader(dataset, batch_sampler=sampler) and pass that loader to attach()"
                 )
@@ -148,10 +149,10 @@ class ResumableSampler(Sampler[int]):
             _hooks(loader).counter = self
             return seed_per_sample(loader)
         if loader.sampler is not self and getattr(loader.batch_sampler, "sampler", None) is not self:
-            raise ValueError("attach() takes the DataLoader built with this sampler")
+            raise InvalidArgumentError("attach() takes the DataLoader built with this sampler")
         size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
         if not isinstance(size, int) or size < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "ResumableSampler needs a fixed batch size (batch_size=, or a BatchSampler) to count consumed samples"
             )
         self._batch_size = size

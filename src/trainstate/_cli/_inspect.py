@@ -197,11 +197,12 @@ def _positions(values: list[tuple[str, Any]]) -> list[dict[str, Any]]:
         world = plain.get(at + "world_size")
         text = (
             f"epoch {epoch}, {samples} samples consumed ({batches} global batches of {value})"
-            + (f", by {world} ranks" if type(world) is int else "")
+            + (f", by {world} ranks" if type(world) is int and world > 1 else ", by 1 process" if world == 1 else "")
             + ": restores on any number of ranks"
         )
         out.append(
             {
+                "world_size": world if type(world) is int else None,
                 "path": at.rstrip(".") or "<root>",
                 "epoch": epoch,
                 "samples": samples,
