@@ -233,14 +233,6 @@ def _worker(rank: int, world: int, root: str, rounds: int, width: int, layers: i
     nbytes = torch.tensor([sum(t.numel() * t.element_size() for t in expected)], dtype=torch.int64)
     dist.all_reduce(nbytes)
 
-    def timed(fn: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> float:
-        before()
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - start
-
     def fresh(path: str) -> Callable[[], None]:
         def clear() -> None:  # nothing to replace, and no dirty pages carried into the timed save
             if rank == 0:
@@ -266,18 +258,30 @@ def _worker(rank: int, world: int, root: str, rounds: int, width: int, layers: i
             times.clear()
         if not source:
             times.setdefault("trainstate save", []).append(
-                timed(lambda: trainstate.save(paths["trainstate"], state), fresh(paths["trainstate"]))
+                barrier_timed(lambda: trainstate.save(paths["trainstate"], state), fresh(paths["trainstate"]))
             )
             times.setdefault("dcp save", []).append(
-                timed(lambda: _dcp_save(model, optim, paths["dcp"]), fresh(paths["dcp"]))
+                barrier_timed(lambda: _dcp_save(model, optim, paths["dcp"]), fresh(paths["dcp"]))
             )
         times.setdefault("trainstate load", []).append(
-            timed(lambda: trainstate.load(paths["trainstate"], state), scramble)
+            barrier_timed(lambda: trainstate.load(paths["trainstate"], state), scramble)
         )
         check("trainstate")
-        times.setdefault("dcp load", []).append(timed(lambda: _dcp_load(model, optim, paths["dcp"]), scramble))
+        times.setdefault("dcp load", []).append(barrier_timed(lambda: _dcp_load(model, optim, paths["dcp"]), scramble))
         check("DCP")
     return {"times": times, "nbytes": int(nbytes.item())} if rank == 0 else None
+
+
+def barrier_timed(fn: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> float:
+    """The slowest rank's seconds: ``before``, barrier, ``fn``, barrier."""
+    import torch.distributed as dist
+
+    before()
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
 
 
 def _raw_disk(root: str, width: int, layers: int, rounds: int) -> dict[str, list[float]]:

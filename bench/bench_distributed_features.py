@@ -30,13 +30,12 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench_distributed import OPS, _cpu, _locals, _run, log
+from bench_distributed import OPS, _cpu, _locals, _run, barrier_timed, log
 
 import trainstate
 
@@ -146,27 +145,15 @@ def _features_worker(rank: int, world: int, root: str, rounds: int, steps: int, 
     for round_ in range(rounds + 1):  # the first round warms up: not counted
         for i, (name, (save, load)) in enumerate(methods.items()):
             path = f"{root}/{i}-{world}"
-            save_s = _timed(rank, partial(save, path), _fresh(rank, path))
+            save_s = barrier_timed(partial(save, path), _fresh(rank, path))
             if rank == 0:
                 stored[name] = _stored(path)
-            load_s = _timed(rank, partial(load, path), partial(_scramble, model, optim))
+            load_s = barrier_timed(partial(load, path), partial(_scramble, model, optim))
             _check(rank, model, optim, expected, name)
             if round_:
                 times.setdefault(f"{name} save", []).append(save_s)
                 times.setdefault(f"{name} load", []).append(load_s)
     return {"times": times, "stored": stored, "nbytes": int(nbytes.item())} if rank == 0 else None
-
-
-def _timed(rank: int, fn: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> float:
-    """The slowest rank's seconds: barrier, ``fn``, barrier."""
-    import torch.distributed as dist
-
-    before()
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def _fresh(rank: int, path: str) -> Callable[[], None]:
@@ -217,17 +204,17 @@ def _incremental_worker(rank: int, world: int, root: str, rounds: int, steps: in
             first = _stored(run) if rank == 0 else 0
             step()
             expected = [t.clone() for t in _locals(model, optim)]
-            save_s = _timed(rank, partial(mgr.save, 2, state, force=True), os.sync)
+            save_s = barrier_timed(partial(mgr.save, 2, state, force=True), os.sync)
             if rank == 0:
                 stored["trainstate incremental"] = _stored(run) - first  # what the second save added
-            load_s = _timed(rank, partial(mgr.restore_latest, state), partial(_scramble, model, optim))
+            load_s = barrier_timed(partial(mgr.restore_latest, state), partial(_scramble, model, optim))
         finally:
             mgr.close()
         _check(rank, model, optim, expected, "incremental")
-        dcp_s = _timed(rank, partial(dcp_save, path), _fresh(rank, path))
+        dcp_s = barrier_timed(partial(dcp_save, path), _fresh(rank, path))
         if rank == 0:
             stored["DCP plain"] = _stored(path)
-        dcp_l = _timed(rank, partial(dcp_load, path), partial(_scramble, model, optim))
+        dcp_l = barrier_timed(partial(dcp_load, path), partial(_scramble, model, optim))
         _check(rank, model, optim, expected, "DCP")
         if round_:
             for name, value in [

@@ -262,7 +262,7 @@ class ResumableSampler(Sampler[int]):
                     self.micro_batches,
                 )
             self.seed, self.epoch = self._stream.seed, self._position.epoch
-            self._taken = self._position.batches * self.micro_batches + self._position.micro
+            self._taken = self._position.taken(self.micro_batches)
             return
         if "consumed" not in state:
             raise CheckpointError(
@@ -282,7 +282,7 @@ class ResumableSampler(Sampler[int]):
         if self._stream is not None:
             if self._position.batches >= self._stream.batches:  # the last batch taken, StopIteration never seen
                 self._epoch_finished()
-            self._taken = self._position.batches * self.micro_batches + self._position.micro
+            self._taken = self._position.taken(self.micro_batches)
             if self._loader is not None:  # the base seed from (seed, epoch, rank): the same in every run
                 g = torch.Generator()
                 g.manual_seed(seeding.sample_seed(seeding.epoch_seed(self.seed, self.epoch), self.rank) >> 1)

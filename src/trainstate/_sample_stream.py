@@ -157,6 +157,10 @@ class Position:
             self.epoch, self.batches, self.micro = self.epoch + 1, 0, 0
         return micro > 0 and not same
 
+    def taken(self, micro_batches: int) -> int:
+        """Micro-batches of the epoch taken so far (on each rank)."""
+        return self.batches * micro_batches + self.micro
+
     def received(self, micro_batches: int) -> None:
         self.micro += 1
         if self.micro >= micro_batches:
@@ -226,7 +230,7 @@ class GlobalBatches:
         p = self.position
         if p.batches >= self.stream.batches:  # a loop took the last micro-batch and stopped (zip, islice)
             p.next_epoch()
-        self._taken = p.batches * self.micro_batches + p.micro
+        self._taken = p.taken(self.micro_batches)
         return self._rest()
 
     def _rest(self) -> Iterator[np.ndarray]:
@@ -266,4 +270,4 @@ class GlobalBatches:
         """
         p = self.position
         p.load(dict(state), self.stream, self.world_size, self.micro_batches)
-        self._taken = p.batches * self.micro_batches + p.micro
+        self._taken = p.taken(self.micro_batches)
