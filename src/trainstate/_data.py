@@ -123,6 +123,7 @@ class ResumableSampler(Sampler[int]):
         self._stream: SampleStream | None = None
         self._position = Position()
         self._taken = 0  # micro-batches of the epoch taken when the current iterator started (its len)
+        self._len_whole_epoch = False  # a framework counts the epoch from its start (Lightning): len is all of it
         if global_batch_size is not None:
             self._stream = SampleStream(self.total, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
             self._stream.check(num_replicas, micro_batches)
@@ -211,7 +212,8 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         if self._stream is not None:  # fixed while an iterator runs, as the per-rank stream's
-            return self._stream.batches * self.micro_batches - self._taken
+            whole = self._stream.batches * self.micro_batches
+            return whole if self._len_whole_epoch else whole - self._taken
         return self.n - self._start
 
     def state_dict(self) -> dict[str, Any]:
@@ -235,6 +237,14 @@ class ResumableSampler(Sampler[int]):
         if self._loader_rng is not None and 0 < self.consumed < self.n:  # mid-epoch: its iterator is resumed
             state["loader_rng"] = self._loader_rng
         return state
+
+    def _state_at(self, epoch: int, batches: int, micro: int) -> dict[str, Any]:
+        """The global position's state at ``epoch``, ``batches`` global batches and ``micro`` micro-batches in
+        (what a framework counting its own trained batches saves: trainstate.integrations._lightning_stream)."""
+        assert self._stream is not None
+        at = Position()
+        at.epoch, at.batches, at.micro = epoch, batches, micro
+        return at.state(self._stream, self.num_replicas, self.micro_batches)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next iterator yields the rest of the saved epoch, in the same order.

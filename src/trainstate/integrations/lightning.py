@@ -53,6 +53,7 @@ from trainstate._storage import LocalStorage, resolve
 from trainstate.errors import (
     CheckpointExistsError,
     InvalidArgumentError,
+    StateMismatchError,
     UnsupportedValueError,
 )
 from trainstate.integrations import _lightning_dict as lightning_dict
@@ -86,7 +87,9 @@ with optional("lightning", extra="lightning", needed_for="trainstate.integration
     import torch
     from torch.utils.data import DataLoader
 
+    from trainstate._data import ResumableSampler
     from trainstate._replay import EpochReplay
+    from trainstate.integrations import _lightning_stream as stream
 
     _lightning: tuple[Any, Any] = _import_lightning()
     pl: Any = _lightning[0]
@@ -485,6 +488,11 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
     ``persistent_workers=True``). Replaying costs loading the batches the epoch had already trained on.
     It changes nothing in a run that is not resumed.
 
+    A loader whose batch sampler is a ``trainstate.ResumableSampler(global_batch_size=...)`` (built with the
+    Trainer's ``world_size`` and ``global_rank``, ``use_distributed_sampler=False``) is not replayed: the
+    checkpoint holds the global stream's position, and the run resumes exactly on any number of processes
+    (docs/lightning.md, "Resuming on another number of processes").
+
     Example:
         >>> trainer = L.Trainer(plugins=[TrainstateCheckpointIO()],
         ...                     callbacks=[ExactResume(), ModelCheckpoint(every_n_train_steps=100, save_last=True)])
@@ -499,6 +507,7 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         self._pending: Mapping[str, Any] | None = None  # a loaded state not yet applied to a loader
         self._strategy: Any = None
         self._resumed = False  # this fit loaded a checkpoint
+        self._sampler: ResumableSampler | None = None  # the loader's global-stream sampler: no replay needed
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Lightning's hook before fitting: catch the training DataLoader before its first batch.
@@ -533,6 +542,8 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
                 "ExactResume replays one training torch DataLoader; train_dataloader() gave "
                 f"{type(loader).__qualname__}: return a single torch.utils.data.DataLoader, or drop ExactResume"
             )
+        if self._sampler is not None:
+            stream.check(self._sampler, trainer)
         if self._resumed:
             # The step resumed from is saved: it was just loaded. ModelCheckpoint does not keep which step it
             # saved last, so with accumulate_grad_batches > 1 it would save that step again after the first
@@ -553,10 +564,13 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         """
         # tensors, not NumPy arrays: Lightning's default plugin loads with torch.load(weights_only=True) too
         loader = self._loader() if self._loader is not None else None
-        rng = EpochReplay.rng(loader) if loader is not None else RNGState().state_dict()
+        rng = EpochReplay.rng(loader) if loader is not None and self._sampler is None else RNGState().state_dict()
         state: dict[str, Any] = {"rng": _tensors_only(rng)}
         trainer = self._trainer
-        if trainer is not None and self._replay is not None:
+        if trainer is not None and self._sampler is not None:  # the global stream: a position at any world size
+            state["stream"] = stream.position(self._sampler, trainer)
+            state["step"] = int(trainer.global_step)
+        elif trainer is not None and self._replay is not None:
             trained = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
             if 0 < trained < trainer.num_training_batches:  # mid-epoch: the next run replays it
                 if trained % trainer.accumulate_grad_batches:
@@ -587,10 +601,17 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         if trainer is None or trainer.state.fn != "fit":
             return  # validate / test / predict from a checkpoint: nothing to resume
         self._resumed = True
-        state = _own_rank(_on_cpu(state_dict))
-        RNGState().load_state_dict(state["rng"])  # an epoch that ended at the save starts from it
+        if "stream" in state_dict:  # saved over the global stream: restores at any number of processes
+            state = _on_cpu(state_dict)
+            rng = stream.generators(state, *_rank_and_world())
+        else:
+            state = _own_rank(_on_cpu(state_dict))
+            rng = state["rng"]
+        if rng is not None:
+            RNGState().load_state_dict(rng)  # an epoch that ended at the save starts from it
         self._pending = state
-        if self._replay is not None and self._loader is not None and self._loader() is not None:
+        attached = self._replay is not None or self._sampler is not None
+        if attached and self._loader is not None and self._loader() is not None:
             self._apply_pending()
 
     # -- inside ------------------------------------------------------------------------------------
@@ -628,7 +649,12 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         if self._loader is not None and self._loader() is loader:
             return
         self._detach()
-        self._replay = EpochReplay(loader)
+        sampler = stream.global_sampler(loader)
+        if sampler is not None:
+            stream.take(sampler, loader)
+            self._sampler = sampler
+        else:
+            self._replay = EpochReplay(loader)
         self._loader = weakref.ref(loader)
         if self._pending is not None:
             self._apply_pending()
@@ -636,13 +662,28 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
     def _apply_pending(self) -> None:
         state, self._pending = self._pending, None
         assert state is not None
+        if ("stream" in state) != (self._sampler is not None):
+            saved, now = ("a", "no") if "stream" in state else ("no", "a")
+            raise StateMismatchError(
+                [],
+                [],
+                [("train loader", f"{now} ResumableSampler(global_batch_size=...)", f"{saved} global stream")],
+                hint="ExactResume resumes a loader the way it was saved: over the global sample stream (a "
+                "ResumableSampler with global_batch_size as the batch sampler) or by replaying a plain loader; "
+                "train with the loader the checkpoint was saved with",
+            )
+        if self._sampler is not None:
+            stream.resume(self._sampler, state["stream"])
+            return
         self._replay.resume(state.get("loader") or None, state["rng"])
 
     def _detach(self) -> None:
         loader = self._loader() if self._loader is not None else None
         if self._replay is not None and loader is not None:
             self._replay.close(loader)
-        self._replay, self._loader = None, None
+        if self._sampler is not None:
+            self._sampler._len_whole_epoch = False
+        self._replay, self._loader, self._sampler = None, None, None
 
 
 def _every_rank(state: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -667,6 +708,13 @@ def _arrays(value: Any) -> Any:
     return value
 
 
+def _rank_and_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def _own_rank(state: Mapping[str, Any]) -> Mapping[str, Any]:
     """This rank's part of a saved ExactResume state: its own generators and data position when the
     checkpoint holds every rank's (saved under DDP) and the world size is the same; else the state saved
@@ -674,9 +722,7 @@ def _own_rank(state: Mapping[str, Any]) -> Mapping[str, Any]:
     ranks = state.get("ranks")
     if not ranks:
         return state
-    dist = torch.distributed
-    initialized = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    rank, world = _rank_and_world()
     if world != len(ranks):
         warnings.warn(
             f"ExactResume: this checkpoint holds the random generators of {len(ranks)} ranks and the run has "
