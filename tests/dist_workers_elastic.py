@@ -35,15 +35,35 @@ class Augmented(torch.utils.data.Dataset):
         }
 
 
-def train(rank: int, world: int, run: str, log: str, micro: int, kill_at: int | None, workers: int) -> Any:
+def _fsdp2(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model sharded over the ranks with FSDP2 (``fully_shard``), and AdamW over its sharded parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def train(
+    rank: int, world: int, run: str, log: str, micro: int, kill_at: int | None, workers: int, fsdp: bool = False
+) -> Any:
     """Resume ``run`` (restore_latest), train to the end, or SIGKILL this rank right after optimizer step
     ``kill_at`` (every rank does, so the whole job dies). Each consumed micro-batch is one JSON line in
-    ``log`` (this rank's own file): step, epoch, rank, indices and augmentation draws."""
+    ``log`` (this rank's own file): step, epoch, rank, indices and augmentation draws. ``fsdp``: the model is
+    sharded with FSDP2 (restored on another number of ranks, its shards are cut again), else DDP."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if fsdp:
+        model, opt = _fsdp2(world)
+    else:
+        model = torch.nn.Linear(4, 1)
+        if world > 1:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sampler = trainstate.ResumableSampler(
         TOTAL, seed=SEED, num_replicas=world, rank=rank, global_batch_size=GLOBAL_BATCH, micro_batches=micro
     )

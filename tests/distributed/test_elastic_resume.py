@@ -56,14 +56,14 @@ def _global_batches(records: list[dict]) -> dict[int, list[int]]:
     return out
 
 
-def _run_phases(tmp_path: Path, phases: list[tuple[int, int, int | None, int]]) -> tuple:
+def _run_phases(tmp_path: Path, phases: list[tuple[int, int, int | None, int]], fsdp: bool = False) -> tuple:
     run, logs = tmp_path / "run", []
     resumed_at = []
     for n, (world, micro, kill_at, workers_per_rank) in enumerate(phases):
         log = tmp_path / f"phase{n}"
         existing = sorted(p.name for p in run.iterdir() if p.name.startswith("step_")) if run.exists() else []
         resumed_at.append(int(existing[-1].split("_")[1]) + 1 if existing else 0)
-        out = ranks.run(world, workers.train, str(run), str(log), micro, kill_at, workers_per_rank, timeout=180)
+        out = ranks.run(world, workers.train, str(run), str(log), micro, kill_at, workers_per_rank, fsdp, timeout=180)
         if kill_at is None:
             assert out == [workers.STEPS] * world, out
         else:
@@ -109,3 +109,21 @@ def test_a_job_killed_on_4_ranks_resumed_on_2_3_1_2_4_consumes_every_sample_once
     assert len(draws) == workers.TOTAL * workers.EPOCHS
     mismatched = [(r["epoch"], i) for r in kept for i, a in zip(r["indices"], r["aug"]) if draws[(r["epoch"], i)] != a]
     assert mismatched == []
+
+
+def test_an_fsdp2_job_killed_on_2_ranks_resumed_on_3_consumes_every_sample_once(tmp_path):
+    """FSDP2 (``fully_shard``, AdamW): the model and optimizer shards are cut again for 3 ranks, and the sample
+    stream continues as under DDP."""
+    logs, resumed_at = _run_phases(tmp_path, [(2, 2, 4, 0), (3, 1, None, 1)], fsdp=True)
+    assert resumed_at == [0, 4]
+    batches = _global_batches(_effective(logs, resumed_at))
+    stream = SampleStream(workers.TOTAL, workers.GLOBAL_BATCH, seed=workers.SEED)
+    per_epoch = workers.TOTAL // workers.GLOBAL_BATCH
+    assert sorted(batches) == list(range(workers.STEPS))
+    for epoch in range(workers.EPOCHS):
+        got = [i for s in range(epoch * per_epoch, (epoch + 1) * per_epoch) for i in batches[s]]
+        assert got == stream.order(epoch).tolist(), epoch
+        seen = Counter(got)
+        duplicated, dropped = sum(c - 1 for c in seen.values()), workers.TOTAL - len(seen)
+        print(f"FSDP2, epoch {epoch}: {duplicated} duplicated, {dropped} dropped")
+        assert (duplicated, dropped) == (0, 0)
