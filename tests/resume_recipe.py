@@ -2,7 +2,7 @@
 
 Run as a script it trains with a CheckpointManager and can kill itself with SIGKILL at a given step:
     python tests/resume_recipe.py DIR --loader sampler|stateful --steps N [--kill-at K] [--async]
-        [--workers W] [--augment] [--no-seed-per-sample]
+        [--workers W] [--augment] [--no-seed-per-sample] [--local PATH [--local-every K]]
 and writes the final model and optimizer state to DIR/final. ``main([DIR, ...])`` runs the same in-process.
 
 ``--augment`` swaps the fixed tensors for a dataset that augments in ``__getitem__`` with Python's
@@ -109,12 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--augment", action="store_true")
     ap.add_argument("--no-seed-per-sample", dest="seed_per_sample", action="store_false")
+    ap.add_argument("--local", help="a LocalTier path: a local checkpoint every --local-every steps")
+    ap.add_argument("--local-every", type=int, default=1)
     args = ap.parse_args(argv)
     state, loader = build(
         args.loader, init_seed=0, workers=args.workers, augment=args.augment, seed_per_sample=args.seed_per_sample
     )
+    local = trainstate.LocalTier(args.local, every_steps=args.local_every) if args.local else None
     mgr = trainstate.CheckpointManager(
-        os.path.join(args.dir, "ckpt"), every_steps=args.every, keep_last=2, async_save=args.async_save
+        os.path.join(args.dir, "ckpt"), every_steps=args.every, keep_last=2, async_save=args.async_save, local=local
     )
     start = mgr.restore_latest(state) or 0
     print(f"start {start}", flush=True)

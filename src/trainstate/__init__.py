@@ -21,6 +21,7 @@ from trainstate._keys import generate_key
 from trainstate._manager import CheckpointInfo, CheckpointManager, SaveRecord
 from trainstate._manager.history import HistoryEntry, history
 from trainstate._manager.history_plot import plot_history
+from trainstate._manager.local_tier import LocalTier
 from trainstate._manager.policies import (
     AtSteps,
     EverySeconds,
@@ -121,6 +122,7 @@ __all__ = [
     "KeepLast",
     "KeyRequiredError",
     "LocalStorage",
+    "LocalTier",
     "MissingDependencyError",
     "NotEncryptedError",
     "OnnxExportError",

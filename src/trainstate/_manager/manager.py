@@ -28,6 +28,7 @@ from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
 from trainstate._manager.committer import Committer
 from trainstate._manager.keep_best import warn_missing_metrics
+from trainstate._manager.local_tier import LocalTier, Tier, claim
 from trainstate._manager.lock import DirectoryLock
 from trainstate._manager.policies import (
     CheckpointInfo,
@@ -109,6 +110,9 @@ class CheckpointManager(Configured):
             process group each rank encrypts its own chunks. A run's
             checkpoints all use one key: with a key the manager refuses plain or differently keyed ones.
         key_env: the name of an environment variable that holds the key, instead of ``key``.
+        local: a :class:`LocalTier`: besides the checkpoints in ``directory``, one every few steps on a fast
+            node-local path (tmpfs, a local disk), written in the background; ``restore_latest`` resumes from
+            the newest of either (docs/tiers.md).
 
     Example:
         >>> mgr = trainstate.CheckpointManager("runs/exp1", every_steps=500, keep_last=3, async_save=True)
@@ -151,9 +155,13 @@ class CheckpointManager(Configured):
         compression: str | None = None,
         key: _keys.KeyLike | None = None,
         key_env: str | None = None,
+        local: LocalTier | None = None,
     ) -> None:
         # Every argument is checked before anything is acquired (lock, signal handlers, threads).
-        self._config = settings(**{name: value for name, value in locals().items() if name not in ("self", "timeout")})
+        given = {name: value for name, value in locals().items() if name not in ("self", "timeout", "local")}
+        self._config = settings(**given)
+        if local is not None and not isinstance(local, LocalTier):
+            raise InvalidArgumentError(f"local= takes a trainstate.LocalTier, got {type(local).__name__}")
         options, storage_, root = self._config.options, self._config.storage, self._config.directory
         self.catalog = Catalog(storage_, root, options.key)
         # under a process group (collective): built on every rank, in the same order
@@ -191,8 +199,40 @@ class CheckpointManager(Configured):
         except BaseException:
             _release(self._lock, self._preemption, self._writer)
             raise
+        self._local: Tier | None = None
+        if local is not None and not options.read_only:
+            try:
+                self._local = self._local_tier(local, given)
+            except BaseException:
+                _release(self._lock, self._preemption, self._writer)
+                raise
         # Dropped without close() (a notebook cell run again): let go of the lock and the signal handlers.
         self._finalizer = weakref.finalize(self, _release, self._lock, self._preemption, self._writer)
+
+    def _local_tier(self, local: LocalTier, given: dict[str, Any]) -> Tier:
+        """The local tier's own manager, on this process's folder of the tier's path: asynchronous, never
+        compressed or incremental, encrypted with the run's key."""
+        if self._ranks.world > 1:
+            raise InvalidArgumentError(
+                "LocalTier under a process group (each node's local checkpoints replicated to its peers) is not "
+                "built yet: use it in a single process, or leave local= out under torchrun / jax.distributed"
+            )
+        root = claim(local, self.directory)
+        inner = CheckpointManager(
+            root / f"rank{self._ranks.rank:05d}",
+            every_steps=local.every_steps,
+            keep_last=local.keep,
+            async_save=True,
+            capture_rng=given["capture_rng"],
+            save_on_preemption=False,
+            fsync=local.fsync,
+            threads=given["threads"],
+            metadata=given["metadata"],
+            collective=False,
+            key=given["key"],
+            key_env=given["key_env"],
+        )
+        return Tier(local, inner)
 
     # -- queries (manifests only) -----------------------------------------------------------------
 
@@ -318,7 +358,20 @@ class CheckpointManager(Configured):
             >>> for step in range(start, total_steps):
             ...     ...
         """
+        latest = self.latest() if self._local is not None else None
+        if self._local is not None:  # a local checkpoint newer than every durable one
+            local = self._local.restore_newest(state, None if latest is None else latest.step, load_kwargs)
+            if local is not None:
+                self.prepare(state)
+                return local + 1
         found = self._restorer.newest(state, self.list, load_kwargs)
+        if self._local is not None and latest is not None and (found is None or found.step < latest.step):
+            # the newest durable ones did not restore: a local one between them and the one that did
+            below = [c for c in self._local.newer_than(None if found is None else found.step) if c.step <= latest.step]
+            local = self._local.restore_newest(state, None if found is None else found.step, load_kwargs, below)
+            if local is not None:
+                self.prepare(state)
+                return local + 1
         if found is None:
             self.prepare(state)
             return None
@@ -389,6 +442,21 @@ class CheckpointManager(Configured):
         force = arguments.flag(force, "force")
         epoch = None if epoch is None else arguments.step(epoch, "epoch")
         values = arguments.metrics(metrics)
+        saved = self._save_durable(step, state, values, epoch, force, metadata)
+        if self._local is not None and not self._preemption_saved:
+            self._local.maybe_save(step, state, saved, values)
+        return saved
+
+    def _save_durable(
+        self,
+        step: int,
+        state: Any,
+        values: dict[str, float],
+        epoch: int | None,
+        force: bool,
+        metadata: dict[str, Any] | None,
+    ) -> bool:
+        """:meth:`save` in the durable tier: whether it saved."""
         preempting = self._preemption_pending()
         by_policy = reason_to_save(self.save_policies, step, time.monotonic(), self._writer.last_save_time)
         # the same answers on every rank
@@ -492,6 +560,8 @@ class CheckpointManager(Configured):
             >>> mgr.save(step, state, force=True)    # async: returns once the state is copied
             >>> mgr.wait()                           # committed now: safe to copy the directory
         """
+        if self._local is not None:
+            self._local.inner.wait()
         self._writer.wait()
 
     def pin(self, step: int, reason: str = "") -> bool:
@@ -548,7 +618,11 @@ class CheckpointManager(Configured):
             self.wait()
         finally:
             self._closed = True
-            self._finalizer()
+            try:
+                if self._local is not None:
+                    self._local.close()
+            finally:
+                self._finalizer()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,194 @@
+"""The local tier: frequent checkpoints on a node-local path (tmpfs, a local NVMe) behind the durable ones.
+
+A manager with ``local=LocalTier(path, every_steps=K)`` writes, besides its durable checkpoints, one every K
+steps to ``path``: the same format, checksums and atomic commit, always in the background, never compressed
+(it is there to be fast), encrypted with the run's key when it has one. The recovery point becomes the newest
+local step: ``restore_latest`` takes the newest checkpoint of either tier that restores, past damaged ones.
+
+Each process keeps its checkpoints in ``path/rank00000`` (its rank's folder), a run directory like any other:
+``trainstate ls`` and ``load`` read it. ``path/_tier.json`` names the durable directory the tier belongs to, so
+two runs never share one path unknowingly.
+
+The two tiers never wait for each other: each writes on its own background thread. A local save waits for the
+previous local one to commit (so a kill loses at most ``every_steps`` steps), and is skipped at a step the
+durable tier saves. A local save is not flushed to stable storage by default: it survives the process (SIGKILL,
+an out-of-memory kill), not the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainstate import _arguments as arguments
+from trainstate._manager.newest import FATAL
+from trainstate._save import encode_state
+from trainstate.errors import CheckpointError, InvalidArgumentError, StorageError
+
+if TYPE_CHECKING:
+    from trainstate._manager.manager import CheckpointManager
+    from trainstate._manager.policies import CheckpointInfo
+
+log = logging.getLogger("trainstate")
+
+MARKER = "_tier.json"
+
+
+@dataclass(frozen=True)
+class LocalTier:
+    """A fast local tier of checkpoints behind a manager's durable ones (docs/tiers.md).
+
+    Args:
+        path: a node-local directory for this run's local checkpoints (``/dev/shm/run1`` on tmpfs, or a
+            local NVMe), one per run.
+        every_steps: write a local checkpoint every this many steps (1: every step).
+        replicas: under a process group, copies of each node's local checkpoints kept on this many other
+            nodes (in one process there are none).
+        keep: local checkpoints kept (per process).
+        budget_bytes: the most the tier may hold (``keep`` checkpoints and the one being written); a state
+            that does not fit raises StorageError at the first local save. Default: the filesystem's free space.
+        fsync: flush each local checkpoint to stable storage (a local NVMe that should survive a reboot).
+
+    Example:
+        >>> mgr = trainstate.CheckpointManager("s3://bucket/run1", every_steps=500,
+        ...                                    local=trainstate.LocalTier("/dev/shm/run1", every_steps=10))
+    """
+
+    path: str | os.PathLike[str]
+    every_steps: int = 1
+    replicas: int = 1
+    keep: int = 2
+    budget_bytes: int | None = None
+    fsync: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or "://" in os.fspath(self.path):
+            raise InvalidArgumentError(
+                f"LocalTier(path=...) takes a local directory (tmpfs or a local disk), got {self.path!r:.80}"
+            )
+        arguments.positive_int(self.every_steps, "LocalTier every_steps")
+        arguments.positive_int(self.keep, "LocalTier keep")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise InvalidArgumentError(f"LocalTier replicas must be a non-negative int, got {self.replicas!r}")
+        if self.budget_bytes is not None:
+            arguments.positive_int(self.budget_bytes, "LocalTier budget_bytes")
+        arguments.flag(self.fsync, "LocalTier fsync")
+
+
+def claim(tier: LocalTier, durable: str) -> Path:
+    """The tier's directory, made and marked as ``durable``'s; refuses a path another run's tier holds."""
+    root = Path(os.fspath(tier.path)).absolute()
+    if "://" not in durable:
+        mine = Path(durable).absolute()
+        if root == mine or mine in root.parents or root in mine.parents:
+            raise InvalidArgumentError(
+                f"LocalTier path {root} and the checkpoint directory {mine} are inside one another: give the "
+                "local tier a directory of its own (tmpfs or a local disk)"
+            )
+        durable = str(mine)
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root / MARKER
+    try:
+        owner = json.loads(marker.read_text())["durable"]
+    except FileNotFoundError:
+        owner = None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InvalidArgumentError(
+            f"{marker} is not a local tier's marker ({e}): give the local tier an empty path"
+        ) from None
+    if owner is None:
+        marker.write_text(json.dumps({"durable": durable}) + "\n")
+    elif owner != durable:
+        raise InvalidArgumentError(
+            f"LocalTier path {root} holds the local checkpoints of the run in {owner!r:.200}, not {durable!r:.200}: "
+            "give each run its own local path (or delete that one)"
+        )
+    return root
+
+
+class Tier:
+    """A manager's local tier at work: when to write a local checkpoint, and the checkpoints to resume from.
+    ``inner`` is a manager of the tier's own folder (asynchronous, uncompressed, one process)."""
+
+    def __init__(self, config: LocalTier, inner: CheckpointManager) -> None:
+        self.config = config
+        self.inner = inner
+        self._checked = False  # the first save checked that the state fits
+
+    def maybe_save(self, step: int, state: Any, durable_saved: bool, metrics: dict[str, float]) -> bool:
+        """Write ``step`` locally if due, unless the durable tier just saved it; whether a local save started.
+
+        The previous local save is committed first (waited for, when still being written): so a kill loses at
+        most the steps since the newest local save, ``every_steps``, never an unbounded number. A local disk
+        slower than ``every_steps`` training steps makes the loop wait: the history's blocking time shows it."""
+        if durable_saved or step % self.config.every_steps:  # the inner manager's own policy says the same
+            return False
+        if not self._checked:
+            self._check_fits(state)
+        return self.inner.save(step, state, metrics=metrics)
+
+    def _check_fits(self, state: Any) -> None:
+        nbytes = encode_state(self.inner._rng.wrap(state)[0]).nbytes  # no array is copied
+        need = nbytes * (self.config.keep + 1)  # those kept, and the next one being written
+        budget = self.config.budget_bytes
+        free = shutil.disk_usage(self.inner.directory).free + self.used()
+        if budget is not None and need > budget:
+            raise StorageError(
+                f"the local tier needs {need:,} bytes ({self.config.keep} checkpoints kept and one being written, "
+                f"{nbytes:,} bytes each), over its budget_bytes of {budget:,}: raise the budget or lower keep"
+            )
+        if need > free:
+            raise StorageError(
+                f"the local tier needs {need:,} bytes ({self.config.keep} checkpoints kept and one being written, "
+                f"{nbytes:,} bytes each), but {self.inner.directory} has {free:,} bytes free: give it more room "
+                "(a larger tmpfs) or lower keep"
+            )
+        self._checked = True
+
+    def used(self) -> int:
+        """Bytes the tier's checkpoints hold on disk."""
+        total = 0
+        for dirpath, _, files in os.walk(self.inner.directory):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(dirpath, f))
+                except OSError:
+                    pass
+        return total
+
+    def newer_than(self, step: int | None) -> list[CheckpointInfo]:
+        """The tier's committed checkpoints newer than durable ``step``, newest first."""
+        found = [c for c in self.inner.list() if step is None or c.step > step]
+        return sorted(found, key=lambda c: c.step, reverse=True)
+
+    def restore_newest(
+        self,
+        state: Any,
+        durable_step: int | None,
+        load_kwargs: dict[str, Any],
+        candidates: list[CheckpointInfo] | None = None,
+    ) -> int | None:
+        """Restore the newest local checkpoint newer than the durable tier's ``durable_step`` (of
+        ``candidates``, when given) that restores; its step, or None (then the durable tier resumes). A damaged
+        one is skipped with a warning; a state that does not fit, or a wrong key, raises as from the durable
+        tier."""
+        for info in self.newer_than(durable_step) if candidates is None else candidates:
+            try:
+                self.inner.restore(info.step, state, **load_kwargs)
+            except FATAL:
+                raise
+            except CheckpointError as e:
+                log.warning("local tier: step %d does not restore (%s); trying the one before it", info.step, e)
+                continue
+            log.info("resumed from the local tier: step %d in %s", info.step, self.inner.directory)
+            return info.step
+        return None
+
+    def close(self) -> None:
+        """Wait for the local save in flight and let go of the tier's folder."""
+        self.inner.close()
