@@ -10,6 +10,7 @@ resumes it and, in the same processes, trains the uninterrupted reference.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -51,7 +52,8 @@ def test_ddp_two_ranks_zstd_and_key_sigkill_then_resume_is_bit_identical(tmp_pat
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     # the background save of step 4 may not have committed before the kill: then step 2's is the newest (both
     # mid-epoch: 3 updates an epoch); every rank resumes from the one rank 0 picked
-    said = [line.split()[-1] for line in resumed.stdout.splitlines() if " resumed from step " in line]
+    # found anywhere in a line: the two ranks' prints may interleave (print writes the text and its newline apart)
+    said = re.findall(r"rank \d of 2 resumed from step (None|\d+)", resumed.stdout)
     steps = [step for step in said if step != "None"]  # the reference, trained after it, starts fresh
     assert len(steps) == 2 and len(set(steps)) == 1 and steps[0] in ("2", "4"), resumed.stdout[-4000:]
 

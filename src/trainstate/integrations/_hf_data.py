@@ -7,6 +7,22 @@ records what the position depends on (batches per epoch, batch size, accumulatio
 dataset's length) and a resume under other values is refused by name instead of silently training on other
 samples.
 
+Another number of processes. Under accelerate (the Trainer's loaders) the order is the same at any world size:
+the ``RandomSampler`` becomes accelerate's ``SeedableRandomSampler`` (``use_seedable_sampler``, on by default),
+whose permutation comes from ``(initial seed + epoch)`` alone; it is cut into per-device batches, and
+``BatchSamplerShard`` gives process ``i`` of ``W`` batches ``i, i + W, i + 2W, ...``. Optimizer step ``s`` (``A``
+accumulation steps) therefore takes samples ``[s * G, (s + 1) * G)`` of the permutation, ``G = per_device * A * W``
+(the global batch), and a resume skips ``(step % updates_per_epoch) * A`` batches of every process: ``step * G``
+samples at any ``W`` that keeps ``G``. So a resume at another world size is allowed when the global batch, the
+updates per epoch, the dataset's length, the seed and the seeding are the saved ones, and the order is one of
+those (a seedable or sequential sampler, no ``split_batches`` / ``dispatch_batches``); anything else is refused by
+name, with the hint to keep the global batch (double ``per_device_train_batch_size`` or
+``gradient_accumulation_steps`` when halving the processes). At the same world size the check is as before.
+The epoch's tail is not world-size invariant: when the dataset is not a multiple of ``per_device * W``,
+``BatchSamplerShard`` (``even_batches``) fills the last round of batches with the epoch's first samples on
+several processes (seen twice), while one process takes a short last batch; with ``dataloader_drop_last`` the
+processes drop what does not fill a round. Only the epoch's last update differs (a warning says so).
+
 Seeding. Randomness while fetching a batch (an augmentation in ``__getitem__``, a collator that masks tokens)
 draws from the process's global generators. A resumed run fetches its first batches from other generator
 states than the interrupted run did, and the Trainer puts its saved RNG back only after fetching them: every
@@ -60,6 +76,23 @@ def length(obj: Any) -> int | None:
         return None
 
 
+def _batch_samplers(loader: Any) -> Iterator[Any]:
+    """The loader's batch sampler and the ones it wraps (accelerate's ``BatchSamplerShard`` wraps torch's)."""
+    sampler = getattr(getattr(loader, "base_dataloader", loader), "batch_sampler", None)
+    while sampler is not None:
+        yield sampler
+        sampler = getattr(sampler, "batch_sampler", None)
+
+
+def per_device_batch(loader: Any) -> int | None:
+    """The samples in one of the loader's batches (what the Trainer built it with), None when it does not say."""
+    for sampler in _batch_samplers(loader):
+        size = getattr(sampler, "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    return None
+
+
 def position(args: Any, state: Any, loader: Any, seeded: bool) -> dict[str, Any]:
     """Where the run is in its data after ``state.global_step`` updates, and what that depends on."""
     batches = length(loader)
@@ -67,12 +100,14 @@ def position(args: Any, state: Any, loader: Any, seeded: bool) -> dict[str, Any]
     per_epoch = updates_per_epoch(batches, accumulation, int(state.max_steps))
     step = int(state.global_step)
     samples = length(getattr(loader, "dataset", None))
+    # the loader's own batch size: a resumed TrainerState holds the saved run's train_batch_size
+    batch = per_device_batch(loader) or int(state.train_batch_size or args.per_device_train_batch_size)
     return {
         "epoch": step // per_epoch,
         "batches_into_epoch": (step % per_epoch) * accumulation,
         "batches_per_epoch": -1 if batches is None else batches,
         "gradient_accumulation_steps": accumulation,
-        "train_batch_size": int(state.train_batch_size or args.per_device_train_batch_size),
+        "train_batch_size": batch,
         "world_size": int(args.world_size),
         "seed": int(args.data_seed if args.data_seed is not None else args.seed),
         "samples": -1 if samples is None else samples,
@@ -84,6 +119,70 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, s
     """``(key, now, saved)`` for each value the data position depends on that differs."""
     keys = CHECKED + ("seeded_per_sample",)
     return [(f"data.{k}", repr(now.get(k)), repr(saved.get(k))) for k in keys if saved.get(k) != now.get(k)]
+
+
+def global_batch(position: dict[str, Any]) -> int:
+    """Samples per optimizer step over every process: per-device batch x accumulation x world size."""
+    return (
+        int(position["train_batch_size"]) * int(position["gradient_accumulation_steps"]) * int(position["world_size"])
+    )
+
+
+def _updates(position: dict[str, Any]) -> int | None:
+    batches = int(position["batches_per_epoch"])
+    return None if batches < 0 else updates_per_epoch(batches, int(position["gradient_accumulation_steps"]), 0)
+
+
+def order_changes(loader: Any) -> str | None:
+    """Why the loader's order would differ at another world size (see the module docstring), or None."""
+    if type(loader).__name__ == "DataLoaderDispatcher":
+        return "accelerate dispatches the batches from process 0 (dispatch_batches)"
+    if any(getattr(s, "split_batches", False) for s in _batch_samplers(loader)):
+        return "accelerate splits each batch between the processes (split_batches)"
+    samplers = list(_batch_samplers(loader))
+    index = getattr(samplers[-1], "sampler", None) if samplers else None
+    index = getattr(index, "inner", index)  # SeededSampler
+    kind = type(index).__name__
+    if kind not in ("SeedableRandomSampler", "SequentialSampler"):
+        return f"its index sampler ({kind}) does not draw one order for every world size (use_seedable_sampler)"
+    return None
+
+
+def elastic_differences(saved: dict[str, Any], now: dict[str, Any], loader: Any) -> list[tuple[str, str, str]]:
+    """:func:`differences`, but for a resume at another number of processes: what must stay is the global batch,
+    the updates per epoch, the dataset, the seed and the seeding (the module docstring)."""
+    if saved.get("world_size") == now.get("world_size") or any(k not in saved for k in CHECKED):
+        return differences(saved, now)
+    wrong = [
+        (f"data.{k}", repr(now.get(k)), repr(saved.get(k)))
+        for k in ("seed", "samples", "seeded_per_sample")
+        if saved.get(k) != now.get(k)
+    ]
+    if global_batch(saved) != global_batch(now):
+        wrong.append(("data.global_batch_size", _global(now), _global(saved)))
+    per_epoch = _updates(now), _updates(saved)
+    if per_epoch[0] is None or per_epoch[0] != per_epoch[1]:
+        wrong.append(("data.updates_per_epoch", repr(per_epoch[0]), repr(per_epoch[1])))
+    why = order_changes(loader)
+    if why is not None:
+        wrong.append(("data.order", f"one that depends on the world size: {why}", "the same at any world size"))
+    if wrong:
+        wrong.append(("data.world_size", repr(now.get("world_size")), repr(saved.get("world_size"))))
+    return wrong
+
+
+def _global(position: dict[str, Any]) -> str:
+    return (
+        f"{global_batch(position)} ({position['train_batch_size']} per device x "
+        f"{position['gradient_accumulation_steps']} accumulation x {position['world_size']} processes)"
+    )
+
+
+def uneven_tail(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether the epoch's last update takes other samples at the two world sizes (``even_batches`` padding)."""
+    samples = int(now.get("samples", -1))
+    rounds = [int(p["train_batch_size"]) * int(p["world_size"]) for p in (saved, now)]
+    return samples > 0 and any(samples % r for r in rounds)
 
 
 # -- per-sample seeding -----------------------------------------------------------------------------

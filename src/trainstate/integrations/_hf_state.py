@@ -9,7 +9,10 @@
   holds them until :meth:`DeferredRNG.apply`: the Trainer's loop draws from torch's generator when a data
   loader iterator starts, so the callback puts the generators back at the point of the loop the save was
   taken at, not when the checkpoint is read. Under a process group it is a per-rank value, as an
-  ``RNGState`` is: each rank saves and gets back its own generators.
+  ``RNGState`` is: each rank saves and gets back its own generators. Restored by another number of processes
+  than saved it, no saved rank's generators are this process's own: :meth:`DeferredRNG.rederive` holds what
+  ``RNGState(seed=args.seed).rederive(rank, step)`` would set instead (docs/distributed.md, "Changing the world
+  size"), applied at the same point of the loop.
 * :class:`Record` is a dict of plain values that comes back as it was saved (the data position).
 """
 
@@ -111,6 +114,8 @@ class DeferredRNG:
 
     def __init__(self) -> None:
         self.pending: dict[str, Any] | None = None
+        self.seed = 0  # the Trainer's args.seed, set when training begins: what rederive seeds from
+        self.rederived: tuple[int, int] | None = None  # (rank, step) of the last rederive
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = RNGState().state_dict()
@@ -118,6 +123,23 @@ class DeferredRNG:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.pending = dict(state)
+
+    def rederive(self, rank: int, step: int) -> None:
+        """Hold, as the state to apply, the generators ``RNGState(seed=self.seed).rederive(rank, step)`` sets: what
+        a restore by another number of processes than saved the checkpoint calls. This process's generators are
+        left as they were until :meth:`apply`.
+
+        Args:
+            rank: this process's rank in the resumed run.
+            step: the step of the checkpoint restored.
+        """
+        here = RNGState().state_dict()
+        try:
+            RNGState(seed=self.seed).rederive(rank, step)
+            self.pending = RNGState().state_dict()
+        finally:
+            RNGState().load_state_dict(here)
+        self.rederived = (rank, step)
 
     def apply(self) -> None:
         """Put the restored generators in place (once); nothing when nothing was restored."""

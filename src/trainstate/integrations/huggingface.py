@@ -33,8 +33,19 @@ DDP (several processes, ``torchrun``): every rank builds the callback and its ma
 in each save and restore (the manager's collective saves: each rank writes its share of one checkpoint, the
 replicated model and optimizer once between them, compressed / encrypted as in one process). The generators are
 saved per rank; the ``TrainerState`` saved is rank 0's (each rank logs its own run times), as the Trainer writes
-rank 0's ``trainer_state.json``. Rank 0 picks the checkpoint to resume from, and every rank resumes from it, at the
-same number of processes (the data position records it). DeepSpeed and FSDP are refused (:meth:`_check`).
+rank 0's ``trainer_state.json``. Rank 0 picks the checkpoint to resume from, and every rank resumes from it.
+
+Another number of processes (2 -> 1, say): the Trainer's order of samples under accelerate does not depend on the
+world size, and optimizer step ``s`` takes the samples ``[s * G, (s + 1) * G)`` of each epoch's order, ``G`` the
+global batch (``per_device_train_batch_size * gradient_accumulation_steps * processes``). So a resume at another
+number of processes is exact in its data when it keeps ``G`` (double the per-device batch or the accumulation when
+halving the processes) and the updates per epoch, dataset, seed and seeding; anything else is refused by name
+(``_hf_data.elastic_differences``). The epoch's last update is the exception when the dataset is not a multiple
+of per-device batch x processes (accelerate's ``even_batches`` pads it; a warning says so). Each sample's
+augmentation is seeded from ``(seed, epoch, index)``, the same at any world size. The generators saved per rank
+cannot be any new rank's own: each is re-derived from ``(args.seed, the checkpoint's step, its rank)``
+(``DeferredRNG.rederive``), so dropout continues on another stream than an uninterrupted run's. DeepSpeed and
+FSDP are refused (:meth:`_check`).
 """
 
 from __future__ import annotations
@@ -348,6 +359,7 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         if scaler is not None:
             self._live["scaler"] = scaler
         self._epoch = data.Epoch(int(args.data_seed if args.data_seed is not None else args.seed))
+        self._rng.seed, self._rng.rederived = int(args.seed), None
         if self.seed_per_sample and self._loader is not None:
             self._seeding = data.install(self._loader, self._epoch)
         if self._resume is not None:
@@ -603,16 +615,20 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
                 "run again"
             )
         saved = self._position.saved or {}
-        wrong = data.differences(saved, data.position(args, state, self._loader, self._seeding is not None))
+        now = data.position(args, state, self._loader, self._seeding is not None)
+        wrong = data.elastic_differences(saved, now, self._loader)
         if wrong:
             raise StateMismatchError(
                 [],
                 [],
                 wrong,
                 hint="the Trainer would resume at another place in the data than the run that saved it: resume with "
-                "the same dataset, per_device_train_batch_size, gradient_accumulation_steps, number of processes, "
-                "seed / data_seed and seed_per_sample, or start a new run in another directory",
+                "the same dataset, global batch size (per_device_train_batch_size x gradient_accumulation_steps x "
+                "processes: double per_device_train_batch_size or gradient_accumulation_steps when halving the "
+                "processes), seed / data_seed and seed_per_sample, or start a new run in another directory",
             )
+        if saved.get("world_size") != now["world_size"]:
+            self._resumed_elastic(saved, now, step)
         if args.ignore_data_skip:
             log.warning("TrainstateCallback: ignore_data_skip=True, so the resumed run does not continue the data")
         self._saved = step
@@ -620,6 +636,30 @@ class TrainstateCallback(TrainerCallback):  # type: ignore[misc]
         # fetched), or, at an epoch boundary, before the next epoch's iterator drew its seed
         self._rng_at = "step" if saved.get("batches_into_epoch", 0) else "epoch"
         self._discard_stand_in(folder)
+
+    def _resumed_elastic(self, saved: dict[str, Any], now: dict[str, Any], step: int) -> None:
+        """Say what a resume at another number of processes changes (the data position itself is exact)."""
+        log.info(
+            "TrainstateCallback: resumed step %d, saved by %d process(es), on %d: the same global batch of %d "
+            "samples; this process's generators were %s",
+            step,
+            saved["world_size"],
+            now["world_size"],
+            data.global_batch(now),
+            f"re-derived from (seed {self._rng.seed}, step, rank)" if self._rng.rederived else "restored",
+        )
+        if data.uneven_tail(saved, now):
+            log.warning(
+                "TrainstateCallback: the dataset (%d samples) is not a multiple of per-device batch x processes "
+                "(%d x %d saved, %d x %d now): the last update of each epoch takes other samples than at %d "
+                "processes (accelerate's even_batches pads it with the epoch's first samples)",
+                now["samples"],
+                saved["train_batch_size"],
+                saved["world_size"],
+                now["train_batch_size"],
+                now["world_size"],
+                saved["world_size"],
+            )
 
     def _reshape_model(self, step: int) -> None:
         """Hand the saved tensors whose shape differs from the model's to the model's own ``load_state_dict``
