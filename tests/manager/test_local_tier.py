@@ -79,6 +79,11 @@ def test_the_local_tier_saves_between_durable_ones_keeps_its_newest_and_resumes_
     state = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
     with _manager(tmp_path, every_steps=2, keep=2) as mgr:
         _train(mgr, state, range(12))
+        reasons = {r.step: r.reason for r in mgr.history()}
+    assert reasons == {
+        **{s: "every 5 steps" for s in (0, 5, 10)},
+        **{s: "local tier: every 2 steps" for s in (2, 4, 6, 8)},
+    }
     durable = sorted(p.name for p in (tmp_path / "durable").glob("step_*"))
     local = sorted(p.name for p in (tmp_path / "shm" / "rank00000").glob("step_*"))
     assert durable == ["step_00000005", "step_00000010"]
@@ -208,3 +213,28 @@ def test_wrong_local_tier_arguments_are_refused_by_name(kwargs, match):
 def test_local_takes_a_local_tier(tmp_path):
     with pytest.raises(trainstate.InvalidArgumentError, match="takes a trainstate.LocalTier"):
         trainstate.CheckpointManager(tmp_path / "d", local=str(tmp_path / "shm"))  # type: ignore[arg-type]
+
+
+def test_trainstate_ls_of_the_local_path_shows_its_checkpoints_and_the_filesystem_they_fill(tmp_path):
+    import json
+
+    from helpers import cli
+
+    state = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
+    with _manager(tmp_path, every_steps=1, keep=2) as mgr:
+        _train(mgr, state, range(4))  # local 2, 3
+    shown = cli("ls", str(tmp_path / "shm")).stdout
+    assert "local tier in" in shown and "step_00000003" in shown and "free of" in shown, shown
+    listed = json.loads(cli("ls", "--json", str(tmp_path / "shm")).stdout)
+    assert listed["kind"] == "local tier" and listed["durable"] == str((tmp_path / "durable").absolute())
+    steps = [r["step"] for r in listed["folders"]["rank00000"]]
+    assert steps == [2, 3] and listed["held_nbytes"] > 8000 and listed["filesystem"]["free_nbytes"] > 0
+
+
+def test_a_local_tier_under_a_process_group_is_refused_by_name_on_every_rank(tmp_path):
+    pytest.importorskip("torch.distributed")
+    import dist_workers_manager as workers
+    import ranks
+
+    out = ranks.run(2, workers.local_tier_refused, str(tmp_path), timeout=120)
+    assert all("LocalTier under a process group" in o and "not built yet" in o for o in out), out

@@ -11,6 +11,7 @@ from typing import Any
 
 from trainstate import open as open_checkpoint
 from trainstate._cli._args import Subparsers, command
+from trainstate._cli._ls_tier import is_local_tier, tier_ls
 from trainstate._cli._open import manifest_size, require_dir, shared_size
 from trainstate._cli._output import Printer, Table, clip, local_time, metrics_text, size
 from trainstate._format.manifest import MANIFEST_NAME
@@ -223,6 +224,8 @@ def ls(out: Printer, path: str, *, key_env: str | None = None) -> int:
             rows = [_other_row(backend, name, root, "deleting", _DELETING_NOTE)]
         elif step_of(name) is not None or is_staging_name(name):
             rows = [_other_row(backend, name, root, "incomplete", "no manifest")]
+        elif is_local_tier(path):
+            return tier_ls(out, path, lambda folder: directory_rows(folder, key_env))
         else:
             kind, rows = "directory", directory_rows(path, key_env)
     pool = pool_bytes(path) if kind == "directory" else None

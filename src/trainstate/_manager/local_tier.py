@@ -111,6 +111,16 @@ def claim(tier: LocalTier, durable: str) -> Path:
     return root
 
 
+@dataclass(frozen=True)
+class LocalEvery:
+    """The local tier's save policy: every ``steps`` steps, said so in each save's reason (the history)."""
+
+    steps: int
+
+    def reason_to_save(self, step: int, now: float, last_save_time: float) -> str | None:
+        return f"local tier: every {self.steps} steps" if step % self.steps == 0 else None
+
+
 class Tier:
     """A manager's local tier at work: when to write a local checkpoint, and the checkpoints to resume from.
     ``inner`` is a manager of the tier's own folder (asynchronous, uncompressed, one process)."""

@@ -28,7 +28,7 @@ from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
 from trainstate._manager.committer import Committer
 from trainstate._manager.keep_best import warn_missing_metrics
-from trainstate._manager.local_tier import LocalTier, Tier, claim
+from trainstate._manager.local_tier import LocalEvery, LocalTier, Tier, claim
 from trainstate._manager.lock import DirectoryLock
 from trainstate._manager.policies import (
     CheckpointInfo,
@@ -220,7 +220,7 @@ class CheckpointManager(Configured):
         root = claim(local, self.directory)
         inner = CheckpointManager(
             root / f"rank{self._ranks.rank:05d}",
-            every_steps=local.every_steps,
+            save_policies=[LocalEvery(local.every_steps)],
             keep_last=local.keep,
             async_save=True,
             capture_rng=given["capture_rng"],
@@ -307,14 +307,18 @@ class CheckpointManager(Configured):
         return self.catalog.path(naming.name_for(arguments.step(step)))
 
     def history(self) -> builtins.list[SaveRecord]:
-        """Every save this manager made, with its timings (background ones once they finished).
+        """Every save this manager made, with its timings (background ones once they finished), by step; with
+        a local tier, its saves too (their reason says ``local tier``).
 
         Example:
             >>> for record in mgr.history():
             ...     print(record.step, record.blocking_seconds, record.write_seconds, record.nbytes)
         """
         self._writer.collect(block=False)
-        return list(self._writer.history)
+        if self._local is None:
+            return list(self._writer.history)
+        local = self._local.inner.history()  # its reason names the tier: "local tier: every 10 steps"
+        return sorted([*self._writer.history, *local], key=lambda r: r.step)
 
     @property
     def preempted(self) -> bool:
