@@ -185,9 +185,7 @@ def ddp_train(
 def local_tier_refused(rank: int, world: int, root: str) -> str:
     """A LocalTier under a process group: refused by name on every rank (replication to peers is not built)."""
     try:
-        trainstate.CheckpointManager(
-            f"{root}/durable", local=trainstate.LocalTier(f"{root}/local{rank}"), timeout=30
-        )
+        trainstate.CheckpointManager(f"{root}/durable", local=trainstate.LocalTier(f"{root}/local{rank}"), timeout=30)
     except trainstate.InvalidArgumentError as e:
         return str(e)
     return "built"
