@@ -180,12 +180,3 @@ def ddp_train(
         "optim": [t.numpy().copy() for s in opt.state_dict()["state"].values() for t in s.values()],
         "rng_next": float(torch.rand(1)),
     }
-
-
-def local_tier_refused(rank: int, world: int, root: str) -> str:
-    """A LocalTier under a process group: refused by name on every rank (replication to peers is not built)."""
-    try:
-        trainstate.CheckpointManager(f"{root}/durable", local=trainstate.LocalTier(f"{root}/local{rank}"), timeout=30)
-    except trainstate.InvalidArgumentError as e:
-        return str(e)
-    return "built"

@@ -85,7 +85,7 @@ def test_the_local_tier_saves_between_durable_ones_keeps_its_newest_and_resumes_
         **{s: "local tier: every 2 steps" for s in (2, 4, 6, 8)},
     }
     durable = sorted(p.name for p in (tmp_path / "durable").glob("step_*"))
-    local = sorted(p.name for p in (tmp_path / "shm" / "rank00000").glob("step_*"))
+    local = sorted(p.name for p in (tmp_path / "shm" / "w1" / "rank00000").glob("step_*"))
     assert durable == ["step_00000005", "step_00000010"]
     assert local == ["step_00000006", "step_00000008"]  # 10 is durable: not written twice; 0, 2, 4 pruned
     restored = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
@@ -103,7 +103,7 @@ def test_a_damaged_local_copy_falls_back_to_the_one_before_then_to_the_durable_t
     state = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
     with _manager(tmp_path, every_steps=1, keep=2) as mgr:
         _train(mgr, state, range(8))  # durable 0, 5; local 6, 7
-    shm = tmp_path / "shm" / "rank00000"
+    shm = tmp_path / "shm" / "w1" / "rank00000"
     _flip_a_byte(shm / "step_00000007")
     restored = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
     with _manager(tmp_path) as mgr:
@@ -170,7 +170,7 @@ def test_sigkill_in_the_middle_of_local_saves_never_restores_a_torn_or_mixed_sta
         child.stdout.close()
         child.stderr.close()
     # what is committed loads whole: every local checkpoint holds one step's values
-    for checkpoint in (shm / "rank00000").glob("step_*"):
+    for checkpoint in (shm / "w1" / "rank00000").glob("step_*"):
         loaded = trainstate.load(checkpoint)
         step = loaded["step"]
         assert checkpoint.name == f"step_{step:08d}"
@@ -227,14 +227,5 @@ def test_trainstate_ls_of_the_local_path_shows_its_checkpoints_and_the_filesyste
     assert "local tier in" in shown and "step_00000003" in shown and "free of" in shown, shown
     listed = json.loads(cli("ls", "--json", str(tmp_path / "shm")).stdout)
     assert listed["kind"] == "local tier" and listed["durable"] == str((tmp_path / "durable").absolute())
-    steps = [r["step"] for r in listed["folders"]["rank00000"]]
+    steps = [r["step"] for r in listed["folders"]["w1/rank00000"]]
     assert steps == [2, 3] and listed["held_nbytes"] > 8000 and listed["filesystem"]["free_nbytes"] > 0
-
-
-def test_a_local_tier_under_a_process_group_is_refused_by_name_on_every_rank(tmp_path):
-    pytest.importorskip("torch.distributed")
-    import dist_workers_manager as workers
-    import ranks
-
-    out = ranks.run(2, workers.local_tier_refused, str(tmp_path), timeout=120)
-    assert all("LocalTier under a process group" in o and "not built yet" in o for o in out), out

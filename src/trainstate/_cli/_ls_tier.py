@@ -38,8 +38,14 @@ def tier_ls(out: Printer, path: str, rows_of: Any) -> int:
         durable = json.loads((Path(path) / MARKER).read_text()).get("durable")
     except (OSError, ValueError, AttributeError):
         durable = None
-    folders = sorted(p for p in Path(path).iterdir() if p.is_dir() and p.name.startswith("rank"))
-    by_folder = {p.name: rows_of(str(p)) for p in folders}
+    folders = sorted(
+        p
+        for w in Path(path).iterdir()
+        if w.is_dir() and w.name.startswith("w")
+        for p in w.iterdir()
+        if p.is_dir() and p.name.startswith("rank")
+    )
+    by_folder = {f"{p.parent.name}/{p.name}": rows_of(str(p)) for p in folders}
     fs = filesystem(path)
     held = sum(r["size_nbytes"] for rows in by_folder.values() for r in rows if r["status"] == "complete")
     if out.json_mode:

@@ -18,6 +18,9 @@ from trainstate.errors import CorruptCheckpointError, InvalidArgumentError
 
 FACTS_KEY = "trainstate"  # the metadata key under which trainstate's writers record their facts
 ADDED_KEYS = "added_keys"
+# a process's own view saved alone (a local tier's checkpoint): its rank, world size and each sharded part's
+# place in its whole array ({"rank": r, "world_size": w, "boxes": {name: [offset, whole shape]}})
+LOCAL_VIEW = "_trainstate_local_view"
 
 # A CheckpointManager of trainstate 0.1 recorded its facts without ADDED_KEYS and may have added the RNG it
 # captured under this key, which readers then skipped by name: its checkpoints declare that key implicitly.

@@ -5,8 +5,11 @@ steps to ``path``: the same format, checksums and atomic commit, always in the b
 (it is there to be fast), encrypted with the run's key when it has one. The recovery point becomes the newest
 local step: ``restore_latest`` takes the newest checkpoint of either tier that restores, past damaged ones.
 
-Each process keeps its checkpoints in ``path/rank00000`` (its rank's folder), a run directory like any other:
-``trainstate ls`` and ``load`` read it. ``path/_tier.json`` names the durable directory the tier belongs to, so
+Each process keeps its checkpoints in ``path/w{world size}/rank{rank:05d}`` (one process: ``path/w1/rank00000``),
+a run directory like any other: ``trainstate ls`` and ``load`` read it. Under a process group each checkpoint is
+the process's own view (a DTensor's local shard stored whole), restored by the same rank at the same world size;
+its copies on the peers' nodes sit in the same layout there (tier_peers.py). Another world size finds none of them
+and resumes from the durable tier. ``path/_tier.json`` names the durable directory the tier belongs to, so
 two runs never share one path unknowingly.
 
 The two tiers never wait for each other: each writes on its own background thread. A local save waits for the
@@ -33,6 +36,8 @@ from trainstate.errors import CheckpointError, InvalidArgumentError, StorageErro
 if TYPE_CHECKING:
     from trainstate._manager.manager import CheckpointManager
     from trainstate._manager.policies import CheckpointInfo
+    from trainstate._manager.ranks import ManagerRanks
+    from trainstate._manager.tier_peers import Peers
 
 log = logging.getLogger("trainstate")
 
@@ -101,8 +106,10 @@ def claim(tier: LocalTier, durable: str) -> Path:
         raise InvalidArgumentError(
             f"{marker} is not a local tier's marker ({e}): give the local tier an empty path"
         ) from None
-    if owner is None:
-        marker.write_text(json.dumps({"durable": durable}) + "\n")
+    if owner is None:  # several ranks of a node may write it at once: each whole, by a rename
+        staged = marker.with_name(f".{MARKER}.{os.getpid()}")
+        staged.write_text(json.dumps({"durable": durable}) + "\n")
+        os.replace(staged, marker)
     elif owner != durable:
         raise InvalidArgumentError(
             f"LocalTier path {root} holds the local checkpoints of the run in {owner!r:.200}, not {durable!r:.200}: "
@@ -123,45 +130,58 @@ class LocalEvery:
 
 class Tier:
     """A manager's local tier at work: when to write a local checkpoint, and the checkpoints to resume from.
-    ``inner`` is a manager of the tier's own folder (asynchronous, uncompressed, one process)."""
 
-    def __init__(self, config: LocalTier, inner: CheckpointManager) -> None:
+    ``inner`` is a manager of this process's folder of the tier (asynchronous, uncompressed, one process, saving
+    its own view: ``local_view``). Under a process group, ``peers`` copies each local checkpoint to the next
+    nodes and finds, on restore, the newest step every rank can restore (tier_peers.py)."""
+
+    def __init__(self, config: LocalTier, inner: CheckpointManager, peers: Peers | None = None) -> None:
         self.config = config
         self.inner = inner
+        self.peers = peers
         self._checked = False  # the first save checked that the state fits
 
     def maybe_save(self, step: int, state: Any, durable_saved: bool, metrics: dict[str, float]) -> bool:
         """Write ``step`` locally if due, unless the durable tier just saved it; whether a local save started.
 
-        The previous local save is committed first (waited for, when still being written): so a kill loses at
-        most the steps since the newest local save, ``every_steps``, never an unbounded number. A local disk
-        slower than ``every_steps`` training steps makes the loop wait: the history's blocking time shows it."""
+        The previous local save is committed first (waited for, when still being written), and under a process
+        group its copies to the peers made: so a kill loses at most the steps since the newest local save,
+        ``every_steps``, never an unbounded number. A local disk (or a network to the peers) slower than
+        ``every_steps`` training steps makes the loop wait: the history's blocking time shows it."""
         if durable_saved or step % self.config.every_steps:  # the inner manager's own policy says the same
             return False
+        if self.peers is not None:
+            self.peers.wait()  # raises the previous copies' error
         if not self._checked:
             self._check_fits(state)
-        return self.inner.save(step, state, metrics=metrics)
+        saved = self.inner.save(step, state, metrics=metrics)
+        if saved and self.peers is not None:
+            self.peers.replicate(step, _save_job(self.inner, step))
+        return saved
 
     def _check_fits(self, state: Any) -> None:
-        nbytes = encode_state(self.inner._rng.wrap(state)[0]).nbytes  # no array is copied
-        need = nbytes * (self.config.keep + 1)  # those kept, and the next one being written
+        nbytes = encode_state(self.inner._rng.wrap(state)[0], local_view=self.inner._local_view).nbytes  # no copy
+        copies = self.config.keep + 1 + (len(self.peers.sources) * self.config.keep if self.peers else 0)
+        need = nbytes * copies  # those kept, the next one being written, and the peers' copies held here
+        held = f"{self.config.keep} checkpoints kept and one being written" + (
+            f", and {self.config.keep} of each of {len(self.peers.sources)} peers" if self.peers else ""
+        )
         budget = self.config.budget_bytes
         free = shutil.disk_usage(self.inner.directory).free + self.used()
         if budget is not None and need > budget:
             raise StorageError(
-                f"the local tier needs {need:,} bytes ({self.config.keep} checkpoints kept and one being written, "
-                f"{nbytes:,} bytes each), over its budget_bytes of {budget:,}: raise the budget or lower keep"
+                f"the local tier needs {need:,} bytes ({held}, {nbytes:,} bytes each), over its budget_bytes of "
+                f"{budget:,}: raise the budget or lower keep"
             )
         if need > free:
             raise StorageError(
-                f"the local tier needs {need:,} bytes ({self.config.keep} checkpoints kept and one being written, "
-                f"{nbytes:,} bytes each), but {self.inner.directory} has {free:,} bytes free: give it more room "
-                "(a larger tmpfs) or lower keep"
+                f"the local tier needs {need:,} bytes ({held}, {nbytes:,} bytes each), but {self.inner.directory} "
+                f"has {free:,} bytes free: give it more room (a larger tmpfs) or lower keep"
             )
         self._checked = True
 
     def used(self) -> int:
-        """Bytes the tier's checkpoints hold on disk."""
+        """Bytes this process's folder of the tier holds."""
         total = 0
         for dirpath, _, files in os.walk(self.inner.directory):
             for f in files:
@@ -186,10 +206,12 @@ class Tier:
         """Restore the newest local checkpoint newer than the durable tier's ``durable_step`` (of
         ``candidates``, when given) that restores; its step, or None (then the durable tier resumes). A damaged
         one is skipped with a warning; a state that does not fit, or a wrong key, raises as from the durable
-        tier."""
+        tier. Under a process group every rank calls it and all restore the same step."""
+        if self.peers is not None:
+            return self.peers.restore_newest(lambda step: self._restore(step, state, load_kwargs), durable_step)
         for info in self.newer_than(durable_step) if candidates is None else candidates:
             try:
-                self.inner.restore(info.step, state, **load_kwargs)
+                self._restore(info.step, state, load_kwargs)
             except FATAL:
                 raise
             except CheckpointError as e:
@@ -199,6 +221,46 @@ class Tier:
             return info.step
         return None
 
+    def _restore(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> None:
+        self.inner.restore(step, state, local_view=self.inner._local_view, **load_kwargs)
+
+    def wait(self) -> None:
+        """Block until the local save in flight committed and its copies to the peers are made."""
+        self.inner.wait()
+        if self.peers is not None:
+            self.peers.wait()
+
     def close(self) -> None:
-        """Wait for the local save in flight and let go of the tier's folder."""
-        self.inner.close()
+        """Wait for the local save in flight (and its copies to the peers) and let go of the tier's folder."""
+        try:
+            self.inner.wait()
+            if self.peers is not None:
+                self.peers.close()
+        finally:
+            self.inner.close()
+
+
+def _save_job(inner: CheckpointManager, step: int) -> Any:
+    """The future of ``inner``'s background save of ``step`` (just submitted)."""
+    for job in reversed(inner._writer.queue.jobs):
+        if getattr(job.info, "step", None) == step:
+            return job.future
+    return None  # written synchronously (over the staging budget): committed already
+
+
+def tier_peers(ranks: ManagerRanks, config: LocalTier, world_root: Path) -> Peers:
+    """The peers of a local tier under a torch.distributed process group (two gloo channels of its own)."""
+    from trainstate._distributed import coordinator
+    from trainstate._manager.tier_peers import Nodes, Peers
+
+    if not ranks.control.sends_bytes:
+        raise InvalidArgumentError(
+            "LocalTier under jax.distributed is not built: its coordination moves no checkpoint bytes between "
+            "processes; use it under torch.distributed, or in one process"
+        )
+    channel, timeout = ranks.channel, ranks.control.timeout
+    control = coordinator(timeout=timeout, channel=f"{channel}-tier")
+    copies = coordinator(timeout=timeout, channel=f"{channel}-tier-copies")
+    assert control is not None and copies is not None  # the manager's group has several ranks
+    nodes = Nodes(control)
+    return Peers(world_root, nodes, control, copies, config.replicas, config.keep, config.fsync)

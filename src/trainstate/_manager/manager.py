@@ -28,7 +28,7 @@ from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
 from trainstate._manager.committer import Committer
 from trainstate._manager.keep_best import warn_missing_metrics
-from trainstate._manager.local_tier import LocalEvery, LocalTier, Tier, claim
+from trainstate._manager.local_tier import LocalEvery, LocalTier, Tier, claim, tier_peers
 from trainstate._manager.lock import DirectoryLock
 from trainstate._manager.policies import (
     CheckpointInfo,
@@ -200,6 +200,7 @@ class CheckpointManager(Configured):
             _release(self._lock, self._preemption, self._writer)
             raise
         self._local: Tier | None = None
+        self._local_view: tuple[int, int] | None = None  # a local tier's own manager: (rank, world size)
         if local is not None and not options.read_only:
             try:
                 self._local = self._local_tier(local, given)
@@ -210,16 +211,14 @@ class CheckpointManager(Configured):
         self._finalizer = weakref.finalize(self, _release, self._lock, self._preemption, self._writer)
 
     def _local_tier(self, local: LocalTier, given: dict[str, Any]) -> Tier:
-        """The local tier's own manager, on this process's folder of the tier's path: asynchronous, never
-        compressed or incremental, encrypted with the run's key."""
-        if self._ranks.world > 1:
-            raise InvalidArgumentError(
-                "LocalTier under a process group (each node's local checkpoints replicated to its peers) is not "
-                "built yet: use it in a single process, or leave local= out under torchrun / jax.distributed"
-            )
-        root = claim(local, self.directory)
+        """The local tier's own manager, on this process's folder of the tier's path (``w{world}/rank{r}``):
+        asynchronous, never compressed or incremental, encrypted with the run's key, saving this process's own
+        view. Under a process group, with the peers that hold its copies (tier_peers.py)."""
+        rank, world = self._ranks.rank, self._ranks.world
+        world_root = claim(local, self.directory) / f"w{world}"
+        peers = tier_peers(self._ranks, local, world_root) if isinstance(self._ranks, ManagerRanks) else None
         inner = CheckpointManager(
-            root / f"rank{self._ranks.rank:05d}",
+            world_root / f"rank{rank:05d}",
             save_policies=[LocalEvery(local.every_steps)],
             keep_last=local.keep,
             async_save=True,
@@ -232,7 +231,8 @@ class CheckpointManager(Configured):
             key=given["key"],
             key_env=given["key_env"],
         )
-        return Tier(local, inner)
+        inner._local_view = (rank, world)
+        return Tier(local, inner, peers)
 
     # -- queries (manifests only) -----------------------------------------------------------------
 
@@ -364,13 +364,16 @@ class CheckpointManager(Configured):
         """
         latest = self.latest() if self._local is not None else None
         if self._local is not None:  # a local checkpoint newer than every durable one
-            local = self._local.restore_newest(state, None if latest is None else latest.step, load_kwargs)
+            durable = self._ranks.from_leader(None if latest is None else latest.step, "restore_latest (local tier)")
+            local = self._local.restore_newest(state, durable, load_kwargs)
             if local is not None:
                 self.prepare(state)
                 return local + 1
         found = self._restorer.newest(state, self.list, load_kwargs)
-        if self._local is not None and latest is not None and (found is None or found.step < latest.step):
+        single = self._local is not None and self._local.peers is None
+        if single and latest is not None and (found is None or found.step < latest.step):
             # the newest durable ones did not restore: a local one between them and the one that did
+            assert self._local is not None and latest is not None
             below = [c for c in self._local.newer_than(None if found is None else found.step) if c.step <= latest.step]
             local = self._local.restore_newest(state, None if found is None else found.step, load_kwargs, below)
             if local is not None:
@@ -524,7 +527,7 @@ class CheckpointManager(Configured):
         recorded = facts(step, epoch, metrics, reason, time.time(), self._seq, added)
         meta = {**self._config.metadata, **(metadata or {}), META_KEY: recorded}
         try:
-            snapshot = encode_state(saved, meta, rank=self._ranks.shard)
+            snapshot = encode_state(saved, meta, rank=self._ranks.shard, local_view=self._local_view)
         except Exception as e:  # noqa: BLE001 - other ranks wait for its share: tell them why there is none
             self._ranks.refuse(step, e, background, self._writer, self._committer)
             raise
@@ -565,7 +568,7 @@ class CheckpointManager(Configured):
             >>> mgr.wait()                           # committed now: safe to copy the directory
         """
         if self._local is not None:
-            self._local.inner.wait()
+            self._local.wait()
         self._writer.wait()
 
     def pin(self, step: int, reason: str = "") -> bool:

@@ -81,6 +81,11 @@ class ManagerRanks:
         """Rank 0: the rank that locks, sweeps, commits and applies retention."""
         return self.rank == 0
 
+    @property
+    def channel(self) -> str:
+        """This manager's channel name: what its own coordinators' names start with."""
+        return self._channel
+
     def loads(self) -> Coordinator | None:
         """The coordinator of this manager's collective loads (a gloo group of its own, made at the first
         restore, which every rank makes); None where it could move no tensor bytes (``jax.distributed``)."""

@@ -33,6 +33,7 @@ def load_from(
     optional: tuple[str, ...] = (),
     key: _keys.Key | None = None,
     coord: Coordinator | None = None,
+    local_view: tuple[int, int] | None = None,
 ) -> Any:
     """The one way a checkpoint is loaded: ``trainstate.load`` and ``CheckpointManager`` both come here.
 
@@ -40,6 +41,7 @@ def load_from(
     every data-file header when ``verify``, then plans and reads. Any damage surfaces as a CheckpointError
     subclass. With ``coord`` the load is collective: every rank of its group calls this, the parts several
     ranks hold are read once between them (shared.py), and a failure on any rank raises on every rank.
+    ``local_view``: (rank, world size) restoring a process's own view, as a local tier saved it (apply.py).
     """
     share = Share(coord) if coord is not None and coord.sends_bytes else None
     try:
@@ -55,6 +57,7 @@ def load_from(
                 framework=framework,
                 optional=optional,
                 share=share,
+                local_view=local_view,
             )
     except BaseException as e:
         if share is not None:

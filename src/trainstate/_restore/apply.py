@@ -9,11 +9,12 @@ from typing import Any
 from trainstate import _state
 from trainstate._cores import DEFAULT_THREADS
 from trainstate._distributed import rank_and_world
+from trainstate._format.added_keys import LOCAL_VIEW
 from trainstate._frameworks import after_restore, bind
 from trainstate._restore.files import Opened
 from trainstate._restore.plan import _ABSENT, ABSENT, Restorer, selector, unmatched
 from trainstate._restore.shared import Share
-from trainstate.errors import InvalidArgumentError
+from trainstate.errors import InvalidArgumentError, StateMismatchError
 
 __all__ = ["ABSENT", "restore"]
 
@@ -30,8 +31,13 @@ def restore(
     framework: str | None = None,
     optional: tuple[str, ...] = (),
     share: Share | None = None,
+    local_view: tuple[int, int] | None = None,
 ) -> Any:
     """Restore ``ck`` into ``target`` in place; returns the restored target.
+
+    ``local_view``: (rank, world size) of a process restoring its own view, saved alone by the same rank at
+    the same world size (``encode_state(local_view=...)``, a local tier's checkpoint): a sharded target's part
+    is read whole from its own tensor, and per-rank values restore as in one process.
 
     With ``target=ABSENT`` it returns the checkpoint's own structure (arrays of ``framework``), honouring
     ``include`` / ``exclude`` the same way. With ``share`` (a collective load, every rank restoring) the parts
@@ -46,8 +52,9 @@ def restore(
         selected=selector(include, exclude),
         framework=framework,
         optional=optional,
-        rank=rank_and_world(),
+        rank=rank_and_world() if local_view is None else (0, 1),
         bound=bind(_state.stateful_objects(target)) if target is not _ABSENT else None,
+        local_view=None if local_view is None else saved_view(ck, local_view),
     )
     if include is not None or exclude is not None:
         keys = r._leaves(ck.manifest.tree, ())
@@ -78,3 +85,23 @@ def restore(
     if target is not _ABSENT:
         after_restore(result)
     return result
+
+
+def saved_view(ck: Opened, expected: tuple[int, int]) -> dict[str, Any]:
+    """The boxes a local view's parts hold (name -> [offset, whole shape]), once its rank and world size are
+    the ones restoring it; a StateMismatchError otherwise (another rank's view, another world size)."""
+    view = ck.metadata.get(LOCAL_VIEW) if isinstance(ck.metadata, dict) else None
+    if not isinstance(view, dict) or not isinstance(view.get("boxes"), dict):
+        raise StateMismatchError(
+            [], [], [("checkpoint", "a process's own view (a local tier's checkpoint)", "a checkpoint of its own")]
+        )
+    saved = (view.get("rank"), view.get("world_size"))
+    if saved != expected:
+        raise StateMismatchError(
+            [],
+            [],
+            [("local view", f"rank {expected[0]} of {expected[1]}", f"rank {saved[0]} of {saved[1]}")],
+            hint="a local checkpoint restores only the rank that wrote it, at the same number of ranks",
+        )
+    boxes: dict[str, Any] = view["boxes"]
+    return boxes

@@ -131,8 +131,10 @@ class Restorer:
         optional: tuple[str, ...] = (),
         rank: tuple[int, int] = (0, 1),
         bound: dict[int, Bound] | None = None,
+        local_view: dict[str, Any] | None = None,
     ) -> None:
         self.ck = ck
+        self.local_view = local_view  # a process's own view: each sharded part's saved [offset, whole shape]
         self.bound = bound or {}  # id(object) -> its binding (_frameworks.bind over the target)
         self.touched: list[Bound] = []  # bindings whose object restore_target changed: undone on failure
         self.rank, self.world = rank  # this process's rank and world size (per-rank values, shards)
@@ -234,10 +236,19 @@ class Restorer:
                 code, shape, _ = adapter.describe(target)
             except UnsupportedValueError as e:  # a target that cannot be filled (a DTensor shard of many boxes)
                 raise UnsupportedValueError(f"{key}: {e}") from None
+            part = adapter.local_part(target) if self.local_view is not None else None
+            if part is not None:  # a local view holds this process's part of it whole
+                assert self.local_view is not None
+                box = [list(part[1]), list(shape)]
+                saved = self.local_view.get(name)
+                if not isinstance(saved, (list, tuple)) or [list(x) for x in saved] != box:
+                    self.mismatched.append((key, f"a part at {box[0]} of {box[1]}", f"a part at {saved!r:.80}"))
+                    return lambda: target
+                shape = tuple(part[0].shape)
             if shape != entry.shape or (code != entry.dtype and self.strict):
                 self.mismatched.append((key, f"tensor {code}{list(shape)}", f"tensor {entry.dtype}{list(entry.shape)}"))
                 return lambda: target
-        job = _Job(target)
+        job = _Job(target, whole_part=self.local_view is not None)
         if tied is None:
             self.jobs[name] = job
         else:  # tied in the checkpoint, two separate arrays in the target: fill both

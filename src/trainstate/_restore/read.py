@@ -224,6 +224,7 @@ class Job:
     host: Any = None  # a host buffer, when the target cannot be read into directly
     value: Any = None  # the restored value
     local: Any = None  # what the host buffer is copied into: the target, or its local shard
+    whole_part: bool = False  # the stored tensor is the target's local part, whole (a local view)
 
 
 _codes: dict[tuple[type, Any], str] = {}  # (array type, its dtype) -> dtype code: describe() once per kind
@@ -271,6 +272,8 @@ def fill(
             live = _adapter_of(target) if target is not absent else None
             part = live.local_part(target) if live is not None else None
             local, box = (target, None) if part is None else (part[0], (part[1], tuple(part[0].shape)))
+            if job.whole_part:
+                box = None
             view = None
             if live is not None and _code(live, target) == entry.dtype:
                 if live.on_accelerator(local):

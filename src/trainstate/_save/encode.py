@@ -8,7 +8,7 @@ from typing import Any
 
 from trainstate import _state, _tree
 from trainstate._format import dtypes, manifest
-from trainstate._format.added_keys import check_declaration
+from trainstate._format.added_keys import LOCAL_VIEW, check_declaration
 from trainstate._frameworks import Adapter, adapter_for, bind
 from trainstate.errors import UnsupportedValueError
 
@@ -41,8 +41,11 @@ class Entry:
 class TensorTable:
     """Collects the arrays met while encoding; an array met twice (tied weights) is stored once."""
 
-    def __init__(self, collective: bool = False) -> None:
+    def __init__(self, collective: bool = False, local_view: bool = False) -> None:
         self.collective = collective  # a part of an array (a DTensor's shard) is stored only in a collective save
+        # this process's own view (a local tier's checkpoint): a part stored whole, where it lies kept in boxes
+        self.local_view = local_view
+        self.boxes: dict[str, tuple[list[int], list[int]]] = {}
         self.entries: list[Entry] = []
         self._by_identity: dict[tuple[object, ...], str] = {}
         self._names: set[str] = set()
@@ -61,7 +64,11 @@ class TensorTable:
             )
         global_shape, offset = shape, (0,) * len(shape)
         part = adapter.local_part(value)
-        if part is not None:  # sharded over ranks: this process stores its own part
+        box = None
+        if part is not None and self.local_view:  # stored as a whole tensor of its own; where it lies, beside
+            value, box = part[0], (list(part[1]), list(global_shape))
+            global_shape = shape = tuple(value.shape)
+        elif part is not None:  # sharded over ranks: this process stores its own part
             value, offset = part
             shape = tuple(value.shape)
             if not self.collective and shape != global_shape:
@@ -74,6 +81,8 @@ class TensorTable:
         if ident is not None and ident in self._by_identity:
             return self._by_identity[ident]
         name = tensor_name(path, self._names)
+        if box is not None:
+            self.boxes[name] = box
         nbytes = dtypes.BY_CODE[dtype].itemsize * math.prod(shape)
         self.entries.append(Entry(name, value, adapter, dtype, shape, kind, nbytes, offset, global_shape))
         if ident is not None:
@@ -106,13 +115,21 @@ class Snapshot:
         return sum(e.nbytes for e in self.entries)
 
 
-def encode_state(state: Any, metadata: Any = None, rank: int | None = None) -> Snapshot:
+def encode_state(
+    state: Any, metadata: Any = None, rank: int | None = None, local_view: tuple[int, int] | None = None
+) -> Snapshot:
     """Flatten ``state`` (calling ``state_dict()`` on statefuls) without copying any array.
 
     ``rank``: this process's rank in a collective save (per-rank parts go under their rank's key). An
     optimizer whose modules are in the state is saved keyed by parameter name (``_frameworks/torch_optim.py``).
+    ``local_view``: (rank, world size) of a process saving its own view alone (a local tier's checkpoint): each
+    part of a sharded array (a DTensor's shard) is stored as a whole tensor, and where it lies in its array is
+    recorded in the metadata (``LOCAL_VIEW``), for a restore by the same rank at the same world size.
     """
     check_declaration(metadata)
-    table = TensorTable(collective=rank is not None)
+    table = TensorTable(collective=rank is not None, local_view=local_view is not None)
     tree_node = _state.encode(state, table.add, rank=rank, bound=bind(_state.stateful_objects(state)))
+    if local_view is not None:
+        view = {"rank": local_view[0], "world_size": local_view[1], "boxes": dict(table.boxes)}
+        metadata = {**(metadata or {}), LOCAL_VIEW: view}
     return Snapshot(tree_node, _state.encode_plain(metadata), table.entries)
