@@ -49,6 +49,8 @@ class StagingBuffer:
         self._pinned = False  # whether _buf is a framework's staging memory for accelerator arrays
         self._pid = os.getpid()  # the process whose memory _buf is (a forked child does not have it)
         self._lock = threading.Lock()  # held while the buffer is (re)allocated or written
+        # the copying threads, kept from save to save (starting threads costs milliseconds a save on a busy host)
+        self._pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool)
 
     @property
     def capacity(self) -> int:
@@ -67,6 +69,15 @@ class StagingBuffer:
         else:
             self._buf, self._pinned = _host_memory(nbytes), False
         return self._buf, True
+
+    def _copiers(self, threads: int) -> ThreadPoolExecutor:
+        """The buffer's copying threads (made again in a forked child, or for another number of threads)."""
+        pid = os.getpid()
+        if self._pool is None or self._pool[:2] != (pid, threads):
+            old, self._pool = self._pool, (pid, threads, _pool(threads))
+            if old is not None and old[0] == pid:
+                old[2].shutdown(wait=False)
+        return self._pool[2]
 
     def reserve(self, snapshot: Snapshot) -> None:
         """Allocate the buffer for a state like ``snapshot`` and touch every page now, so the first
@@ -94,12 +105,16 @@ class StagingBuffer:
                     i = loads.index(min(loads))
                     lanes[i].append(job)
                     loads[i] += job[0].nbytes
-                with ThreadPoolExecutor(threads, thread_name_prefix="trainstate-stage") as pool:
-                    list(pool.map(_copy_lane, lanes))
+                list(self._copiers(threads).map(_copy_lane, lanes))
             else:
                 _copy_lane(jobs)
         staged = [replace(e, value=dst.view(np.uint8), adapter=numpy_adapter) for e, dst in jobs]
         return Snapshot(snapshot.tree, snapshot.metadata, staged)
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """Copying threads; idle ones end once the pool is dropped (ThreadPoolExecutor's own weak reference)."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="trainstate-stage")
 
 
 def _host_memory(nbytes: int) -> np.ndarray:
