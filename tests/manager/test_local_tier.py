@@ -229,3 +229,55 @@ def test_trainstate_ls_of_the_local_path_shows_its_checkpoints_and_the_filesyste
     assert listed["kind"] == "local tier" and listed["durable"] == str((tmp_path / "durable").absolute())
     steps = [r["step"] for r in listed["folders"]["w1/rank00000"]]
     assert steps == [2, 3] and listed["held_nbytes"] > 8000 and listed["filesystem"]["free_nbytes"] > 0
+
+
+def _torch_run(tmp_path: Path, copy_behind: bool, steps: int = 6) -> tuple[dict, list[dict]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": optim}
+    tier = trainstate.LocalTier(tmp_path / "shm", every_steps=1, keep=steps, copy_behind=copy_behind)
+    seen = []
+    with trainstate.CheckpointManager(tmp_path / "durable", every_steps=100, local=tier) as mgr:
+        for step in range(1, steps + 1):
+            model(torch.randn(8, 64)).square().mean().backward()
+            optim.step()
+            optim.zero_grad()
+            mgr.save(step, state)  # the next step changes the weights while (with copy_behind) they are copied
+            assert (mgr._local.inner._writer.copying is not None) == copy_behind  # noqa: SLF001 - it did
+            seen.append({k: v.clone() for k, v in model.state_dict().items()})
+    return state, seen
+
+
+def test_copy_behind_training_saves_each_step_s_weights_not_the_next_one_s(tmp_path):
+    _, seen = _torch_run(tmp_path, copy_behind=True)
+    for step, weights in enumerate(seen, start=1):
+        saved = trainstate.load(tmp_path / "shm" / "w1" / "rank00000" / f"step_{step:08d}", framework="torch")
+        for name, value in weights.items():
+            assert torch.equal(saved["model"][name], value), (step, name)
+
+
+def test_copy_behind_drops_a_save_whose_weights_changed_in_place_during_the_copy(tmp_path, monkeypatch):
+    from trainstate._save import staging
+
+    slow = staging._copy_lane
+
+    def copy_late(jobs):  # the copy behind training runs on its own thread: make it slow enough to be caught
+        import threading
+
+        if threading.current_thread().name.startswith("trainstate-stage"):
+            time.sleep(0.3)
+        slow(jobs)
+
+    monkeypatch.setattr(staging, "_copy_lane", copy_late)
+    model = torch.nn.Linear(16, 16)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    tier = trainstate.LocalTier(tmp_path / "shm", every_steps=1, copy_behind=True)
+    with trainstate.CheckpointManager(tmp_path / "durable", every_steps=100, local=tier) as mgr:
+        mgr.save(1, {"model": model, "optim": optim})
+        with torch.no_grad():
+            model.weight.add_(1.0)  # in place, outside the optimizer's step, while the copy is under way
+        with pytest.raises(trainstate.CheckpointError, match="changed in place after save"):
+            mgr.save(2, {"model": model, "optim": optim})
+            mgr.wait()
+    assert not (tmp_path / "shm" / "w1" / "rank00000" / "step_00000001").exists()

@@ -182,3 +182,23 @@ def after_restore(restored: Any) -> None:
     """Let every imported framework finish a restore (torch: arm the exact-resume hook of data loaders)."""
     for a in _loaded():
         a.after_restore(restored)
+
+
+def step_guarded(objects: Sequence[tuple[tuple[str, ...], Any]]) -> tuple[set[int], list[Any]]:
+    """The storage addresses of the arrays that optimizers among ``objects`` change only in their step, and
+    those optimizers (each with ``register_step_pre_hook``); nothing for a framework not imported."""
+    if "torch" not in sys.modules:
+        return set(), []
+    from trainstate._frameworks import torch_optim
+
+    addresses, optimizers = torch_optim.step_guarded(objects)
+    return addresses, list(optimizers)
+
+
+def storage_address(value: Any) -> int | None:
+    """An array's storage address where :func:`step_guarded` can list it, else None."""
+    if "torch" not in sys.modules:
+        return None
+    from trainstate._frameworks import torch_optim
+
+    return torch_optim.storage_address(value)

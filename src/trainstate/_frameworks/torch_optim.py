@@ -239,3 +239,26 @@ def _saved_names(saved: Any) -> tuple[list[str], list[str]] | None:
     if not keys + params or not all(isinstance(n, str) for n in keys + params):
         return None
     return [str(k) for k in keys], [str(p) for p in params]
+
+
+def step_guarded(objects: Sequence[tuple[tuple[str, ...], Any]]) -> tuple[set[int], list[torch.optim.Optimizer]]:
+    """The storage addresses of the CPU tensors that the torch optimizers among ``objects`` change only in their
+    ``step()`` (their parameters, a DTensor's local shard, and each parameter's state), and those optimizers."""
+    optimizers = [obj for _, obj in objects if isinstance(obj, torch.optim.Optimizer)]
+    addresses: set[int] = set()
+    for optim in optimizers:
+        for group in optim.param_groups:
+            for p in group["params"]:
+                state = optim.state.get(p, {})
+                for t in (p, *(v for v in state.values() if isinstance(v, torch.Tensor))):
+                    local = t.to_local() if hasattr(t, "to_local") else t
+                    if local.device.type == "cpu" and local.numel():
+                        addresses.add(local.untyped_storage().data_ptr())
+    return addresses, optimizers
+
+
+def storage_address(value: Any) -> int | None:
+    """A CPU tensor's storage address (what :func:`step_guarded` lists); None for anything else."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel():
+        return int(value.untyped_storage().data_ptr())
+    return None

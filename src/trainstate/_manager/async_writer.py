@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ class AsyncWriter:
         # (the next save()'s decision): a rank raising it on its own, at the moment its thread happened to
         # finish, would leave the others in the next collective until the timeout.
         self.agreed_errors_only = False
+        self.copying: Future[None] | None = None  # the last background save's copy behind training, if any
 
     def reserve(self, snapshot: Callable[[], Snapshot]) -> None:
         """Allocate and touch the first staging buffer on a helper thread, unless there is none to reserve
@@ -83,9 +85,11 @@ class AsyncWriter:
         background: bool,
         start: float,
         facts: dict[str, Any] | None = None,
+        later: Callable[[Any], bool] | None = None,
     ) -> None:
         """Write ``snapshot`` as ``step``, after :meth:`ready`; ``start`` is when the caller's save began,
-        ``facts`` what its manifest records (for the run's history, see Committer.write)."""
+        ``facts`` what its manifest records (for the run's history, see Committer.write). ``later`` picks the
+        arrays a background save copies behind training (staging.py; :meth:`wait_copy` waits for them)."""
         budget = self.committer.config.staging_budget_bytes
         if background and budget is not None and snapshot.nbytes > budget:
             log.warning(
@@ -106,16 +110,26 @@ class AsyncWriter:
             return
         buffer = self.queue.free_buffer()
         assert buffer is not None  # ready() made room
-        staged = buffer.stage(snapshot, threads=self.committer.config.options.threads)
+        staged = buffer.stage(snapshot, threads=self.committer.config.options.threads, later=later)
         blocking = time.perf_counter() - start
         # the background job holds the committer, never the manager: a manager dropped with a save in
         # flight is collected at once, and its finalizer waits for the save before letting go of the lock
         job = functools.partial(self.committer.write, step, reason, staged, True, None, blocking, facts)
+        self.copying = buffer.copying
+        if self.copying is not None:  # the write starts once the copy behind training has ended
+            job = functools.partial(_after, self.copying, job)
         self.queue.submit(
             job, buffer, f"the background save of step {step}", InFlight(step, reason, blocking, previous)
         )
         self.last_step, self.last_save_time = step, time.monotonic()  # taken back if the write fails
         log.debug("step %d: async save started, blocked %.3fs", step, blocking)
+
+    def wait_copy(self) -> None:
+        """Wait for the last save's copy behind training (an optimizer's step-pre hook calls it: the step
+        changes what is being copied); its error is the save's, raised with it."""
+        copying = self.copying
+        if copying is not None:
+            copying.exception()
 
     def collect(self, block: bool, first_only: bool = False) -> None:
         """Move finished background saves into the history; remember the first error.
@@ -163,3 +177,8 @@ class AsyncWriter:
             error = job.future.exception() if job.future.done() else None
             if error is not None:
                 log.error("%s failed and nobody waited for it: %r", job.what, error)
+
+
+def _after(copying: Future[None], write: Callable[[], SaveRecord]) -> SaveRecord:
+    copying.result()  # raises if what was copied behind training changed meanwhile: nothing is written
+    return write()

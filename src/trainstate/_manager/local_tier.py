@@ -58,6 +58,10 @@ class LocalTier:
         budget_bytes: the most the tier may hold (``keep`` checkpoints and the one being written); a state
             that does not fit raises StorageError at the first local save. Default: the filesystem's free space.
         fsync: flush each local checkpoint to stable storage (a local NVMe that should survive a reboot).
+        copy_behind: copy what the optimizers change only in their step (parameters, optimizer state) while
+            training goes on, the next ``optimizer.step()`` waiting for it, instead of before ``save()``
+            returns (docs/tiers.md, "Copying behind training"). Parameters must then change only in the
+            optimizer's step between saves.
 
     Example:
         >>> mgr = trainstate.CheckpointManager("s3://bucket/run1", every_steps=500,
@@ -70,6 +74,7 @@ class LocalTier:
     keep: int = 2
     budget_bytes: int | None = None
     fsync: bool = False
+    copy_behind: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or "://" in os.fspath(self.path):
@@ -83,6 +88,7 @@ class LocalTier:
         if self.budget_bytes is not None:
             arguments.positive_int(self.budget_bytes, "LocalTier budget_bytes")
         arguments.flag(self.fsync, "LocalTier fsync")
+        arguments.flag(self.copy_behind, "LocalTier copy_behind")
 
 
 def claim(tier: LocalTier, durable: str) -> Path:

@@ -27,6 +27,7 @@ from trainstate._history.log import SaveRecord
 from trainstate._manager.async_writer import AsyncWriter
 from trainstate._manager.catalog import META_KEY, Catalog, facts
 from trainstate._manager.committer import Committer
+from trainstate._manager.copy_behind import CopyBehind
 from trainstate._manager.keep_best import warn_missing_metrics
 from trainstate._manager.local_tier import LocalEvery, LocalTier, Tier, claim, tier_peers
 from trainstate._manager.lock import DirectoryLock
@@ -201,6 +202,7 @@ class CheckpointManager(Configured):
             raise
         self._local: Tier | None = None
         self._local_view: tuple[int, int] | None = None  # a local tier's own manager: (rank, world size)
+        self._copy_behind: CopyBehind | None = None  # a local tier's own manager, when it copies behind training
         if local is not None and not options.read_only:
             try:
                 self._local = self._local_tier(local, given)
@@ -232,6 +234,8 @@ class CheckpointManager(Configured):
             key_env=given["key_env"],
         )
         inner._local_view = (rank, world)
+        if local.copy_behind:
+            inner._copy_behind = CopyBehind(inner._writer)
         return Tier(local, inner, peers)
 
     # -- queries (manifests only) -----------------------------------------------------------------
@@ -531,7 +535,8 @@ class CheckpointManager(Configured):
         except Exception as e:  # noqa: BLE001 - other ranks wait for its share: tell them why there is none
             self._ranks.refuse(step, e, background, self._writer, self._committer)
             raise
-        self._writer.write(step, reason, snapshot, background, start, recorded)
+        behind = self._copy_behind.picker(saved) if self._copy_behind is not None and background else None
+        self._writer.write(step, reason, snapshot, background, start, recorded, later=behind)
 
     def prune(self, *, dry_run: bool = False) -> RetentionPlan:
         """Apply the retention policies now (without saving); returns what was kept and deleted, and why.
@@ -628,6 +633,8 @@ class CheckpointManager(Configured):
             try:
                 if self._local is not None:
                     self._local.close()
+                if self._copy_behind is not None:
+                    self._copy_behind.close()
             finally:
                 self._finalizer()
 

@@ -21,7 +21,8 @@ import mmap
 import os
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -30,6 +31,7 @@ import numpy as np
 from trainstate._cores import DEFAULT_THREADS
 from trainstate._frameworks import numpy_adapter
 from trainstate._save.encode import Entry, Snapshot
+from trainstate.errors import CheckpointError
 
 _ALIGN = 64
 
@@ -51,6 +53,8 @@ class StagingBuffer:
         self._lock = threading.Lock()  # held while the buffer is (re)allocated or written
         # the copying threads, kept from save to save (starting threads costs milliseconds a save on a busy host)
         self._pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool)
+        self._behind: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): the copy behind training
+        self.copying: Future[None] | None = None  # the last stage's copy behind training, if any
 
     @property
     def capacity(self) -> int:
@@ -69,6 +73,12 @@ class StagingBuffer:
         else:
             self._buf, self._pinned = _host_memory(nbytes), False
         return self._buf, True
+
+    def _behind_pool(self) -> ThreadPoolExecutor:
+        pid = os.getpid()
+        if self._behind is None or self._behind[0] != pid:
+            self._behind = (pid, _pool(1))
+        return self._behind[1]
 
     def _copiers(self, threads: int) -> ThreadPoolExecutor:
         """The buffer's copying threads (made again in a forked child, or for another number of threads)."""
@@ -92,24 +102,53 @@ class StagingBuffer:
             if fresh:
                 buf[::4096] = 0
 
-    def stage(self, snapshot: Snapshot, threads: int = DEFAULT_THREADS) -> Snapshot:
-        """A snapshot whose arrays live in this buffer; the originals may change freely afterwards."""
+    def stage(
+        self, snapshot: Snapshot, threads: int = DEFAULT_THREADS, later: Callable[[Any], bool] | None = None
+    ) -> Snapshot:
+        """A snapshot whose arrays live in this buffer; the originals may change freely afterwards.
+
+        With ``later``, the arrays it picks (those an optimizer changes only in its step) are copied on a
+        background thread instead, while training goes on: :attr:`copying` is that copy, which must end before
+        they change (an optimizer's step-pre hook waits for it) and before the snapshot is written. If one of
+        them was changed in place meanwhile (its version counter moved), the copy raises CheckpointError
+        instead of handing on a torn array."""
         offsets, total = _layout(snapshot)
+        self.copying = None
         with self._lock:  # through the copy: nothing reallocates or writes the buffer meanwhile
             buf, _ = self._ensure(total, _on_device(snapshot))
             jobs = [(e, buf[o : o + e.nbytes]) for e, o in zip(snapshot.entries, offsets)]
-            if threads > 1 and total > (64 << 20):
+            deferred = [j for j in jobs if later is not None and later(j[0].value)]
+            if deferred:
+                picked = {id(j[0]) for j in deferred}
+                jobs_now = [j for j in jobs if id(j[0]) not in picked]
+                versions = [getattr(e.value, "_version", None) for e, _ in deferred]
+                self.copying = self._behind_pool().submit(self._copy_behind, deferred, versions)
+            else:
+                jobs_now = jobs
+            if threads > 1 and sum(e.nbytes for e, _ in jobs_now) > (64 << 20):
                 lanes: list[list[tuple[Entry, Any]]] = [[] for _ in range(threads)]
                 loads = [0] * threads
-                for job in sorted(jobs, key=lambda j: -j[0].nbytes):
+                for job in sorted(jobs_now, key=lambda j: -j[0].nbytes):
                     i = loads.index(min(loads))
                     lanes[i].append(job)
                     loads[i] += job[0].nbytes
                 list(self._copiers(threads).map(_copy_lane, lanes))
             else:
-                _copy_lane(jobs)
+                _copy_lane(jobs_now)
         staged = [replace(e, value=dst.view(np.uint8), adapter=numpy_adapter) for e, dst in jobs]
         return Snapshot(snapshot.tree, snapshot.metadata, staged)
+
+    def _copy_behind(self, jobs: list[tuple[Entry, Any]], versions: list[Any]) -> None:
+        with self._lock:
+            _copy_lane(jobs)
+        changed = [e.name for (e, _), v in zip(jobs, versions) if getattr(e.value, "_version", None) != v]
+        if changed:
+            raise CheckpointError(
+                f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} changed in place after save() and "
+                "before the optimizer's next step, while they were being copied behind training: this save is "
+                "not consistent and was dropped. Change parameters only in optimizer.step() between saves, or "
+                "copy them before save() returns (LocalTier(copy_behind=False))"
+            )
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
