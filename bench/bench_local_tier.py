@@ -1,9 +1,9 @@
 """The local tier: training throughput with a local checkpoint every step, and the time to recover per tier.
 
 1. Throughput. A training loop over a ~100 MB model (float32 MLP, SGD) whose steps take ~200 ms, run with:
-   no checkpointing; a local tier every step (``LocalTier`` on /dev/shm, async; durable saves far apart);
-   the durable tier every step (async, to the local disk); and ``torch.save`` every 10 steps (what a user would
-   otherwise write). Steps per second, as a ratio to the loop without checkpointing, median of interleaved
+   no checkpointing; a local tier every step (``LocalTier`` on /dev/shm, async; durable saves far apart), with
+   ``copy_behind=True``, and every 5 steps; the durable tier every step (async, to the local disk); and
+   ``torch.save`` every 10 steps (what a user would otherwise write). Steps per second, as a ratio to the loop without checkpointing, median of interleaved
    rounds.
 2. Recovery. Restoring the newest checkpoint into the live model (``restore_latest``) from the local tier on
    tmpfs, from the durable tier on the local disk, and from the durable tier on S3 (a moto server on
@@ -101,8 +101,9 @@ def throughput(args: argparse.Namespace, shm: Path, disk: Path) -> None:
                             torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, root / "ckpt.pt")
 
                     return loop(model, opt, batch, args.steps, save)
-                if name == "local tier every step":
-                    tier = trainstate.LocalTier(local / "run", every_steps=1)
+                if name.startswith("local tier"):
+                    every = 5 if "5 steps" in name else 1
+                    tier = trainstate.LocalTier(local / "run", every_steps=every, copy_behind="copy_behind" in name)
                     mgr = trainstate.CheckpointManager(root / "ckpt", every_steps=10**6, local=tier, async_save=True)
                 else:  # the durable tier every step
                     mgr = trainstate.CheckpointManager(root / "ckpt", every_steps=1, keep_last=2, async_save=True)
@@ -117,7 +118,14 @@ def throughput(args: argparse.Namespace, shm: Path, disk: Path) -> None:
 
         return run
 
-    names = ["none", "local tier every step", "durable tier every step (disk)", "torch.save every 10 steps"]
+    names = [
+        "none",
+        "local tier every step",
+        "local tier every step, copy_behind",
+        "local tier every 5 steps",
+        "durable tier every step (disk)",
+        "torch.save every 10 steps",
+    ]
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         for n in names:

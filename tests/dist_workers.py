@@ -32,12 +32,15 @@ def replicated_load(rank: int, world: int, path: str) -> Any:
     }
 
 
-def _fsdp_model(world: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _fsdp_model(
+    world: int, seed: int = 0, sizes: tuple[int, int, int] = (16, 24, 5)
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Linear-ReLU-Linear of ``sizes`` sharded over the ranks with FSDP2 (``fully_shard``), and AdamW over it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 5))
+    model = torch.nn.Sequential(torch.nn.Linear(sizes[0], sizes[1]), torch.nn.ReLU(), torch.nn.Linear(*sizes[1:]))
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):

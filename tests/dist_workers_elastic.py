@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 import trainstate
+from dist_workers import _fsdp_model
 
 TOTAL = 104  # samples: 13 global batches of 8 per epoch
 GLOBAL_BATCH = 8
@@ -35,20 +36,6 @@ class Augmented(torch.utils.data.Dataset):
         }
 
 
-def _fsdp2(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A model sharded over the ranks with FSDP2 (``fully_shard``), and AdamW over its sharded parameters."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
-
-
 def train(
     rank: int, world: int, run: str, log: str, micro: int, kill_at: int | None, workers: int, fsdp: bool = False
 ) -> Any:
@@ -58,7 +45,7 @@ def train(
     sharded with FSDP2 (restored on another number of ranks, its shards are cut again), else DDP."""
     torch.manual_seed(0)
     if fsdp:
-        model, opt = _fsdp2(world)
+        model, opt = _fsdp_model(world, sizes=(4, 6, 1))
     else:
         model = torch.nn.Linear(4, 1)
         if world > 1:
