@@ -20,21 +20,23 @@ an out-of-memory kill), not the machine.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainstate import _arguments as arguments
 from trainstate._manager.newest import FATAL
-from trainstate._save import encode_state
 from trainstate.errors import CheckpointError, InvalidArgumentError, StorageError
 
 if TYPE_CHECKING:
-    from trainstate._manager.manager import CheckpointManager
+    from trainstate._history.log import SaveRecord
+    from trainstate._manager.async_writer import AsyncWriter
     from trainstate._manager.policies import CheckpointInfo
     from trainstate._manager.ranks import ManagerRanks
     from trainstate._manager.tier_peers import Peers
@@ -134,6 +136,25 @@ class LocalEvery:
         return f"local tier: every {self.steps} steps" if step % self.steps == 0 else None
 
 
+class Inner(Protocol):
+    """What the tier asks of its own manager (a CheckpointManager of this process's folder)."""
+
+    @property
+    def directory(self) -> str: ...
+
+    def save(self, step: int, state: Any, *, metrics: dict[str, float] | None = None) -> bool: ...
+
+    def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any: ...
+
+    def list(self) -> builtins.list[CheckpointInfo]: ...
+
+    def wait(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def history(self) -> builtins.list[SaveRecord]: ...
+
+
 class Tier:
     """A manager's local tier at work: when to write a local checkpoint, and the checkpoints to resume from.
 
@@ -141,9 +162,20 @@ class Tier:
     its own view: ``local_view``). Under a process group, ``peers`` copies each local checkpoint to the next
     nodes and finds, on restore, the newest step every rank can restore (tier_peers.py)."""
 
-    def __init__(self, config: LocalTier, inner: CheckpointManager, peers: Peers | None = None) -> None:
+    def __init__(
+        self,
+        config: LocalTier,
+        inner: Inner,
+        writer: AsyncWriter,
+        nbytes: Callable[[Any], int],
+        view: tuple[int, int],
+        peers: Peers | None = None,
+    ) -> None:
         self.config = config
         self.inner = inner
+        self.writer = writer  # the inner manager's: its background saves (a copy to the peers waits for one)
+        self.nbytes = nbytes  # the bytes a local checkpoint of a state takes (nothing copied)
+        self.view = view  # (rank, world size): each local checkpoint is this process's own view
         self.peers = peers
         self._checked = False  # the first save checked that the state fits
 
@@ -162,11 +194,11 @@ class Tier:
             self._check_fits(state)
         saved = self.inner.save(step, state, metrics=metrics)
         if saved and self.peers is not None:
-            self.peers.replicate(step, _save_job(self.inner, step))
+            self.peers.replicate(step, _save_job(self.writer, step))
         return saved
 
     def _check_fits(self, state: Any) -> None:
-        nbytes = encode_state(self.inner._rng.wrap(state)[0], local_view=self.inner._local_view).nbytes  # no copy
+        nbytes = self.nbytes(state)
         copies = self.config.keep + 1 + (len(self.peers.sources) * self.config.keep if self.peers else 0)
         need = nbytes * copies  # those kept, the next one being written, and the peers' copies held here
         held = f"{self.config.keep} checkpoints kept and one being written" + (
@@ -228,7 +260,7 @@ class Tier:
         return None
 
     def _restore(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> None:
-        self.inner.restore(step, state, local_view=self.inner._local_view, **load_kwargs)
+        self.inner.restore(step, state, local_view=self.view, **load_kwargs)
 
     def wait(self) -> None:
         """Block until the local save in flight committed and its copies to the peers are made."""
@@ -246,9 +278,9 @@ class Tier:
             self.inner.close()
 
 
-def _save_job(inner: CheckpointManager, step: int) -> Any:
-    """The future of ``inner``'s background save of ``step`` (just submitted)."""
-    for job in reversed(inner._writer.queue.jobs):
+def _save_job(writer: AsyncWriter, step: int) -> Any:
+    """The future of ``writer``'s background save of ``step`` (just submitted)."""
+    for job in reversed(writer.queue.jobs):
         if getattr(job.info, "step", None) == step:
             return job.future
     return None  # written synchronously (over the staging budget): committed already

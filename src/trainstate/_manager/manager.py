@@ -233,10 +233,14 @@ class CheckpointManager(Configured):
             key=given["key"],
             key_env=given["key_env"],
         )
-        inner._local_view = (rank, world)
+        view = inner._local_view = (rank, world)
         if local.copy_behind:
             inner._copy_behind = CopyBehind(inner._writer)
-        return Tier(local, inner, peers)
+
+        def nbytes(state: Any) -> int:
+            return encode_state(inner._rng.wrap(state)[0], local_view=view).nbytes
+
+        return Tier(local, inner, inner._writer, nbytes, view, peers)
 
     # -- queries (manifests only) -----------------------------------------------------------------
 
