@@ -1,0 +1,179 @@
+"""Attacks on the exact resume at any number of ranks through the integrations (attack29): Lightning's ExactResume
+over a global-stream ``ResumableSampler`` when Lightning's epoch and the stream's epoch part ways, and the HF
+callback's check of a crafted saved data position. In one process on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import trainstate  # noqa: E402
+from trainstate.errors import CheckpointError  # noqa: E402
+
+TOTAL, GLOBAL_BATCH = 24, 4  # 6 global batches an epoch
+
+
+@pytest.fixture(scope="module")
+def run() -> ModuleType:
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed")
+    from integrations import lightning_run
+
+    return lightning_run
+
+
+class _Crash(Exception):
+    pass
+
+
+def _fit(run: ModuleType, root: Path, crash: int | None = None, **trainer_kw: Any) -> list[tuple[int, int, list[int]]]:
+    """Train (resuming from ``root``'s last.ckpt when there is one); each training batch's (Lightning epoch,
+    global step, sample indices); ``crash`` raises as that step's batch starts (a checkpoint every 2 steps)."""
+
+    class Indexed(torch.utils.data.Dataset):  # type: ignore[misc]
+        def __len__(self) -> int:
+            return TOTAL
+
+        def __getitem__(self, i: int) -> Any:
+            return torch.randn(4), torch.randn(1), torch.tensor(int(i))
+
+    seen: list[tuple[int, int, list[int]]] = []
+
+    class Streamed(run.Tiny):  # type: ignore[misc,name-defined]
+        def train_dataloader(self) -> Any:
+            sampler = trainstate.ResumableSampler(
+                TOTAL,
+                global_batch_size=GLOBAL_BATCH,
+                seed=5,
+                num_replicas=self.trainer.world_size,
+                rank=self.trainer.global_rank,
+            )
+            return torch.utils.data.DataLoader(Indexed(), batch_sampler=sampler)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y, index = batch
+            seen.append((self.trainer.current_epoch, self.trainer.global_step, index.tolist()))
+            return super().training_step((x, y), batch_idx)
+
+    class CrashAt(run.L.Callback):  # type: ignore[misc,name-defined]
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == crash:
+                raise _Crash
+
+    run.L.seed_everything(0, verbose=False)
+    last = root / "checkpoints" / "last.ckpt"
+    trainer = run.L.Trainer(
+        default_root_dir=root,
+        accelerator="cpu",
+        devices=1,
+        use_distributed_sampler=False,
+        plugins=[run.TrainstateCheckpointIO()],
+        callbacks=[
+            run.ExactResume(),
+            run.ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=2, save_last=True),
+            CrashAt(),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **trainer_kw,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer.fit(Streamed(), ckpt_path=str(last) if last.exists() else None)
+        except _Crash:
+            pass
+    return seen
+
+
+def _interrupted_and_resumed(run: ModuleType, tmp_path: Path, crash: int, **trainer_kw: Any) -> tuple[Any, Any]:
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    reference = _fit(run, tmp_path / "reference", **trainer_kw)
+    before = _fit(run, tmp_path / "run", crash=crash, **trainer_kw)
+    after = _fit(run, tmp_path / "run", **trainer_kw)
+    first = min(step for _, step, _ in after)
+    return reference, [r for r in before if r[1] < first] + after
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack29: with limit_train_batches the Lightning epoch ends before the stream's, the sampler continues "
+    "its epoch in Lightning's next one, but ExactResume saves (Lightning's epoch, batches trained in it): the resumed "
+    "run jumps to another place in the stream (samples dropped, others seen twice)",
+)
+def test_lightning_limit_train_batches_resumes_where_the_uninterrupted_run_was(run: ModuleType, tmp_path: Path) -> None:
+    # 6 global batches an epoch, Lightning trains 4 of them per epoch; the crash at step 7 resumes from step 6
+    reference, resumed = _interrupted_and_resumed(run, tmp_path, 7, max_epochs=3, limit_train_batches=4)
+    assert [step for _, step, _ in reference] == list(range(10))
+    assert resumed == reference
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack29: with reload_dataloaders_every_n_epochs=1 each epoch's new sampler starts at stream epoch 0, "
+    "but the checkpoint names Lightning's epoch: the resumed epoch takes another epoch's global batches part-way "
+    "through, so within one epoch some samples are seen twice and others never",
+)
+def test_lightning_reloaded_loader_resumed_mid_epoch_sees_every_sample_once(run: ModuleType, tmp_path: Path) -> None:
+    reference, resumed = _interrupted_and_resumed(run, tmp_path, 9, max_epochs=3, reload_dataloaders_every_n_epochs=1)
+    epoch1 = [i for epoch, _, indices in resumed if epoch == 1 for i in indices]
+    assert sorted(epoch1) == list(range(TOTAL)), "every sample once in the resumed epoch"
+    assert resumed == reference
+
+
+# -- the HF callback: a crafted data position --------------------------------------------------------------------
+
+
+def _hf_position(per_device: int, accumulation: int, world: int, **changes: Any) -> dict[str, Any]:
+    out = {
+        "epoch": 1,
+        "batches_into_epoch": accumulation,
+        "batches_per_epoch": -(-40 // (per_device * world)),
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": per_device,
+        "world_size": world,
+        "seed": 0,
+        "samples": 40,
+        "seeded_per_sample": True,
+    }
+    out.update(changes)
+    return out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack29: a checkpoint whose saved data position holds gradient_accumulation_steps=0, a NaN or None "
+    "where a count is expected makes the resume at another world size raise a raw ZeroDivisionError / ValueError "
+    "/ TypeError instead of a StateMismatchError naming the value",
+)
+@pytest.mark.parametrize(
+    "crafted",
+    [
+        {"gradient_accumulation_steps": 0},
+        {"train_batch_size": None},
+        {"batches_per_epoch": float("nan")},
+        {"world_size": None},
+        {"train_batch_size": "x"},
+    ],
+    ids=["accumulation-0", "batch-None", "batches-NaN", "world-None", "batch-str"],
+)
+def test_hf_crafted_saved_position_is_refused_by_name(crafted: dict[str, Any]) -> None:
+    from trainstate.integrations import _hf_data as data
+
+    loader = torch.utils.data.DataLoader(list(range(40)), batch_size=8)
+    saved = _hf_position(4, 2, 2, **crafted)
+    try:
+        wrong = data.elastic_differences(saved, _hf_position(8, 2, 1), loader)
+    except CheckpointError:
+        return  # a trainstate error is a refusal too
+    assert wrong, "a position that cannot be the saved run's must be refused"
