@@ -204,3 +204,37 @@ def test_hf_crafted_saved_position_is_refused_by_name(crafted: dict[str, Any]) -
     except CheckpointError:
         return  # a trainstate error is a refusal too
     assert wrong, "a position that cannot be the saved run's must be refused"
+
+
+# -- Lightning: a crafted stream position in the checkpoint -------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack29: ExactResume's saved stream position with None / NaN / a string for a count (micro_batches, "
+    "batches, the stream's seed, the step) makes the resume raise a raw TypeError / ValueError out of trainer.fit "
+    "instead of a trainstate error naming the damaged value",
+)
+@pytest.mark.parametrize(
+    "crafted",
+    [
+        {"stream": {"micro_batches": None}},
+        {"stream": {"batches": "x", "micro_batches": 2}},
+        {"stream": {"micro_batches": float("nan")}},
+        {"stream": {"seed": None}},
+        {"step": "x"},
+    ],
+    ids=["micro_batches-None", "batches-str", "micro_batches-NaN", "seed-None", "step-str"],
+)
+def test_lightning_crafted_stream_position_is_refused_with_a_trainstate_error(crafted: dict[str, Any]) -> None:
+    from torch.utils.data import DataLoader
+
+    from trainstate.integrations import _lightning_stream as stream
+
+    sampler = trainstate.ResumableSampler(TOTAL, global_batch_size=GLOBAL_BATCH, seed=0)
+    sampler.attach(DataLoader(list(range(TOTAL)), batch_sampler=sampler))
+    state: dict[str, Any] = {"stream": {**sampler.state_dict(), **crafted.get("stream", {})}, "step": 3}
+    state.update({k: v for k, v in crafted.items() if k != "stream"})
+    with pytest.raises(CheckpointError):
+        stream.resume(sampler, state["stream"])
+        stream.generators(state, 0, 2)  # saved by 1 process, resumed by 2: re-derived from (seed, step, rank)
