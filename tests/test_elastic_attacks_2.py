@@ -123,3 +123,22 @@ def test_a_float_or_bool_for_an_int_in_the_saved_position_is_refused(tmp_path: P
 def test_a_global_resumable_sampler_with_no_micro_batches_is_refused() -> None:
     with pytest.raises(InvalidArgumentError):
         trainstate.ResumableSampler(TOTAL, global_batch_size=GLOBAL_BATCH, micro_batches=0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attack29: ResumableSampler refuses NumPy integers for num_replicas / rank / micro_batches ('must be a "
+    "non-negative int') while GlobalBatches and global_batch_size take them: the same job described with the same "
+    "numbers is accepted by one and refused by the other",
+)
+def test_the_global_resumable_sampler_takes_numpy_integers_as_global_batches_does() -> None:
+    import numpy as np
+
+    GlobalBatches(TOTAL, global_batch_size=np.int64(GLOBAL_BATCH), rank=np.int64(1), world_size=np.int64(2))
+    trainstate.ResumableSampler(
+        TOTAL,
+        global_batch_size=np.int64(GLOBAL_BATCH),
+        num_replicas=np.int64(2),
+        rank=np.int64(1),
+        micro_batches=np.int64(1),
+    )
