@@ -42,11 +42,6 @@ def _restored_epoch(path: Path, **kw: Any) -> list[list[int]]:
     return [b.tolist() for b in batches]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: a saved position with batches=-3 restores, and the epoch then yields 3 extra global batches "
-    "(the epoch's last ones again, one of them empty): samples seen twice, silently",
-)
 def test_a_negative_batch_count_in_the_checkpoint_is_refused(tmp_path: Path) -> None:
     path = _saved(tmp_path / "ck", "batches", -3)
     try:
@@ -56,22 +51,12 @@ def test_a_negative_batch_count_in_the_checkpoint_is_refused(tmp_path: Path) -> 
     assert len(rest) <= TOTAL // GLOBAL_BATCH and all(rest), rest
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: a saved position with epoch=-1 restores, then the first batch raises NumPy's raw ValueError "
-    "'expected non-negative integer' (the PCG64 seed) instead of the restore refusing the checkpoint",
-)
 def test_a_negative_epoch_in_the_checkpoint_is_refused_by_the_restore(tmp_path: Path) -> None:
     path = _saved(tmp_path / "ck", "epoch", -1)
     with pytest.raises(CheckpointError):
         _restored_epoch(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: a saved position whose micro-batch is past the last (micro=7 of 1) restores, then the first "
-    "batch raises a raw IndexError (GlobalBatches); the ResumableSampler silently skips the rest of that global batch",
-)
 @pytest.mark.parametrize("micro", [7, -2])
 def test_a_micro_batch_out_of_range_in_the_checkpoint_is_refused_by_the_restore(tmp_path: Path, micro: int) -> None:
     path = _saved(tmp_path / "ck", "micro", micro)
@@ -79,11 +64,6 @@ def test_a_micro_batch_out_of_range_in_the_checkpoint_is_refused_by_the_restore(
         _restored_epoch(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: the global ResumableSampler takes a saved micro past its micro_batches and drops that global "
-    "batch's samples without a word (loaded state from another run's sampler, or edited)",
-)
 def test_the_global_resumable_sampler_refuses_a_micro_batch_past_its_last() -> None:
     from torch.utils.data import DataLoader
 
@@ -103,11 +83,6 @@ def test_the_global_resumable_sampler_refuses_a_micro_batch_past_its_last() -> N
     assert len(rest) == TOTAL // GLOBAL_BATCH - 1, f"global batch 1 is still to train: {rest}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: floats and bools where the position holds ints (epoch=1.5, seed=True) restore silently, "
-    "truncated / taken as 1, instead of being refused as a damaged position",
-)
 @pytest.mark.parametrize(("key", "value"), [("epoch", 1.5), ("batches", 2.9), ("seed", True), ("epoch", True)])
 def test_a_float_or_bool_for_an_int_in_the_saved_position_is_refused(tmp_path: Path, key: str, value: Any) -> None:
     path = _saved(tmp_path / "ck", key, value)
@@ -115,22 +90,11 @@ def test_a_float_or_bool_for_an_int_in_the_saved_position_is_refused(tmp_path: P
         _restored_epoch(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: ResumableSampler(global_batch_size=..., micro_batches=0) is accepted (GlobalBatches refuses "
-    "it) and every epoch then yields nothing: a loop trains on no sample without an error",
-)
 def test_a_global_resumable_sampler_with_no_micro_batches_is_refused() -> None:
     with pytest.raises(InvalidArgumentError):
         trainstate.ResumableSampler(TOTAL, global_batch_size=GLOBAL_BATCH, micro_batches=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: ResumableSampler refuses NumPy integers for num_replicas / rank / micro_batches ('must be a "
-    "non-negative int') while GlobalBatches and global_batch_size take them: the same job described with the same "
-    "numbers is accepted by one and refused by the other",
-)
 def test_the_global_resumable_sampler_takes_numpy_integers_as_global_batches_does() -> None:
     import numpy as np
 

@@ -99,9 +99,17 @@ class ResumableSampler(Sampler[int]):
         micro_batches: int = 1,
         drop_last: bool = False,
     ) -> None:
-        for value, what in ((num_replicas, "num_replicas"), (rank, "rank"), (micro_batches, "micro_batches")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgumentError(f"ResumableSampler: {what} must be a non-negative int, got {value!r:.40}")
+        for value, what, least in (
+            (num_replicas, "num_replicas", 1),
+            (rank, "rank", 0),
+            (micro_batches, "micro_batches", 1),
+        ):
+            if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < least:
+                raise InvalidArgumentError(
+                    f"ResumableSampler: {what} must be an int of at least {least}, got {value!r:.40}"
+                )
+        num_replicas, rank = operator.index(num_replicas), operator.index(rank)
+        micro_batches = operator.index(micro_batches)
         if num_replicas < 1 or rank >= num_replicas:
             raise InvalidArgumentError(
                 f"ResumableSampler: rank must be in 0..num_replicas-1, got rank={rank} of num_replicas={num_replicas}"
@@ -124,6 +132,7 @@ class ResumableSampler(Sampler[int]):
         self._position = Position()
         self._taken = 0  # micro-batches of the epoch taken when the current iterator started (its len)
         self._len_whole_epoch = False  # a framework counts the epoch from its start (Lightning): len is all of it
+        self._hold_end = False  # the next iterator ends the epoch the position is at the end of (_load_stream)
         if global_batch_size is not None:
             self._stream = SampleStream(self.total, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
             self._stream.check(num_replicas, micro_batches)
@@ -254,25 +263,7 @@ class ResumableSampler(Sampler[int]):
             >>> next(iter(loader))               # the batch the interrupted run would have seen next
         """
         if self._stream is not None:
-            if "global_batch_size" not in state:
-                raise CheckpointError(
-                    "ResumableSampler(global_batch_size=...) cannot continue from a per-rank position (saved by a "
-                    "sampler without global_batch_size): resume with the sampler as it was saved, or start the epoch"
-                )
-            if self._position.load(dict(state), self._stream, self.num_replicas, self.micro_batches):
-                log.warning(
-                    "ResumableSampler: the checkpoint was saved part-way through global batch %d of epoch %d, by %s "
-                    "ranks with %s micro-batches each; on %d x %d it starts that global batch again from its first "
-                    "sample (its gradients were never applied, so no sample counts twice)",
-                    self._position.batches,
-                    self._position.epoch,
-                    state.get("world_size"),
-                    state.get("micro_batches"),
-                    self.num_replicas,
-                    self.micro_batches,
-                )
-            self.seed, self.epoch = self._stream.seed, self._position.epoch
-            self._taken = self._position.taken(self.micro_batches)
+            self._load_stream(state)
             return
         if "consumed" not in state:
             raise CheckpointError(
@@ -287,10 +278,47 @@ class ResumableSampler(Sampler[int]):
         if self._loader is not None:
             _hooks(self._loader).base_seed_rng = self._resume_rng
 
+    def _load_stream(self, state: dict[str, Any], hold_end: bool = False) -> None:
+        """:meth:`load_state_dict` of the global stream; ``hold_end``: a position at an epoch's end stays there,
+        so the next iterator ends that epoch (yields nothing) instead of starting the next one (a framework that
+        resumes in the middle of its own epoch, which the stream's end cut short)."""
+        if "global_batch_size" not in state:
+            raise CheckpointError(
+                "ResumableSampler(global_batch_size=...) cannot continue from a per-rank position (saved by a "
+                "sampler without global_batch_size): resume with the sampler as it was saved, or start the epoch"
+            )
+        assert self._stream is not None
+        built = self._stream.seed
+        if self._position.load(dict(state), self._stream, self.num_replicas, self.micro_batches, roll=not hold_end):
+            log.warning(
+                "ResumableSampler: the checkpoint was saved part-way through global batch %d of epoch %d, by %s "
+                "ranks with %s micro-batches each; on %d x %d it starts that global batch again from its first "
+                "sample (in a loop that steps the optimizer once per global batch, its gradients were never "
+                "applied, so no sample counts twice)",
+                self._position.batches,
+                self._position.epoch,
+                state.get("world_size"),
+                state.get("micro_batches"),
+                self.num_replicas,
+                self.micro_batches,
+            )
+        if built != self._stream.seed:
+            log.warning(
+                "ResumableSampler: built with seed=%d, but the checkpoint's stream has seed %d: the saved stream "
+                "goes on (seed %d); start a new run for another seed",
+                built,
+                self._stream.seed,
+                self._stream.seed,
+            )
+        self._hold_end = hold_end and self._position.batches >= self._stream.batches
+        self.seed, self.epoch = self._stream.seed, self._position.epoch
+        self._taken = self._position.taken(self.micro_batches)
+
     # called by the loader hook
     def _iterator_starting(self) -> None:
         if self._stream is not None:
-            if self._position.batches >= self._stream.batches:  # the last batch taken, StopIteration never seen
+            held, self._hold_end = self._hold_end, False
+            if self._position.batches >= self._stream.batches and not held:  # the last batch taken, no StopIteration
                 self._epoch_finished()
             self._taken = self._position.taken(self.micro_batches)
             if self._loader is not None:  # the base seed from (seed, epoch, rank): the same in every run

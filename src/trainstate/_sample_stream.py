@@ -26,12 +26,27 @@ from typing import Any
 
 import numpy as np
 
-from trainstate.errors import InvalidArgumentError, StateMismatchError
+from trainstate.errors import CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 
 
 def _count(value: Any, what: str, least: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
         raise InvalidArgumentError(f"{what} must be an int of at least {least}, got {value!r:.40}")
+    return int(value)
+
+
+_MOST_SEED = 2**63 - 1  # PCG64 takes the seed and the epoch as non-negative words
+_MOST_EPOCHS = 2**62
+
+
+def _saved(state: dict[str, Any], name: str, least: int = 0, most: int = _MOST_SEED, default: int | None = None) -> int:
+    """An int of a saved position, checked: a damaged or edited one is refused before it names samples."""
+    value = state.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not least <= value <= most:
+        raise CorruptCheckpointError(
+            f"the saved data position's {name} is {value!r:.40}, not an int from {least} to {most}: the checkpoint "
+            "is damaged or was edited; resume from another one"
+        )
     return int(value)
 
 
@@ -63,6 +78,8 @@ class SampleStream:
                 f"global_batch_size={self.global_batch_size} with drop_last=True is more than the dataset's "
                 f"{self.total} samples: every epoch would be empty"
             )
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= _MOST_SEED:
+            raise InvalidArgumentError(f"seed must be an int from 0 to 2**63 - 1, got {seed!r:.40}")
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
         self._cached: tuple[tuple[int, int], np.ndarray] | None = None  # (seed, epoch): a restore sets the seed
 
@@ -77,7 +94,7 @@ class SampleStream:
         if self._cached is not None and self._cached[0] == (self.seed, epoch):
             return self._cached[1]
         if self.shuffle:
-            order = np.random.Generator(np.random.PCG64([self.seed & (2**63 - 1), epoch])).permutation(self.total)
+            order = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.total)
         else:
             order = np.arange(self.total)
         n = self.batches * self.global_batch_size
@@ -126,9 +143,12 @@ class Position:
             "micro_batches": micro_batches,
         }
 
-    def load(self, state: dict[str, Any], stream: SampleStream, world: int, micro_batches: int) -> bool:
+    def load(
+        self, state: dict[str, Any], stream: SampleStream, world: int, micro_batches: int, roll: bool = True
+    ) -> bool:
         """Continue from ``state``; True when a global batch begun on other ranks (or with another number of
-        micro-batches) is started again from its first sample.
+        micro-batches) is started again from its first sample. A position at the end of an epoch moves to the
+        next one's start (``roll=False``: it stays at the end, for a loop that ends that epoch itself).
 
         Raises:
             StateMismatchError: the saved stream is another one (global batch size, dataset length, drop_last,
@@ -148,12 +168,14 @@ class Position:
                 "samples: keep global_batch_size (change the micro-batches per rank instead), the dataset and "
                 "drop_last / shuffle as saved",
             )
-        stream.seed = int(state["seed"])
-        self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
-        same = int(state.get("world_size", 0)) == world and int(state.get("micro_batches", 0)) == micro_batches
-        micro = int(state.get("micro", 0))
+        saved_world = _saved(state, "world_size", 1, default=world)
+        saved_micro_batches = _saved(state, "micro_batches", 1, default=micro_batches)
+        stream.seed = _saved(state, "seed")
+        self.epoch, self.batches = _saved(state, "epoch", most=_MOST_EPOCHS), _saved(state, "batches")
+        same = saved_world == world and saved_micro_batches == micro_batches
+        micro = _saved(state, "micro", most=saved_micro_batches - 1, default=0)
         self.micro = micro if same else 0
-        if self.batches >= stream.batches:  # the epoch's last global batch was taken
+        if roll and self.batches >= stream.batches:  # the epoch's last global batch was taken
             self.epoch, self.batches, self.micro = self.epoch + 1, 0, 0
         return micro > 0 and not same
 

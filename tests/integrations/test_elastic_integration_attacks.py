@@ -117,12 +117,6 @@ def _interrupted_and_resumed(run: ModuleType, tmp_path: Path, crash: int, **trai
     return reference, [r for r in before if r[1] < first] + after
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: with limit_train_batches the Lightning epoch ends before the stream's, the sampler continues "
-    "its epoch in Lightning's next one, but ExactResume saves (Lightning's epoch, batches trained in it): the resumed "
-    "run jumps to another place in the stream (samples dropped, others seen twice)",
-)
 def test_lightning_limit_train_batches_resumes_where_the_uninterrupted_run_was(run: ModuleType, tmp_path: Path) -> None:
     # 6 global batches an epoch, Lightning trains 4 of them per epoch; the crash at step 7 resumes from step 6
     reference, resumed = _interrupted_and_resumed(run, tmp_path, 7, max_epochs=3, limit_train_batches=4)
@@ -130,12 +124,6 @@ def test_lightning_limit_train_batches_resumes_where_the_uninterrupted_run_was(r
     assert resumed == reference
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: with reload_dataloaders_every_n_epochs=1 each epoch's new sampler starts at stream epoch 0, "
-    "but the checkpoint names Lightning's epoch: the resumed epoch takes another epoch's global batches part-way "
-    "through, so within one epoch some samples are seen twice and others never",
-)
 def test_lightning_reloaded_loader_resumed_mid_epoch_sees_every_sample_once(run: ModuleType, tmp_path: Path) -> None:
     reference, resumed = _interrupted_and_resumed(run, tmp_path, 9, max_epochs=3, reload_dataloaders_every_n_epochs=1)
     epoch1 = [i for epoch, _, indices in resumed if epoch == 1 for i in indices]
@@ -143,13 +131,6 @@ def test_lightning_reloaded_loader_resumed_mid_epoch_sees_every_sample_once(run:
     assert resumed == reference
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: over the global stream ExactResume saves a checkpoint taken amid gradient accumulation (a "
-    "ModelCheckpoint after validation at val_check_interval=3, accumulate_grad_batches=2) without the warning the "
-    "replayed loader gets: the resumed step's gradient lacks the micro-batches trained before the save (not in the "
-    "checkpoint), so their samples silently count for nothing",
-)
 def test_lightning_global_stream_warns_of_a_checkpoint_amid_accumulation(run: ModuleType, tmp_path: Path) -> None:
     logging.getLogger("lightning").setLevel(logging.ERROR)
     _fit(run, tmp_path / "run", crash=3, micro=2, every=None, max_epochs=1, val_check_interval=3)
@@ -158,13 +139,6 @@ def test_lightning_global_stream_warns_of_a_checkpoint_amid_accumulation(run: Mo
     assert any("accumulat" in w for w in _fit.warnings), _fit.warnings  # type: ignore[attr-defined]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: a fit stopped by max_steps mid-epoch writes last.ckpt with Lightning's epoch already counted "
-    "done (current_epoch 1) but its batch count not reset (4): ExactResume saves the stream position (epoch 1, 4 "
-    "global batches), and a fit continued with a larger max_steps skips the rest of epoch 0 and the first 4 global "
-    "batches of epoch 1 without a word (the replaying path inherits the same counters)",
-)
 def test_lightning_fit_continued_after_max_steps_mid_epoch_sees_the_next_global_batch(
     run: ModuleType, tmp_path: Path
 ) -> None:
@@ -195,12 +169,6 @@ def _hf_position(per_device: int, accumulation: int, world: int, **changes: Any)
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: a checkpoint whose saved data position holds gradient_accumulation_steps=0, a NaN or None "
-    "where a count is expected makes the resume at another world size raise a raw ZeroDivisionError / ValueError "
-    "/ TypeError instead of a StateMismatchError naming the value",
-)
 @pytest.mark.parametrize(
     "crafted",
     [
@@ -227,12 +195,6 @@ def test_hf_crafted_saved_position_is_refused_by_name(crafted: dict[str, Any]) -
 # -- Lightning: a crafted stream position in the checkpoint -------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack29: ExactResume's saved stream position with None / NaN / a string for a count (micro_batches, "
-    "batches, the stream's seed, the step) makes the resume raise a raw TypeError / ValueError out of trainer.fit "
-    "instead of a trainstate error naming the damaged value",
-)
 @pytest.mark.parametrize(
     "crafted",
     [

@@ -72,7 +72,11 @@ def test_the_refusal_names_the_global_batch_on_both_sides() -> None:
     "now", [_position(4, 2, 2, train_batch_size=8), _position(4, 2, 2, seed=3), _position(4, 2, 2, batches_per_epoch=6)]
 )
 def test_the_same_world_size_checks_every_value_as_before(now: dict[str, Any]) -> None:
-    assert data.elastic_differences(SAVED, now, SHUFFLED) == data.differences(SAVED, now) != []
+    """As before, and a changed global batch named first (the value a user thinks in)."""
+    wrong = data.elastic_differences(SAVED, now, SHUFFLED)
+    named_first = [("data.global_batch_size", data._global(now), data._global(SAVED))]
+    changed = data.global_batch(now) != data.global_batch(SAVED)
+    assert wrong == (named_first if changed else []) + data.differences(SAVED, now) and data.differences(SAVED, now)
     assert data.elastic_differences(SAVED, SAVED, SHUFFLED) == []
 
 

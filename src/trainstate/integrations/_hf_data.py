@@ -151,8 +151,15 @@ def order_changes(loader: Any) -> str | None:
 def elastic_differences(saved: dict[str, Any], now: dict[str, Any], loader: Any) -> list[tuple[str, str, str]]:
     """:func:`differences`, but for a resume at another number of processes: what must stay is the global batch,
     the updates per epoch, the dataset, the seed and the seeding (the module docstring)."""
+    damaged = _damaged(saved)
+    if damaged:
+        return damaged
     if saved.get("world_size") == now.get("world_size") or any(k not in saved for k in CHECKED):
-        return differences(saved, now)
+        same = differences(saved, now)
+        whole = all(k in p for p in (saved, now) for k in ("train_batch_size", "gradient_accumulation_steps"))
+        if same and whole and global_batch(saved) != global_batch(now):  # the one value the user thinks in
+            same.insert(0, ("data.global_batch_size", _global(now), _global(saved)))
+        return same
     wrong = [
         (f"data.{k}", repr(now.get(k)), repr(saved.get(k)))
         for k in ("seed", "samples", "seeded_per_sample")
@@ -169,6 +176,19 @@ def elastic_differences(saved: dict[str, Any], now: dict[str, Any], loader: Any)
     if wrong:
         wrong.append(("data.world_size", repr(now.get("world_size")), repr(saved.get("world_size"))))
     return wrong
+
+
+_COUNTS = {"gradient_accumulation_steps": 1, "train_batch_size": 1, "world_size": 1, "batches_per_epoch": -1}
+
+
+def _damaged(saved: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The saved counts that are not ints in range (a damaged or edited checkpoint): each named, so the resume is
+    refused before anything divides by them."""
+    return [
+        (f"data.{k}", f"an int of at least {least}", repr(saved[k]))
+        for k, least in _COUNTS.items()
+        if k in saved and (isinstance(saved[k], bool) or not isinstance(saved[k], int) or saved[k] < least)
+    ]
 
 
 def _global(position: dict[str, Any]) -> str:

@@ -3,9 +3,10 @@
 
 Such a loader needs no replay. Its order is drawn from (seed, epoch), each rank takes its slice of every global
 batch, and every sample's randomness is seeded from (seed, epoch, index), so fetching never moves the loop's
-generators. What a checkpoint needs is where the epoch stands, as Lightning counts it: the sampler itself counts
-what the loader handed out, which runs a batch ahead of training (Lightning prefetches), so the position saved is
-Lightning's epoch and the micro-batches it trained (``batch_progress``), the same numbers on every rank.
+generators. What a checkpoint needs is where the stream stands after the batches trained on: the sampler itself
+counts what the loader handed out, which runs a batch ahead of training (Lightning prefetches), so the position
+saved is where the loader's current iterator started plus the batches Lightning trained since (:class:`Stream`),
+the same numbers on every rank.
 
 Lightning resumes its own counters from the checkpoint and ends the epoch when they reach ``len(loader)``,
 computed once as fitting starts: the sampler reports the whole epoch's length here (not what is left of it, as
@@ -19,12 +20,13 @@ re-derived from (the stream's seed, the step saved, its rank) by RNGState's docu
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from trainstate._data import ResumableSampler
+from trainstate._data import ResumableSampler, watch
 from trainstate._rng import RNGState
-from trainstate.errors import InvalidArgumentError, StateMismatchError
+from trainstate.errors import CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 
 log = logging.getLogger("trainstate")
 
@@ -37,11 +39,53 @@ def global_sampler(loader: Any) -> ResumableSampler | None:
     return None
 
 
-def take(sampler: ResumableSampler, loader: Any) -> None:
-    """Attach ``sampler`` to ``loader`` (if the user did not) and have it report the whole epoch's length."""
-    if sampler._loader is not loader:
-        sampler.attach(loader)
-    sampler._len_whole_epoch = True
+class Stream:
+    """The training loader's global-stream sampler under ExactResume, and how many of the current iterator's
+    batches Lightning trained on (it watches the loader's iterators, ``trainstate._data.watch``).
+
+    The position saved is where the iterator started plus what was trained since: Lightning's own counters
+    (its epoch, its batches) name the same place only while a Lightning epoch is a stream epoch, which
+    ``limit_train_batches``, ``max_steps`` stopping mid-epoch and a reloaded loader break."""
+
+    def __init__(self, sampler: ResumableSampler, loader: Any) -> None:
+        if sampler._loader is not loader:
+            sampler.attach(loader)
+        sampler._len_whole_epoch = True  # Lightning counts a resumed epoch from its start
+        self.sampler = sampler
+        self.start: tuple[int, int] | None = None  # (epoch, micro-batches taken) where the iterator started
+        self.trained = 0  # batches of the current iterator Lightning trained on
+        watch(loader, self)
+
+    def iterator_starting(self, loader: Any) -> None:
+        pass
+
+    def iterator_started(self, it: Any) -> Any:
+        self.start, self.trained = (self.sampler._position.epoch, self.sampler._taken), 0
+        return it
+
+    def batch_trained(self) -> None:
+        self.trained += 1
+
+    def position(self, accumulating: int) -> dict[str, Any]:
+        """The stream's position after the batches Lightning trained on (not those it prefetched)."""
+        if self.start is None:  # no iterator yet: where the sampler stands
+            return self.sampler.state_dict()
+        epoch, taken = self.start
+        k = self.sampler.micro_batches
+        taken += self.trained
+        if taken % k:
+            warnings.warn(
+                f"ExactResume: this checkpoint is taken after micro-batch {taken % k} of a global batch of {k}, in the "
+                f"middle of accumulating gradients over {accumulating} batches; the gradients are not in a "
+                "checkpoint, so a run resumed from it is not exact: save every multiple of accumulate_grad_batches "
+                "(val_check_interval too, when ModelCheckpoint saves after validation)",
+                stacklevel=3,
+            )
+        return self.sampler._state_at(epoch, taken // k, taken % k)
+
+    def close(self, loader: Any) -> None:
+        watch(loader, None)
+        self.sampler._len_whole_epoch = False
 
 
 def check(sampler: ResumableSampler, trainer: Any) -> None:
@@ -61,19 +105,22 @@ def check(sampler: ResumableSampler, trainer: Any) -> None:
         )
 
 
-def position(sampler: ResumableSampler, trainer: Any) -> dict[str, Any]:
-    """The stream's position after the batches Lightning trained on in this epoch (not those it prefetched)."""
-    assert sampler._stream is not None
-    trained = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-    k = sampler.micro_batches
-    return sampler._state_at(int(trainer.current_epoch), trained // k, trained % k)
+def _count(value: Any, what: str, least: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise CorruptCheckpointError(
+            f"ExactResume: the checkpoint's {what} is {value!r:.40}, not an int of at least {least}: the checkpoint "
+            "is damaged or was edited; resume from another one"
+        )
+    return value
 
 
-def resume(sampler: ResumableSampler, saved: Mapping[str, Any]) -> None:
-    """Continue the stream from the position ``saved`` (at any world size, the same micro-batches)."""
+def resume(sampler: ResumableSampler, saved: Mapping[str, Any], mid_epoch: bool = False) -> None:
+    """Continue the stream from the position ``saved`` (at any world size, the same micro-batches).
+    ``mid_epoch``: Lightning resumes in the middle of its epoch; a position at the stream epoch's end then ends
+    that Lightning epoch (as the interrupted run's iterator did), rather than feeding it the next stream epoch."""
     state = dict(saved)
-    k = int(state.get("micro_batches", sampler.micro_batches))
-    if k != sampler.micro_batches and (int(state.get("batches", 0)) or int(state.get("micro", 0))):
+    k = _count(state.get("micro_batches", sampler.micro_batches), "stream's micro_batches", 1)
+    if k != sampler.micro_batches and (_count(state.get("batches", 0), "stream's batches") or state.get("micro")):
         raise StateMismatchError(
             [],
             [],
@@ -82,18 +129,21 @@ def resume(sampler: ResumableSampler, saved: Mapping[str, Any]) -> None:
             "saved with: keep accumulate_grad_batches and the sampler's micro_batches as saved, and change the "
             "per-rank batch size instead (global_batch_size stays)",
         )
-    sampler.load_state_dict(state)
+    sampler._load_stream(state, hold_end=mid_epoch)
 
 
 def generators(state: Mapping[str, Any], rank: int, world: int) -> Mapping[str, Any] | None:
     """This rank's generators: its own at the number of ranks that saved, else re-derived (None: re-derived
     and set here, there being nobody's to restore)."""
     ranks = state.get("ranks")
-    saved = len(ranks) if ranks else 1
+    every: list[Any] = ranks if isinstance(ranks, list) and ranks else [state]
+    saved = len(every)
     if saved == world:
-        own: Mapping[str, Any] = ranks[rank]["rng"] if ranks else state["rng"]
+        own: Mapping[str, Any] = every[rank]["rng"]
         return own
-    seed, step = int(state["stream"]["seed"]), int(state.get("step", 0))
+    stream = state.get("stream")
+    seed = _count(stream.get("seed") if isinstance(stream, Mapping) else None, "stream's seed")
+    step = _count(state.get("step", 0), "step")
     log.info(
         "ExactResume: %d process(es) saved this checkpoint and %d resume it: rank %d's generators are re-derived "
         "from (seed %d, step %d, rank)",

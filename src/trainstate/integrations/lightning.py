@@ -87,9 +87,9 @@ with optional("lightning", extra="lightning", needed_for="trainstate.integration
     import torch
     from torch.utils.data import DataLoader
 
-    from trainstate._data import ResumableSampler
     from trainstate._replay import EpochReplay
     from trainstate.integrations import _lightning_stream as stream
+    from trainstate.integrations._lightning_stream import Stream
 
     _lightning: tuple[Any, Any] = _import_lightning()
     pl: Any = _lightning[0]
@@ -507,7 +507,7 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         self._pending: Mapping[str, Any] | None = None  # a loaded state not yet applied to a loader
         self._strategy: Any = None
         self._resumed = False  # this fit loaded a checkpoint
-        self._sampler: ResumableSampler | None = None  # the loader's global-stream sampler: no replay needed
+        self._stream: Stream | None = None  # the loader's global-stream sampler (no replay needed), watched
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Lightning's hook before fitting: catch the training DataLoader before its first batch.
@@ -542,8 +542,8 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
                 "ExactResume replays one training torch DataLoader; train_dataloader() gave "
                 f"{type(loader).__qualname__}: return a single torch.utils.data.DataLoader, or drop ExactResume"
             )
-        if self._sampler is not None:
-            stream.check(self._sampler, trainer)
+        if self._stream is not None:
+            stream.check(self._stream.sampler, trainer)
         if self._resumed:
             # The step resumed from is saved: it was just loaded. ModelCheckpoint does not keep which step it
             # saved last, so with accumulate_grad_batches > 1 it would save that step again after the first
@@ -551,6 +551,16 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
             for callback in trainer.checkpoint_callbacks:
                 if hasattr(callback, "_last_global_step_saved"):
                     callback._last_global_step_saved = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        """Lightning's hook after each training batch: one more batch of the loader's iterator trained on (the
+        global stream's position counts these, not the batches Lightning fetched ahead).
+
+        Example:
+            >>> trainer.fit(model)   # Lightning calls on_train_batch_end(...) after each batch
+        """
+        if self._stream is not None:
+            self._stream.batch_trained()
 
     def state_dict(self) -> dict[str, Any]:
         """What Lightning stores for this callback in each checkpoint: the random generators and the
@@ -564,13 +574,19 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         """
         # tensors, not NumPy arrays: Lightning's default plugin loads with torch.load(weights_only=True) too
         loader = self._loader() if self._loader is not None else None
-        rng = EpochReplay.rng(loader) if loader is not None and self._sampler is None else RNGState().state_dict()
+        rng = EpochReplay.rng(loader) if loader is not None and self._stream is None else RNGState().state_dict()
         state: dict[str, Any] = {"rng": _tensors_only(rng)}
         trainer = self._trainer
-        if trainer is not None and self._sampler is not None:  # the global stream: a position at any world size
-            state["stream"] = stream.position(self._sampler, trainer)
+        if trainer is not None and self._stream is not None:  # the global stream: a position at any world size
+            ranks = _every_rank(state)  # only the generators are each rank's own; the position is the job's
+            state["stream"] = self._stream.position(int(trainer.accumulate_grad_batches))
             state["step"] = int(trainer.global_step)
-        elif trainer is not None and self._replay is not None:
+            processed = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+            state["mid_epoch"] = 0 < processed < trainer.num_training_batches  # Lightning goes on with its epoch
+            if ranks is not None:
+                state["ranks"] = ranks
+            return state
+        if trainer is not None and self._replay is not None:
             trained = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
             if 0 < trained < trainer.num_training_batches:  # mid-epoch: the next run replays it
                 if trained % trainer.accumulate_grad_batches:
@@ -610,7 +626,7 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         if rng is not None:
             RNGState().load_state_dict(rng)  # an epoch that ended at the save starts from it
         self._pending = state
-        attached = self._replay is not None or self._sampler is not None
+        attached = self._replay is not None or self._stream is not None
         if attached and self._loader is not None and self._loader() is not None:
             self._apply_pending()
 
@@ -651,8 +667,7 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         self._detach()
         sampler = stream.global_sampler(loader)
         if sampler is not None:
-            stream.take(sampler, loader)
-            self._sampler = sampler
+            self._stream = Stream(sampler, loader)
         else:
             self._replay = EpochReplay(loader)
         self._loader = weakref.ref(loader)
@@ -662,7 +677,7 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
     def _apply_pending(self) -> None:
         state, self._pending = self._pending, None
         assert state is not None
-        if ("stream" in state) != (self._sampler is not None):
+        if ("stream" in state) != (self._stream is not None):
             saved, now = ("a", "no") if "stream" in state else ("no", "a")
             raise StateMismatchError(
                 [],
@@ -672,8 +687,8 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
                 "ResumableSampler with global_batch_size as the batch sampler) or by replaying a plain loader; "
                 "train with the loader the checkpoint was saved with",
             )
-        if self._sampler is not None:
-            stream.resume(self._sampler, state["stream"])
+        if self._stream is not None:
+            stream.resume(self._stream.sampler, state["stream"], bool(state.get("mid_epoch", False)))
             return
         self._replay.resume(state.get("loader") or None, state["rng"])
 
@@ -681,9 +696,9 @@ class ExactResume(pl.Callback):  # type: ignore[misc]  # Lightning's base class,
         loader = self._loader() if self._loader is not None else None
         if self._replay is not None and loader is not None:
             self._replay.close(loader)
-        if self._sampler is not None:
-            self._sampler._len_whole_epoch = False
-        self._replay, self._loader, self._sampler = None, None, None
+        if self._stream is not None and loader is not None:
+            self._stream.close(loader)
+        self._replay, self._loader, self._stream = None, None, None
 
 
 def _every_rank(state: dict[str, Any]) -> list[dict[str, Any]] | None:
