@@ -50,10 +50,11 @@ class ResumableSampler(Sampler[int]):
         data_source: the dataset, or its length.
         shuffle: a fresh permutation each epoch, drawn from ``seed + epoch`` (never the global RNG).
         seed: the shuffle seed.
-        num_replicas: data-parallel ranks sharing the epoch (as ``DistributedSampler``): each takes every
-            ``num_replicas``-th index of the epoch's order from ``rank`` on, the order padded with its own
-            first indices to a multiple of ``num_replicas``. Default 1: the whole dataset. Pass both
-            explicitly under DDP (e.g. ``dist.get_world_size()`` and ``dist.get_rank()``).
+        num_replicas: data-parallel ranks sharing the epoch. Without ``global_batch_size`` (as
+            ``DistributedSampler``) each takes every ``num_replicas``-th index of the epoch's order from ``rank`` on,
+            the order padded with its own first indices to a multiple of ``num_replicas``; with it, each takes its
+            contiguous slice of every global batch. Default 1: the whole dataset. Pass both explicitly under DDP
+            (e.g. ``dist.get_world_size()`` and ``dist.get_rank()``).
         rank: this rank's place among the ``num_replicas``.
         global_batch_size: one global sample stream for every world size (docs/distributed.md, "Changing
             the world size"): each epoch's order (from ``seed`` and the epoch) is cut into global batches of
@@ -173,6 +174,8 @@ class ResumableSampler(Sampler[int]):
     @property
     def consumed(self) -> int:
         """Samples of this epoch the loop has received (not what workers prefetched): where a resume starts.
+        With ``global_batch_size``: the samples of the global batches done, over every rank (a global batch
+        counts once its last micro-batch was received).
 
         Example:
             >>> next(iter(loader)); sampler.consumed    # after one batch of 32
@@ -226,7 +229,10 @@ class ResumableSampler(Sampler[int]):
         return self.n - self._start
 
     def state_dict(self) -> dict[str, Any]:
-        """Seed, epoch and samples consumed (and, mid-epoch, the RNG its loader drew its base seed from).
+        """Seed, epoch and samples consumed (and, mid-epoch, the RNG its loader drew its base seed from). With
+        ``global_batch_size``, the job's global position instead: ``seed``, ``epoch``, ``batches`` (global batches
+        done), ``micro`` (micro-batches of the next one received), ``samples``, and what the stream was cut with
+        (``global_batch_size``, ``total``, ``shuffle``, ``drop_last``, ``world_size``, ``micro_batches``).
 
         Raises:
             CheckpointError: the sampler was not attached to its loader (``attach``), so it cannot count.

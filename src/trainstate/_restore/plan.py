@@ -563,9 +563,10 @@ class Restorer:
         self._drop_ignored()
         if self.mismatched or (self.strict and (self.missing or self.unexpected)):
             hint = (
-                "Per-rank values (RNG states, data loader positions, trainstate.PerRank) restore only at the world "
-                "size that saved them: exclude them (exclude=[...]) to keep this run's own, e.g. after a change of "
-                "world size (docs/distributed.md)"
+                "Per-rank values (data loader positions, trainstate.PerRank) restore only at the world size that "
+                "saved them. A ResumableSampler built with global_batch_size=... saves one position for the whole "
+                "job, which continues at any world size (docs/distributed.md, 'Changing the world size'); excluding "
+                "a per-rank data position (exclude=[...]) starts its epoch over, so samples are seen twice or never"
                 if self.world_size_changed
                 else ""
             )
