@@ -202,20 +202,17 @@ def test_a_numpy_integer_length_is_a_length():
     assert len(trainstate.ResumableSampler(np.int64(TOTAL), global_batch_size=G)) == TOTAL // G
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: a StatefulDataLoader with workers, saved in the state (alone or beside its ResumableSampler), "
-    "resumes by starting the epoch over (5 batches, 2 of them seen twice); with num_workers=0, or with the sampler "
-    "saved and not the loader, it resumes exactly. The per-rank sampler does the same (not new with issue 29); "
-    "likely its multi-process snapshot of the batch sampler (taken at the epoch's start) wins over the sampler's",
-)
-def test_a_stateful_dataloader_with_workers_saved_beside_its_global_sampler_resumes_mid_epoch(tmp_path):
+@pytest.mark.parametrize("per_rank", [False, True], ids=["global", "per-rank"])
+def test_a_stateful_dataloader_with_workers_saved_beside_its_sampler_resumes_mid_epoch(tmp_path, per_rank):
+    """The sampler's own position wins over the loader's snapshot, which torchdata takes with workers ahead of
+    training (it restarted the epoch: 5 batches, 2 seen twice)."""
     pytest.importorskip("torchdata")
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     def build():
-        sampler = trainstate.ResumableSampler(TOTAL, seed=SEED, global_batch_size=G)
-        loader = sampler.attach(StatefulDataLoader(list(range(TOTAL)), batch_sampler=sampler, num_workers=2))
+        sampler = trainstate.ResumableSampler(TOTAL, seed=SEED, **({} if per_rank else {"global_batch_size": G}))
+        how = {"batch_size": G, "sampler": sampler} if per_rank else {"batch_sampler": sampler}
+        loader = sampler.attach(StatefulDataLoader(list(range(TOTAL)), num_workers=2, **how))
         return {"sampler": sampler, "loader": loader}
 
     state = build()

@@ -134,6 +134,7 @@ class ResumableSampler(Sampler[int]):
         self._taken = 0  # micro-batches of the epoch taken when the current iterator started (its len)
         self._len_whole_epoch = False  # a framework counts the epoch from its start (Lightning): len is all of it
         self._hold_end = False  # the next iterator ends the epoch the position is at the end of (_load_stream)
+        self._restored = False  # loaded from a checkpoint, its next iterator not started yet
         if global_batch_size is not None:
             self._stream = SampleStream(self.total, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
             self._stream.check(num_replicas, micro_batches)
@@ -268,6 +269,7 @@ class ResumableSampler(Sampler[int]):
             >>> sampler.load_state_dict(saved)   # usually through trainstate.load / restore_latest
             >>> next(iter(loader))               # the batch the interrupted run would have seen next
         """
+        self._restored = True
         if self._stream is not None:
             self._load_stream(state)
             return
@@ -396,6 +398,11 @@ class _Hooks:
         source, user_init = loader.generator, loader.worker_init_fn
         loader_rng = source.get_state() if source is not None else torch.get_rng_state()
         restored = getattr(loader, "next_iter_state", None)  # a StatefulDataLoader's state to resume from
+        if restored is not None and self.counter is not None and self.counter._restored:
+            # the sampler was restored itself (it is in the state): its position wins over the loader's snapshot,
+            # which a loader with workers takes ahead of training (prefetched batches) or at the epoch's start
+            self.counter._restored = False
+            loader.next_iter_state = restored = None
         if self.base_seed_rng is not None:  # resume: draw the base seed the interrupted epoch drew
             replay = torch.Generator()
             replay.set_state(self.base_seed_rng)
