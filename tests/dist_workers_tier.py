@@ -66,3 +66,17 @@ def train(
 
 def weights_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def no_room_on_one_node(rank: int, world: int, root: str) -> tuple[str, str]:
+    """Rank 1's node has no room for the state (a budget too small there): every rank raises, none hangs."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    budget = 1000 if rank == 1 else None
+    tier = trainstate.LocalTier(f"{root}/node{rank}", every_steps=1, budget_bytes=budget)
+    state = {"w": np.zeros(10_000, dtype=np.float32)}
+    with trainstate.CheckpointManager(f"{root}/durable", every_steps=10, local=tier, timeout=60) as mgr:
+        try:
+            mgr.save(1, state)
+        except trainstate.CheckpointError as e:
+            return type(e).__name__, str(e)
+    return "saved", ""

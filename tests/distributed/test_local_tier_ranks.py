@@ -96,3 +96,9 @@ def test_another_number_of_ranks_resumes_from_the_durable_tier(tmp_path):
     assert all(k == "exit code -9" for k in killed), killed
     ((start, _, _),) = ranks.ok(ranks.run(1, workers.train, str(run), 1, None, timeout=180))  # one process
     assert start == 11  # the durable checkpoint of step 10, resharded for 1 rank; not the local steps 11-13
+
+
+def test_no_room_on_one_node_raises_on_every_rank_at_the_first_local_save(tmp_path):
+    out = ranks.ok(ranks.run(2, workers.no_room_on_one_node, str(tmp_path), timeout=120))
+    assert out[1][0] == "StorageError" and "budget_bytes of 1,000" in out[1][1], out
+    assert out[0][0] == "DistributedError" and "rank 1" in out[0][1], out

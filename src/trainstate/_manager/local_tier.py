@@ -191,7 +191,15 @@ class Tier:
         if self.peers is not None:
             self.peers.wait()  # raises the previous copies' error
         if not self._checked:
-            self._check_fits(state)
+            error: StorageError | None = None
+            try:
+                self._check_fits(state)
+            except StorageError as e:
+                error = e
+            if self.peers is not None:  # every rank raises if one's node has no room, none waits for it
+                self.peers.control.agree(error, "LocalTier (room for the state)")
+            elif error is not None:
+                raise error
         saved = self.inner.save(step, state, metrics=metrics)
         if saved and self.peers is not None:
             self.peers.replicate(step, _save_job(self.writer, step))
