@@ -107,7 +107,8 @@ def claim(tier: LocalTier, durable: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     marker = root / MARKER
     try:
-        owner = json.loads(marker.read_text())["durable"]
+        raw = marker.read_bytes()
+        owner = json.loads(raw)["durable"] if raw.strip() else None  # empty: a crash before trainstate fsynced it
     except FileNotFoundError:
         owner = None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -116,14 +117,28 @@ def claim(tier: LocalTier, durable: str) -> Path:
         ) from None
     if owner is None:  # several ranks of a node may write it at once: each whole, by a rename
         staged = marker.with_name(f".{MARKER}.{os.getpid()}")
-        staged.write_text(json.dumps({"durable": durable}) + "\n")
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, (json.dumps({"durable": durable}) + "\n").encode())
+            os.fsync(fd)  # whole or absent after a crash: never an empty marker that refuses the restart
+        finally:
+            os.close(fd)
         os.replace(staged, marker)
+        _fsync_dir(root)
     elif owner != durable:
         raise InvalidArgumentError(
             f"LocalTier path {root} holds the local checkpoints of the run in {owner!r:.200}, not {durable!r:.200}: "
             "give each run its own local path (or delete that one)"
         )
     return root
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

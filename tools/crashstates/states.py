@@ -1,0 +1,212 @@
+"""Every state a local disk may be left in by a crash during a recorded piece of work.
+
+The model (stricter than ext4 in its default ``data=ordered`` mode, so every state ext4 can leave is among the
+ones generated, and more):
+
+* **Namespace operations** (create, mkdir, rename, exchange, unlink, rmdir) are durable once every directory they
+  touch was fsynced after them. Before that they are *volatile*: a crash keeps them in program order up to some
+  point and loses the rest (a journal commits in order), or, reordered, loses one rename while keeping what
+  came after it. (ext4 commits every earlier namespace operation at any fsync; this model waits for the
+  directory's own.)
+* **File data** written since the file's last fsync is volatile: a crash keeps it, or drops it back to what the
+  last fsync saw (nothing, for a file never fsynced), or cuts the file after its first such write.
+* Everything before the work began (:attr:`Recorder.before`) is durable.
+
+For each crash point (after each operation, and before the first) :func:`crash_states` yields the distinct
+directory trees these rules allow: everything kept; the volatile data dropped; each suffix of the volatile
+namespace operations lost (with the data kept, then dropped); each volatile rename lost alone; the volatile
+writes of each file cut short alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .record import Image, Op
+
+NAMESPACE = frozenset({"create", "mkdir", "rename", "exchange", "unlink", "rmdir"})
+
+
+def _parent(path: str) -> str:
+    return os.path.dirname(path) or "."
+
+
+def _touches(op: Op) -> set[str]:
+    """The directories whose fsync makes ``op`` durable."""
+    dirs = {_parent(op.path)}
+    if op.path2:
+        dirs.add(_parent(op.path2))
+    return dirs
+
+
+@dataclass
+class _FS:
+    """An in-memory tree: paths to inodes, inodes' bytes and the bytes their last fsync saw."""
+
+    dirs: set[str] = field(default_factory=set)
+    names: dict[str, int] = field(default_factory=dict)
+    data: dict[int, bytearray] = field(default_factory=dict)
+    synced: dict[int, bytes] = field(default_factory=dict)
+    first_unsynced: dict[int, int] = field(default_factory=dict)  # inode -> file length before its first
+    # write since the last fsync (where a cut-short file ends)
+    next_inode: int = 0
+
+    @classmethod
+    def of(cls, image: Image) -> _FS:
+        fs = cls(dirs=set(image.dirs))
+        for path, content in image.files.items():
+            fs.names[path] = fs._new(content)
+            fs.synced[fs.names[path]] = content
+        return fs
+
+    def _new(self, content: bytes = b"") -> int:
+        self.next_inode += 1
+        self.data[self.next_inode] = bytearray(content)
+        return self.next_inode
+
+    def apply(self, op: Op) -> None:
+        """Apply ``op`` as the running system did; one that cannot apply (its source lost) is lost too."""
+        k = op.kind
+        if k == "mkdir":
+            self.dirs.add(op.path)
+        elif k == "create":
+            if op.path not in self.names:
+                self.names[op.path] = self._new()
+                self.synced[self.names[op.path]] = b""
+        elif k == "write":
+            inode = self.names.get(op.path)
+            if inode is not None:
+                buf = self.data[inode]
+                self.first_unsynced.setdefault(inode, len(buf))
+                if len(buf) < op.offset:
+                    buf.extend(b"\0" * (op.offset - len(buf)))
+                buf[op.offset : op.offset + len(op.data)] = op.data
+        elif k == "truncate":
+            inode = self.names.get(op.path)
+            if inode is not None:
+                self.first_unsynced.setdefault(inode, len(self.data[inode]))
+                del self.data[inode][op.size :]
+        elif k == "fsync":
+            inode = self.names.get(op.path)
+            if inode is not None:
+                self.synced[inode] = bytes(self.data[inode])
+                self.first_unsynced.pop(inode, None)
+        elif k == "rename":
+            self._rename(op.path, op.path2)
+        elif k == "exchange":
+            a, b = self._take(op.path), self._take(op.path2)
+            self._put(op.path2, a, op.path)
+            self._put(op.path, b, op.path2)
+        elif k == "unlink":
+            self.names.pop(op.path, None)
+        elif k == "rmdir":
+            if not any(p.startswith(op.path + "/") for p in [*self.names, *self.dirs]):
+                self.dirs.discard(op.path)
+
+    def _take(self, path: str) -> tuple[dict[str, int], set[str]]:
+        """Everything at ``path`` (a file, or a directory and all under it), removed from the tree."""
+        files = {p: i for p, i in self.names.items() if p == path or p.startswith(path + "/")}
+        dirs = {d for d in self.dirs if d == path or d.startswith(path + "/")}
+        for p in files:
+            del self.names[p]
+        self.dirs -= dirs
+        return files, dirs
+
+    def _put(self, path: str, taken: tuple[dict[str, int], set[str]], old: str) -> None:
+        """What :meth:`_take` took from ``old``, put at ``path``."""
+        files, dirs = taken
+        for p, i in files.items():
+            self.names[path + p[len(old) :]] = i
+        self.dirs |= {path + d[len(old) :] for d in dirs}
+
+    def _rename(self, src: str, dst: str) -> None:
+        taken = self._take(src)
+        if not taken[0] and not taken[1]:
+            return  # its source was lost: the rename is lost too
+        self._take(dst)  # a rename replaces what was there (an empty directory, or a file)
+        self._put(dst, taken, src)
+
+    def image(self, drop: bool, cut: int | None = None) -> Image:
+        """The tree: each file's bytes, or (``drop``) what its last fsync saw; ``cut``: that inode ends where
+        it ended before its first write since the last fsync."""
+        files = {}
+        for path, inode in self.names.items():
+            content = self.synced.get(inode, b"") if drop else bytes(self.data[inode])
+            if cut == inode:
+                content = bytes(self.data[inode][: self.first_unsynced.get(inode, len(self.data[inode]))])
+            files[path] = content
+        return Image(set(self.dirs), files)
+
+
+def _build(before: Image, ops: list[Op], lost: set[int]) -> _FS:
+    fs = _FS.of(before)
+    for i, op in enumerate(ops):
+        if i not in lost:
+            fs.apply(op)
+    return fs
+
+
+def _volatile(ops: list[Op]) -> list[int]:
+    """The namespace operations of ``ops`` not yet made durable by an fsync of every directory they touch."""
+    pending: dict[int, set[str]] = {}
+    for i, op in enumerate(ops):
+        if op.kind in NAMESPACE:
+            pending[i] = _touches(op)
+        elif op.kind == "fsync":
+            for dirs in pending.values():
+                dirs.discard(op.path)
+            pending = {i: d for i, d in pending.items() if d}
+    return sorted(pending)
+
+
+def digest(image: Image) -> str:
+    h = hashlib.sha256()
+    for d in sorted(image.dirs):
+        h.update(b"d" + d.encode() + b"\0")
+    for p in sorted(image.files):
+        h.update(b"f" + p.encode() + b"\0" + hashlib.sha256(image.files[p]).digest())
+    return h.hexdigest()
+
+
+def crash_states(before: Image, ops: list[Op]) -> Iterator[tuple[int, str, Image]]:
+    """(crash point: the number of operations that ran, how the state was made, the tree), each tree once per
+    crash point."""
+    for k in range(len(ops) + 1):
+        prefix = ops[:k]
+        volatile = _volatile(prefix)
+        seen: set[str] = set()
+        full = _build(before, prefix, set())
+
+        def variants() -> Iterator[tuple[str, Image]]:
+            yield "all kept", full.image(drop=False)
+            yield "unsynced data dropped", full.image(drop=True)
+            for inode in sorted(full.first_unsynced):
+                yield f"inode {inode} cut short", full.image(drop=False, cut=inode)
+            for j in range(1, len(volatile) + 1):
+                lost = set(volatile[-j:])
+                fs = _build(before, prefix, lost)
+                yield f"last {j} namespace ops lost", fs.image(drop=False)
+                yield f"last {j} namespace ops and unsynced data lost", fs.image(drop=True)
+            for i in volatile:
+                if prefix[i].kind in ("rename", "exchange"):
+                    yield f"rename #{i} lost alone", _build(before, prefix, {i}).image(drop=False)
+
+        for how, image in variants():
+            key = digest(image)
+            if key not in seen:
+                seen.add(key)
+                yield k, how, image
+
+
+def materialize(image: Image, root: Path) -> None:
+    """Write ``image`` into the empty directory ``root``."""
+    for d in sorted(image.dirs, key=len):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    for path, content in image.files.items():
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)

@@ -1,0 +1,130 @@
+"""The recorded paths: each a small piece of trainstate work on a directory, with the oracle that judges every
+crash state of it.
+
+Each workload runs under a :class:`~.record.Recorder` and marks ``committed N`` once the checkpoint of step N is
+known committed (a synchronous save returned; an async one was waited for). Its oracle gets a directory in one of
+the crash states and raises AssertionError (or any error) when trainstate misbehaves there:
+
+* ``restore_latest`` returns a checkpoint that was saved, no older than the newest one marked committed before
+  the crash, and restores exactly what that save held;
+* a new manager then starts there and saves, and the checkpoint restored is still whole afterwards (nothing
+  deleted the last good checkpoint);
+* every checkpoint the manager lists afterwards verifies (``Checkpoint.verify``: every byte against its
+  checksum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trainstate
+
+from ..reliability.common import check_numpy_state, numpy_state
+from .record import Recorder
+
+SIZE = 1 << 10  # a small state: the paths, not the bytes, make the crash states
+KEY = "5a" * 32
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    run: Callable[[Path, Recorder, Workload], None]
+    settings: dict[str, Any]  # the manager's keywords, for the work and for the oracle
+    frozen: bool = False  # the state has a frozen tensor (an incremental run shares it)
+    local: bool = False  # a local tier under ROOT/local
+    local_fsync: bool = False  # ... flushing its checkpoints: they count as committed against a machine's crash
+
+
+def _state(step: int, w: Workload) -> dict[str, Any]:
+    return numpy_state(step, size=SIZE, frozen=w.frozen)
+
+
+def _manager(root: Path, w: Workload, **extra: Any) -> trainstate.CheckpointManager:
+    tier = trainstate.LocalTier(root / "local", every_steps=1, fsync=w.local_fsync) if w.local else None
+    return trainstate.CheckpointManager(root / "run", local=tier, **w.settings, **extra)
+
+
+def _saves(steps: list[int], wait_every: int = 1, force: bool = True) -> Callable[[Path, Recorder, Workload], None]:
+    """Save each of ``steps`` (``force``: whatever the policy says), waiting for the saves in flight and marking
+    them committed every ``wait_every`` saves."""
+
+    def run(root: Path, recorder: Recorder, w: Workload) -> None:
+        with _manager(root, w) as mgr:
+            durable = w.settings.get("every_steps", 1)
+            for n, step in enumerate(steps, 1):
+                mgr.save(step, _state(step, w), force=force)
+                if n % wait_every == 0:
+                    mgr.wait()
+                    # a local checkpoint not flushed survives the process, not the machine: the model's crash
+                    if force or step % durable == 0 or w.local_fsync:
+                        recorder.mark(f"committed {step}")
+                    else:
+                        recorder.mark(f"saved {step}")
+
+    return run
+
+
+def _pins(root: Path, recorder: Recorder, w: Workload) -> None:
+    with _manager(root, w) as mgr:
+        for step in range(4):
+            mgr.save(step, _state(step, w), force=True)
+            recorder.mark(f"committed {step}")
+            if step == 1:
+                mgr.pin(1, "kept")
+            if step == 2:
+                mgr.unpin(1)
+
+
+def oracle(root: Path, w: Workload, committed: list[int], saved: set[int]) -> None:
+    """Judge one crash state of ``w`` (see the module docstring)."""
+    floor = max(committed) if committed else None
+    state = _state(0, w)
+    with _manager(root, w) as mgr:
+        got = mgr.restore_latest(state)
+        if floor is not None:
+            assert got is not None, f"nothing restored, though step {floor} was committed"
+            assert got - 1 >= floor, f"restored step {got - 1}, older than step {floor}, committed before"
+        if got is not None:
+            assert got - 1 in saved, f"restored step {got - 1}, which was never saved"
+            check_numpy_state(state, got - 1)
+            durable = root / "run" / f"step_{got - 1:08d}"
+            assert w.local or durable.is_dir(), "the manager's start deleted the checkpoint it then restored"
+        mgr.save(99, _state(99, w), force=True)  # a new manager starts and saves
+    after = _state(0, w)
+    with _manager(root, w) as mgr:
+        assert mgr.restore_latest(after) == 100, "the new manager's save is not the newest"
+        check_numpy_state(after, 99)
+        for info in mgr.list():  # every checkpoint listed verifies, byte for byte
+            with trainstate.open(mgr.path_for(info.step), key=w.settings.get("key")) as ck:
+                ck.verify()
+
+
+WORKLOADS = [
+    Workload("sync saves, retention (keep_last=2)", _saves([0, 1, 2, 3]), {"keep_last": 2}),
+    Workload("async saves, waited for every other one", _saves([0, 1, 2, 3], 2), {"async_save": True}),
+    Workload("pins: pin, retention past it, unpin", _pins, {"keep_last": 1}),
+    Workload(
+        "incremental saves and the pool's collection",
+        _saves([0, 1, 2, 3]),
+        {"incremental": True, "keep_last": 1},
+        frozen=True,
+    ),
+    Workload("zstd + encryption", _saves([0, 1, 2]), {"compression": "zstd", "key": KEY, "keep_last": 2}),
+    Workload(
+        "local tier every step (not flushed) behind durable saves",
+        _saves([0, 1, 2, 3, 4], force=False),
+        {"every_steps": 3},
+        local=True,
+    ),
+    Workload(
+        "local tier every step (fsync=True) behind durable saves",
+        _saves([0, 1, 2, 3, 4], force=False),
+        {"every_steps": 3},
+        local=True,
+        local_fsync=True,
+    ),
+]
