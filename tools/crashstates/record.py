@@ -49,7 +49,7 @@ class Image:
 
 def snapshot(root: Path) -> Image:
     dirs, files = set(), {}
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, _, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
         if rel != ".":
             dirs.add(rel)

@@ -172,30 +172,29 @@ def digest(image: Image) -> str:
     return h.hexdigest()
 
 
+def _variants(before: Image, prefix: list[Op]) -> Iterator[tuple[str, Image]]:
+    """The trees a crash right after ``prefix`` may leave (some of them alike)."""
+    volatile = _volatile(prefix)
+    full = _build(before, prefix, set())
+    yield "all kept", full.image(drop=False)
+    yield "unsynced data dropped", full.image(drop=True)
+    for inode in sorted(full.first_unsynced):
+        yield f"inode {inode} cut short", full.image(drop=False, cut=inode)
+    for j in range(1, len(volatile) + 1):
+        fs = _build(before, prefix, set(volatile[-j:]))
+        yield f"last {j} namespace ops lost", fs.image(drop=False)
+        yield f"last {j} namespace ops and unsynced data lost", fs.image(drop=True)
+    for i in volatile:
+        if prefix[i].kind in ("rename", "exchange"):
+            yield f"rename #{i} lost alone", _build(before, prefix, {i}).image(drop=False)
+
+
 def crash_states(before: Image, ops: list[Op]) -> Iterator[tuple[int, str, Image]]:
     """(crash point: the number of operations that ran, how the state was made, the tree), each tree once per
     crash point."""
     for k in range(len(ops) + 1):
-        prefix = ops[:k]
-        volatile = _volatile(prefix)
         seen: set[str] = set()
-        full = _build(before, prefix, set())
-
-        def variants() -> Iterator[tuple[str, Image]]:
-            yield "all kept", full.image(drop=False)
-            yield "unsynced data dropped", full.image(drop=True)
-            for inode in sorted(full.first_unsynced):
-                yield f"inode {inode} cut short", full.image(drop=False, cut=inode)
-            for j in range(1, len(volatile) + 1):
-                lost = set(volatile[-j:])
-                fs = _build(before, prefix, lost)
-                yield f"last {j} namespace ops lost", fs.image(drop=False)
-                yield f"last {j} namespace ops and unsynced data lost", fs.image(drop=True)
-            for i in volatile:
-                if prefix[i].kind in ("rename", "exchange"):
-                    yield f"rename #{i} lost alone", _build(before, prefix, {i}).image(drop=False)
-
-        for how, image in variants():
+        for how, image in _variants(before, ops[:k]):
             key = digest(image)
             if key not in seen:
                 seen.add(key)
