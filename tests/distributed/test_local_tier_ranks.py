@@ -96,6 +96,9 @@ def test_another_number_of_ranks_resumes_from_the_durable_tier(tmp_path):
     assert all(k == "exit code -9" for k in killed), killed
     ((start, _, _),) = ranks.ok(ranks.run(1, workers.train, str(run), 1, None, timeout=180))  # one process
     assert start == 11  # the durable checkpoint of step 10, resharded for 1 rank; not the local steps 11-13
+    # back on 2 ranks: the 1-process run's durable step 20 came after the 2-rank local steps 11-13 were written
+    ranks.ok(ranks.run(2, workers.train, str(run), 1, None, timeout=180))
+    assert _starts(run, 0)[-1] == _starts(run, 1)[-1] == 21
 
 
 def test_no_room_on_one_node_raises_on_every_rank_at_the_first_local_save(tmp_path):

@@ -281,3 +281,61 @@ def test_copy_behind_drops_a_save_whose_weights_changed_in_place_during_the_copy
             mgr.save(2, {"model": model, "optim": optim})
             mgr.wait()
     assert not (tmp_path / "shm" / "w1" / "rank00000" / "step_00000001").exists()
+
+
+def test_after_a_rollback_the_local_tier_s_newer_timeline_wins_over_the_abandoned_durable_steps(tmp_path):
+    """Trained to 11 (durable 0, 5, 10; local 11), rolled back to 5 and trained 6-8 locally: a restart resumes
+    after 8, not after the abandoned run's durable 10 (the tiers are ordered by commits, as 'newest' is)."""
+    state = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
+    with _manager(tmp_path, every_steps=1) as mgr:
+        _train(mgr, state, range(12))
+    with _manager(tmp_path, every_steps=1) as mgr:
+        mgr.restore(5, state)
+        _train(mgr, state, range(6, 9))  # local 6, 7, 8: a new timeline from step 5
+    restored = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore_latest(restored) == 9 and restored["step"] == 8
+
+
+def test_a_durable_directory_deleted_to_start_afresh_does_not_resume_the_old_local_checkpoints(tmp_path, caplog):
+    import shutil
+
+    state = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
+    with _manager(tmp_path, every_steps=1) as mgr:
+        _train(mgr, state, range(8))
+    shutil.rmtree(tmp_path / "durable")
+    fresh = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
+    with caplog.at_level("WARNING", logger="trainstate"), _manager(tmp_path) as mgr:
+        assert mgr.restore_latest(fresh) is None and fresh["step"] == -1
+    assert "no longer holds" in caplog.text
+
+
+def test_a_read_only_manager_beside_the_job_restores_from_the_local_tier_too(tmp_path):
+    state = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
+    with _manager(tmp_path, every_steps=1) as mgr:
+        _train(mgr, state, range(8))  # durable 0, 5; local 6, 7
+    tier = trainstate.LocalTier(tmp_path / "shm")
+    restored = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
+    with trainstate.CheckpointManager(tmp_path / "durable", read_only=True, local=tier) as mgr:
+        assert mgr.restore_latest(restored) == 8 and restored["step"] == 7
+
+
+def test_the_budget_is_checked_again_when_a_checkpoint_grows(tmp_path):
+    """The first save fit; the state then grew (as AdamW's moments appear after the first step)."""
+    state = {"w": np.zeros(10_000, dtype=np.float32)}  # 40 kB
+    tier = trainstate.LocalTier(tmp_path / "shm", every_steps=1, keep=2, budget_bytes=400_000)
+    with trainstate.CheckpointManager(tmp_path / "durable", every_steps=100, local=tier) as mgr:
+        mgr.save(1, state)
+        mgr._local.inner.wait()  # noqa: SLF001 - committed: its size is known
+        state["moments"] = np.zeros(100_000, dtype=np.float32)  # 400 kB more
+        with pytest.raises(trainstate.StorageError, match="budget_bytes of 400,000"):
+            for step in (2, 3):  # by the next save whose checkpoint would not fit
+                mgr.save(step, state)
+                mgr._local.inner.wait()  # noqa: SLF001
+
+
+def test_a_local_path_through_a_symlink_into_the_durable_directory_is_refused(tmp_path):
+    (tmp_path / "durable").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "durable")
+    with pytest.raises(trainstate.InvalidArgumentError, match="inside one another"):
+        trainstate.CheckpointManager(tmp_path / "durable", local=trainstate.LocalTier(tmp_path / "link" / "local"))

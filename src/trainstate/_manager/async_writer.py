@@ -28,6 +28,7 @@ from trainstate._manager.committer import Committer
 from trainstate._save import Snapshot
 from trainstate._save.background import raise_background
 from trainstate._save.queue import BackgroundQueue
+from trainstate.errors import CheckpointError
 
 log = logging.getLogger("trainstate")
 
@@ -117,7 +118,7 @@ class AsyncWriter:
         job = functools.partial(self.committer.write, step, reason, staged, True, None, blocking, facts)
         self.copying = buffer.copying
         if self.copying is not None:  # the write starts once the copy behind training has ended
-            job = functools.partial(_after, self.copying, job)
+            job = functools.partial(_after, step, self.copying, job)
         self.queue.submit(
             job, buffer, f"the background save of step {step}", InFlight(step, reason, blocking, previous)
         )
@@ -179,6 +180,9 @@ class AsyncWriter:
                 log.error("%s failed and nobody waited for it: %r", job.what, error)
 
 
-def _after(copying: Future[None], write: Callable[[], SaveRecord]) -> SaveRecord:
-    copying.result()  # raises if what was copied behind training changed meanwhile: nothing is written
+def _after(step: int, copying: Future[None], write: Callable[[], SaveRecord]) -> SaveRecord:
+    try:
+        copying.result()  # raises if what was copied behind training changed meanwhile: nothing is written
+    except CheckpointError as e:
+        raise CheckpointError(f"the save of step {step} was dropped: {e}") from None
     return write()

@@ -27,11 +27,14 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainstate import _arguments as arguments
+from trainstate._keys import Key
 from trainstate._manager.newest import FATAL
+from trainstate._manager.policies import saved_order
 from trainstate.errors import CheckpointError, InvalidArgumentError, StorageError
 
 if TYPE_CHECKING:
@@ -93,18 +96,20 @@ class LocalTier:
         arguments.flag(self.copy_behind, "LocalTier copy_behind")
 
 
-def claim(tier: LocalTier, durable: str) -> Path:
-    """The tier's directory, made and marked as ``durable``'s; refuses a path another run's tier holds."""
-    root = Path(os.fspath(tier.path)).absolute()
+def claim(tier: LocalTier, durable: str, read_only: bool = False) -> Path:
+    """The tier's directory, made and marked as ``durable``'s; refuses a path another run's tier holds.
+    ``read_only``: nothing is made or written (a marker is only checked)."""
+    root = Path(os.path.realpath(os.fspath(tier.path)))
     if "://" not in durable:
-        mine = Path(durable).absolute()
+        mine = Path(os.path.realpath(durable))
         if root == mine or mine in root.parents or root in mine.parents:
             raise InvalidArgumentError(
                 f"LocalTier path {root} and the checkpoint directory {mine} are inside one another: give the "
                 "local tier a directory of its own (tmpfs or a local disk)"
             )
         durable = str(mine)
-    root.mkdir(parents=True, exist_ok=True)
+    if not read_only:
+        root.mkdir(parents=True, exist_ok=True)
     marker = root / MARKER
     try:
         raw = marker.read_bytes()
@@ -115,7 +120,7 @@ def claim(tier: LocalTier, durable: str) -> Path:
         raise InvalidArgumentError(
             f"{marker} is not a local tier's marker ({e}): give the local tier an empty path"
         ) from None
-    if owner is None:  # several ranks of a node may write it at once: each whole, by a rename
+    if owner is None and not read_only:  # several ranks of a node may write it at once: each whole, by a rename
         staged = marker.with_name(f".{MARKER}.{os.getpid()}")
         fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -125,7 +130,7 @@ def claim(tier: LocalTier, durable: str) -> Path:
             os.close(fd)
         os.replace(staged, marker)
         _fsync_dir(root)
-    elif owner != durable:
+    elif owner is not None and owner != durable:
         raise InvalidArgumentError(
             f"LocalTier path {root} holds the local checkpoints of the run in {owner!r:.200}, not {durable!r:.200}: "
             "give each run its own local path (or delete that one)"
@@ -157,7 +162,9 @@ class Inner(Protocol):
     @property
     def directory(self) -> str: ...
 
-    def save(self, step: int, state: Any, *, metrics: dict[str, float] | None = None) -> bool: ...
+    def save(
+        self, step: int, state: Any, *, metrics: dict[str, float] | None = None, metadata: dict[str, Any] | None = None
+    ) -> bool: ...
 
     def restore(self, step: int, state: Any, **load_kwargs: Any) -> Any: ...
 
@@ -185,6 +192,8 @@ class Tier:
         nbytes: Callable[[Any], int],
         view: tuple[int, int],
         peers: Peers | None = None,
+        key: Key | None = None,
+        durable: str = "",
     ) -> None:
         self.config = config
         self.inner = inner
@@ -192,9 +201,14 @@ class Tier:
         self.nbytes = nbytes  # the bytes a local checkpoint of a state takes (nothing copied)
         self.view = view  # (rank, world size): each local checkpoint is this process's own view
         self.peers = peers
+        self.key = key  # the run's key: the local checkpoints' manifests are authenticated with it
+        self.durable = durable  # the durable directory, for messages
         self._checked = False  # the first save checked that the state fits
+        self._fits = 0  # the checkpoint size the last check allowed for
 
-    def maybe_save(self, step: int, state: Any, durable_saved: bool, metrics: dict[str, float]) -> bool:
+    def maybe_save(
+        self, step: int, state: Any, durable_saved: bool, metrics: dict[str, float], durable_seq: int
+    ) -> bool:
         """Write ``step`` locally if due, unless the durable tier just saved it; whether a local save started.
 
         The previous local save is committed first (waited for, when still being written), and under a process
@@ -205,23 +219,34 @@ class Tier:
             return False
         if self.peers is not None:
             self.peers.wait()  # raises the previous copies' error
+        grown = self.writer.history[-1].nbytes if self.writer.history else 0
         if not self._checked:
             error: StorageError | None = None
             try:
-                self._check_fits(state)
+                self._check_fits(state, grown)
             except StorageError as e:
                 error = e
             if self.peers is not None:  # every rank raises if one's node has no room, none waits for it
                 self.peers.control.agree(error, "LocalTier (room for the state)")
             elif error is not None:
                 raise error
-        saved = self.inner.save(step, state, metrics=metrics)
+        elif grown > self._fits:  # a checkpoint came out larger than checked (optimizer moments appeared)
+            try:
+                self._check_fits(state, grown)
+            except StorageError as e:
+                if self.peers is None:
+                    raise
+                # a rank raising alone would leave its peers waiting for its copies: said, and the run goes on
+                log.warning("local tier: %s", e)
+                self._fits = grown
+        # which durable checkpoint it comes after: what orders it against the durable tier's (restore_newest)
+        saved = self.inner.save(step, state, metrics=metrics, metadata={LOCAL_KEY: {"durable_seq": durable_seq}})
         if saved and self.peers is not None:
             self.peers.replicate(step, _save_job(self.writer, step))
         return saved
 
-    def _check_fits(self, state: Any) -> None:
-        nbytes = self.nbytes(state)
+    def _check_fits(self, state: Any, written: int = 0) -> None:
+        nbytes = max(self.nbytes(state), written)  # a checkpoint written may be larger (optimizer moments)
         copies = self.config.keep + 1 + (len(self.peers.sources) * self.config.keep if self.peers else 0)
         need = nbytes * copies  # those kept, the next one being written, and the peers' copies held here
         held = f"{self.config.keep} checkpoints kept and one being written" + (
@@ -239,7 +264,7 @@ class Tier:
                 f"the local tier needs {need:,} bytes ({held}, {nbytes:,} bytes each), but {self.inner.directory} "
                 f"has {free:,} bytes free: give it more room (a larger tmpfs) or lower keep"
             )
-        self._checked = True
+        self._checked, self._fits = True, nbytes
 
     def used(self) -> int:
         """Bytes this process's folder of the tier holds."""
@@ -252,31 +277,47 @@ class Tier:
                     pass
         return total
 
-    def newer_than(self, step: int | None) -> list[CheckpointInfo]:
-        """The tier's committed checkpoints newer than durable ``step``, newest first."""
-        found = [c for c in self.inner.list() if step is None or c.step > step]
-        return sorted(found, key=lambda c: c.step, reverse=True)
+    def after(self, base: int | None, below: int | None = None) -> list[CheckpointInfo]:
+        """The tier's committed checkpoints that come after the durable checkpoint of commit number ``base``
+        (written once it was the durable tier's newest; ``base=None``: the durable tier has none) and before
+        ``below``'s, newest first (in the order the tier committed them)."""
+        found = []
+        for info in self.inner.list():
+            seq = durable_seq_of(Path(self.inner.directory) / info.name, self.key)
+            if seq is not None and follows(seq, base) and (below is None or seq < below):
+                found.append(info)
+        return sorted(found, key=saved_order, reverse=True)
 
     def restore_newest(
-        self,
-        state: Any,
-        durable_step: int | None,
-        load_kwargs: dict[str, Any],
-        candidates: list[CheckpointInfo] | None = None,
+        self, state: Any, base: int | None, load_kwargs: dict[str, Any], below: int | None = None
     ) -> int | None:
-        """Restore the newest local checkpoint newer than the durable tier's ``durable_step`` (of
-        ``candidates``, when given) that restores; its step, or None (then the durable tier resumes). A damaged
+        """Restore the newest local checkpoint written after the durable tier's newest (commit number
+        ``base``; and before ``below``'s, when given) that restores; its step, or None (then the durable tier
+        resumes). A local checkpoint written before the durable tier's newest belongs to a timeline that was
+        left (a rollback, a run on another number of ranks that saved durably since): never restored. A damaged
         one is skipped with a warning; a state that does not fit, or a wrong key, raises as from the durable
         tier. Under a process group every rank calls it and all restore the same step."""
         if self.peers is not None:
-            return self.peers.restore_newest(lambda step: self._restore(step, state, load_kwargs), durable_step)
-        for info in self.newer_than(durable_step) if candidates is None else candidates:
+            usable = partial(_usable, key=self.key, base=base, below=below)
+            return self.peers.restore_newest(lambda step: self._restore(step, state, load_kwargs), usable)
+        if base is None and below is None:
+            stale = [c.step for c in self.inner.list() if (durable_seq_of(Path(c.path), self.key) or 0) > 0]
+            if stale:
+                log.warning(
+                    "local tier: %s holds checkpoints (steps %s) written beside durable checkpoints that %s no "
+                    "longer holds: left alone, and not restored (delete them to free the space)",
+                    self.inner.directory,
+                    stale,
+                    self.durable,
+                )
+        for info in self.after(base, below):
             try:
                 self._restore(info.step, state, load_kwargs)
             except FATAL:
                 raise
             except CheckpointError as e:
-                log.warning("local tier: step %d does not restore (%s); trying the one before it", info.step, e)
+                why = str(e).splitlines()[0]
+                log.warning("local tier: step %d does not restore (%s); trying the one before it", info.step, why)
                 continue
             log.info("resumed from the local tier: step %d in %s", info.step, self.inner.directory)
             return info.step
@@ -325,3 +366,43 @@ def tier_peers(ranks: ManagerRanks, config: LocalTier, world_root: Path) -> Peer
     assert control is not None and copies is not None  # the manager's group has several ranks
     nodes = Nodes(control)
     return Peers(world_root, nodes, control, copies, config.replicas, config.keep, config.fsync)
+
+
+LOCAL_KEY = "trainstate_local"  # a local checkpoint's metadata: {"durable_seq": the durable tier's commit number}
+
+
+def follows(durable_seq: int, base: int | None) -> bool:
+    """Whether a local checkpoint written when the durable tier's newest commit was ``durable_seq`` comes after
+    the durable checkpoint of commit number ``base`` (None: the durable tier holds none, so only local
+    checkpoints written before any durable one count)."""
+    return durable_seq == 0 if base is None else durable_seq >= base
+
+
+def durable_seq_of(checkpoint: Path, key: Key | None) -> int | None:
+    """The durable commit number a local checkpoint was written after (its metadata), or None when its manifest
+    does not read (damaged, deleted meanwhile, another key) or does not say."""
+    from trainstate._restore.checkpoint import open_checkpoint
+    from trainstate._storage import LocalStorage
+
+    try:
+        with open_checkpoint(str(checkpoint), LocalStorage(), key=key) as ck:
+            meta = ck.metadata
+    except CheckpointError:
+        return None
+    local = meta.get(LOCAL_KEY) if isinstance(meta, dict) else None
+    seq = local.get("durable_seq") if isinstance(local, dict) else None
+    return seq if type(seq) is int and seq >= 0 else None
+
+
+def _usable(checkpoint: Path, *, key: Key | None, base: int | None, below: int | None) -> int | None:
+    """A local checkpoint's own commit number when it may be restored (it comes after the durable tier's
+    newest, and before ``below``); else None."""
+    from trainstate._manager.catalog import Catalog
+    from trainstate._storage import LocalStorage
+
+    seq = durable_seq_of(checkpoint, key)
+    if seq is None or not follows(seq, base) or (below is not None and seq >= below):
+        return None
+    infos = Catalog(LocalStorage(), str(checkpoint.parent), key).list()
+    own = next((i.seq for i in infos if i.name == checkpoint.name), None)
+    return own if own is not None else 0

@@ -203,7 +203,8 @@ class CheckpointManager(Configured):
         self._local: Tier | None = None
         self._local_view: tuple[int, int] | None = None  # a local tier's own manager: (rank, world size)
         self._copy_behind: CopyBehind | None = None  # a local tier's own manager, when it copies behind training
-        if local is not None and not options.read_only:
+        self._durable_base: int | None = None  # with a local tier: the durable tier's newest commit number
+        if local is not None:
             try:
                 self._local = self._local_tier(local, given)
             except BaseException:
@@ -217,7 +218,8 @@ class CheckpointManager(Configured):
         asynchronous, never compressed or incremental, encrypted with the run's key, saving this process's own
         view. Under a process group, with the peers that hold its copies (tier_peers.py)."""
         rank, world = self._ranks.rank, self._ranks.world
-        world_root = claim(local, self.directory) / f"w{world}"
+        read_only = self._config.options.read_only  # a tool beside the job: the tier is listed and restored
+        world_root = claim(local, self.directory, read_only) / f"w{world}"
         peers = tier_peers(self._ranks, local, world_root) if isinstance(self._ranks, ManagerRanks) else None
         inner = CheckpointManager(
             world_root / f"rank{rank:05d}",
@@ -232,6 +234,7 @@ class CheckpointManager(Configured):
             collective=False,
             key=given["key"],
             key_env=given["key_env"],
+            read_only=read_only,
         )
         view = inner._local_view = (rank, world)
         if local.copy_behind:
@@ -240,7 +243,7 @@ class CheckpointManager(Configured):
         def nbytes(state: Any) -> int:
             return encode_state(inner._rng.wrap(state)[0], local_view=view).nbytes
 
-        return Tier(local, inner, inner._writer, nbytes, view, peers)
+        return Tier(local, inner, inner._writer, nbytes, view, peers, self._config.options.key, self.directory)
 
     # -- queries (manifests only) -----------------------------------------------------------------
 
@@ -370,23 +373,24 @@ class CheckpointManager(Configured):
             >>> for step in range(start, total_steps):
             ...     ...
         """
-        latest = self.latest() if self._local is not None else None
-        if self._local is not None:  # a local checkpoint newer than every durable one
-            durable = self._ranks.from_leader(None if latest is None else latest.step, "restore_latest (local tier)")
-            local = self._local.restore_newest(state, durable, load_kwargs)
+        base: int | None = None  # the durable tier's newest commit number (None: it holds no checkpoint)
+        if self._local is not None:  # a local checkpoint written after the durable tier's newest
+            latest = self.latest() if self._ranks.leader else None
+            base = self._ranks.from_leader(None if latest is None else latest.seq or 0, "restore_latest (tiers)")
+            self._durable_base = base or 0
+            local = self._local.restore_newest(state, base, load_kwargs)
             if local is not None:
                 self.prepare(state)
                 return local + 1
         found = self._restorer.newest(state, self.list, load_kwargs)
-        single = self._local is not None and self._local.peers is None
-        if single and latest is not None and (found is None or found.step < latest.step):
-            # the newest durable ones did not restore: a local one between them and the one that did
-            assert self._local is not None and latest is not None
-            below = [c for c in self._local.newer_than(None if found is None else found.step) if c.step <= latest.step]
-            local = self._local.restore_newest(state, None if found is None else found.step, load_kwargs, below)
-            if local is not None:
-                self.prepare(state)
-                return local + 1
+        if self._local is not None and self._local.peers is None and base is not None:
+            # the newest durable ones did not restore: a local one written after the durable one that did
+            restored = next((c.seq or 0 for c in self.list() if found is not None and c.name == found.name), None)
+            if found is None or restored != base:
+                local = self._local.restore_newest(state, restored, load_kwargs, below=base)
+                if local is not None:
+                    self.prepare(state)
+                    return local + 1
         if found is None:
             self.prepare(state)
             return None
@@ -459,8 +463,15 @@ class CheckpointManager(Configured):
         values = arguments.metrics(metrics)
         saved = self._save_durable(step, state, values, epoch, force, metadata)
         if self._local is not None and not self._preemption_saved:
-            self._local.maybe_save(step, state, saved, values)
+            self._local.maybe_save(step, state, saved, values, self._durable_seq())
         return saved
+
+    def _durable_seq(self) -> int:
+        """The durable tier's newest commit number as this manager knows it (a local checkpoint records it)."""
+        if self._durable_base is None:  # a fresh run that did not restore: rank 0 lists once
+            mine = self.catalog.next_seq() - 1 if self._ranks.leader else None
+            self._durable_base = int(self._ranks.from_leader(mine, "CheckpointManager.save() (local tier)"))
+        return max(self._durable_base, self._seq)
 
     def _save_durable(
         self,

@@ -165,39 +165,40 @@ def rank_folder(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
-def listing(world_root: Path) -> dict[int, list[int]]:
-    """The committed local checkpoints this node holds, by the rank that wrote them."""
-    found: dict[int, list[int]] = {}
+def listing(world_root: Path, usable: Callable[[Path], int | None]) -> dict[int, dict[int, int]]:
+    """The local checkpoints this node holds that may be restored, by the rank that wrote them: step -> the
+    tier's own commit number (``usable`` says, of each checkpoint directory; None: not to be restored)."""
+    found: dict[int, dict[int, int]] = {}
     if world_root.is_dir():
         for p in world_root.iterdir():
             if p.name.startswith("rank") and p.name[4:].isdigit():
-                steps = held_steps(p)
-                if steps:
-                    found[int(p.name[4:])] = steps
+                for step in held_steps(p):
+                    seq = usable(p / naming.name_for(step))
+                    if seq is not None:
+                        found.setdefault(int(p.name[4:]), {})[step] = seq
     return found
 
 
 class Agreement:
     """Where each rank's local checkpoint of each step is, as every rank listed its node: the same on every rank."""
 
-    def __init__(self, nodes: Nodes, listings: list[dict[int, list[int]]]) -> None:
+    def __init__(self, nodes: Nodes, listings: list[dict[int, dict[int, int]]]) -> None:
         self.nodes = nodes
         self.where: dict[tuple[int, int], set[int]] = {}  # (rank, step) -> the nodes that hold it
+        self.order: dict[int, int] = {}  # step -> the tier's commit number (what "newest" means)
         for reporter, held in enumerate(listings):
             for rank, steps in held.items():
-                for step in steps:
+                for step, seq in steps.items():
                     self.where.setdefault((int(rank), int(step)), set()).add(nodes.node_of[reporter])
+                    self.order[int(step)] = max(self.order.get(int(step), -1), int(seq))
 
     def drop(self, rank: int, step: int, node: int) -> None:
         """A copy that did not restore: not offered again."""
         self.where.get((rank, step), set()).discard(node)
 
-    def newest(self, newer_than: int | None) -> int | None:
-        """The newest step newer than ``newer_than`` whose checkpoint every rank has on some node."""
-        steps = sorted({s for (_, s) in self.where}, reverse=True)
-        for step in steps:
-            if newer_than is not None and step <= newer_than:
-                break
+    def newest(self) -> int | None:
+        """The newest step (by the tier's commits) whose checkpoint every rank has on some node."""
+        for step in sorted(self.order, key=lambda s: (self.order[s], s), reverse=True):
             if all(self.where.get((r, step)) for r in range(self.nodes.world)):
                 return step
         return None
@@ -263,14 +264,14 @@ class Peers:
             if header:
                 unpack(self.world_root / rank_folder(source), header, payload, self.keep, self.fsync)
 
-    def restore_newest(self, restore: Callable[[int], None], durable_step: int | None) -> int | None:
-        """Every rank: find the newest step every rank's local checkpoint is on some node for, fetch what a node
-        lacks from one that has it, restore it (``restore(step)``); past copies that do not restore, to older
-        steps. None when no local step newer than ``durable_step`` restores on every rank."""
-        listings = self.control.all_gather(listing(self.world_root), "LocalTier restore (listing)")
+    def restore_newest(self, restore: Callable[[int], None], usable: Callable[[Path], int | None]) -> int | None:
+        """Every rank: find the newest step every rank's local checkpoint is on some node for (of those
+        ``usable`` lets through), fetch what a node lacks from one that has it, restore it (``restore(step)``);
+        past copies that do not restore, to older steps. None when no such step restores on every rank."""
+        listings = self.control.all_gather(listing(self.world_root, usable), "LocalTier restore (listing)")
         agreement = Agreement(self.nodes, listings)
         for _ in range(4 * self.nodes.world + 4):  # each failed attempt drops a copy: bounded
-            step = agreement.newest(durable_step)
+            step = agreement.newest()
             if step is None:
                 return None
             plan = agreement.fetches(step)
