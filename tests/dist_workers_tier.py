@@ -80,3 +80,13 @@ def no_room_on_one_node(rank: int, world: int, root: str) -> tuple[str, str]:
         except trainstate.CheckpointError as e:
             return type(e).__name__, str(e)
     return "saved", ""
+
+
+def one_path_for_two_nodes(rank: int, world: int, root: str) -> tuple[str, str]:
+    """Two "nodes" (LOCAL_WORLD_SIZE=1) given one local path: refused on every rank."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        trainstate.CheckpointManager(f"{root}/durable", local=trainstate.LocalTier(f"{root}/shared"), timeout=60)
+    except trainstate.CheckpointError as e:
+        return type(e).__name__, str(e)
+    return "built", ""

@@ -105,3 +105,8 @@ def test_no_room_on_one_node_raises_on_every_rank_at_the_first_local_save(tmp_pa
     out = ranks.ok(ranks.run(2, workers.no_room_on_one_node, str(tmp_path), timeout=120))
     assert out[1][0] == "StorageError" and "budget_bytes of 1,000" in out[1][1], out
     assert out[0][0] == "DistributedError" and "rank 1" in out[0][1], out
+
+
+def test_one_local_path_shared_by_two_nodes_is_refused_on_every_rank(tmp_path):
+    out = ranks.ok(ranks.run(2, workers.one_path_for_two_nodes, str(tmp_path), timeout=120))
+    assert all(kind == "InvalidArgumentError" and "shared by nodes 0, 1" in why for kind, why in out), out

@@ -32,7 +32,7 @@ from trainstate._distributed.group import Coordinator, Failure
 from trainstate._format import run_dir as naming
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager.newest import FATAL
-from trainstate.errors import CheckpointError, DistributedError
+from trainstate.errors import CheckpointError, DistributedError, InvalidArgumentError
 
 log = logging.getLogger("trainstate")
 
@@ -233,6 +233,13 @@ class Peers:
         self.rank = control.rank
         self.targets = nodes.targets(replicas)
         self.sources = nodes.sources(replicas)
+        _check_paths_apart(world_root, nodes, control)
+        if replicas and nodes.count == 1 and self.rank == 0:
+            log.warning(
+                "LocalTier(replicas=%d): every rank is on one node (LOCAL_WORLD_SIZE, or one host name), so no local "
+                "checkpoint is copied anywhere: losing this machine loses the local tier",
+                replicas,
+            )
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-tier-copies")
         self._pending: Future[None] | None = None
 
@@ -318,3 +325,30 @@ class Peers:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+
+
+def _check_paths_apart(world_root: Path, nodes: Nodes, control: Coordinator) -> None:
+    """Refuse a local path that several nodes share (a network filesystem, or one path given to simulated nodes
+    on one machine): a node's loss would take every copy with it, and the copies would overwrite each other.
+    Each node's first rank leaves a mark of this job's in its path; every rank learns whether a node saw
+    another's."""
+    token = control.broadcast(uuid.uuid4().hex if control.rank == 0 else None, "LocalTier (paths)")
+    node = nodes.node_of[control.rank]
+    first = nodes.members[node][0] == control.rank
+    marks = world_root.parent / "_nodes"
+    mine = marks / f"{token}-{node}"
+    if first:
+        marks.mkdir(parents=True, exist_ok=True)
+        mine.touch()
+    control.all_gather(None, "LocalTier (paths)")  # every mark made before any is looked at
+    seen = sorted({p.name.rsplit("-", 1)[1] for p in marks.glob(f"{token}-*")}) if first else []
+    shared = control.all_gather(seen if len(seen) > 1 else None, "LocalTier (paths)")
+    if first:
+        mine.unlink(missing_ok=True)
+    others = next((s for s in shared if s), None)
+    if others is not None:
+        raise InvalidArgumentError(
+            f"LocalTier: the local path {world_root.parent} is shared by nodes {', '.join(others)} (a network "
+            "filesystem, or one path for several machines): give each node a path on its own disk or tmpfs "
+            "(/dev/shm/...), or leave local= out"
+        )
