@@ -58,10 +58,11 @@ class LocalTier:
             local NVMe), one per run.
         every_steps: write a local checkpoint every this many steps (1: every step).
         replicas: under a process group, copies of each node's local checkpoints kept on this many other
-            nodes (in one process there are none).
+            nodes (0: none; in one process, or on one node, there is nowhere to copy to).
         keep: local checkpoints kept (per process).
-        budget_bytes: the most the tier may hold (``keep`` checkpoints and the one being written); a state
-            that does not fit raises StorageError at the first local save. Default: the filesystem's free space.
+        budget_bytes: the most the tier may hold (``keep`` checkpoints, the one being written, and the peers'
+            copies kept here); a state that does not fit raises StorageError at the first local save, or at a
+            later one whose checkpoint came out larger. Default: the filesystem's free space.
         fsync: flush each local checkpoint to stable storage (a local NVMe that should survive a reboot).
         copy_behind: copy what the optimizers change only in their step (parameters, optimizer state) while
             training goes on, the next ``optimizer.step()`` waiting for it, instead of before ``save()``
