@@ -1,0 +1,81 @@
+"""Attacks on the local tier under a process group (gloo, CPU; "nodes" simulated by LOCAL_WORLD_SIZE and a path
+of their own). Each is a strict xfail: a defect found, not fixed here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed")
+
+import dist_workers_tier_attacks as workers  # noqa: E402
+import ranks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is missing")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with keep=1 each rank deletes its previous local step as soon as its own next one commits: a kill "
+    "while one rank's save is in flight leaves no step every rank has, and the whole local tier is lost",
+)
+def test_keep_1_a_kill_with_one_ranks_save_in_flight_still_resumes_from_a_local_step(tmp_path):
+    for phase in ("train", "lose"):
+        ranks.ok(ranks.run(2, workers.keep_one, str(tmp_path), phase, timeout=120))
+    resumed = ranks.ok(ranks.run(2, workers.keep_one, str(tmp_path), "resume", timeout=120))
+    # rank 0 committed step 5, rank 1's 5 was in flight: step 4 (committed by both) is what a resume should get;
+    # the local tier promises at most every_steps steps lost, not the whole run (no durable checkpoint yet)
+    assert resumed == [(5, 4), (5, 4)], resumed
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the room check is per process: each rank of a node compares its own need with the whole "
+    "filesystem's free space, so N ranks sharing a tmpfs pass with 1/N of the room they need",
+)
+def test_the_room_check_counts_every_rank_of_the_node_sharing_the_local_path(tmp_path):
+    results = ranks.ok(ranks.run(2, workers.shared_node_room, str(tmp_path), timeout=120))
+    # the node's filesystem has room for 3 checkpoints of one rank; the two ranks (keep=1) need 4
+    assert all(r[0] == "refused" for r in results), results
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ranks given different LocalTier every_steps are not checked: their collectives pair up wrongly and "
+    "every rank waits the whole timeout, then reports that another rank 'lost contact'",
+)
+def test_ranks_with_different_every_steps_are_told_so_not_left_to_time_out(tmp_path):
+    results = ranks.ok(ranks.run(2, workers.mismatched_config, str(tmp_path), "every_steps", (2, 3), timeout=120))
+    assert not any("lost contact" in str(r) for r in results), results
+    assert all(r[0] == "raised" and "every_steps" in r[2] for r in results) or results[0] == results[1], results
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ranks given different LocalTier replicas compute different send/receive plans: the copies hang "
+    "until the timeout, reported as a rank that 'lost contact'",
+)
+def test_ranks_with_different_replicas_are_told_so_not_left_to_time_out(tmp_path):
+    results = ranks.ok(ranks.run(2, workers.mismatched_config, str(tmp_path), "replicas", (1, 0), timeout=120))
+    assert not any("lost contact" in str(r) for r in results), results
+    assert all(r[0] == "raised" and "replicas" in r[2] for r in results) or results[0] == results[1], results
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a copy's staging folder (.step_N.copy-*) left by a kill mid-unpack (a peer's copy, or a restore's "
+    "fetch into the rank's own folder) is never swept: it holds tmpfs memory for good, outside the room check",
+)
+def test_a_copy_staging_folder_left_by_a_kill_mid_unpack_is_swept(tmp_path):
+    ranks.ok(ranks.run(2, workers.plain_run, str(tmp_path), 5, timeout=120))
+    for folder, name in (("node1/w2/rank00000", ".step_00000006.copy-deadbeef"),  # a copy from rank 0
+                         ("node0/w2/rank00000", ".step_00000004.copy-cafef00d")):  # a restore's fetch, own folder
+        staging = tmp_path / folder / name
+        staging.mkdir()
+        (staging / "data").write_bytes(b"x" * 100_000)
+    held = ranks.ok(ranks.run(2, workers.plain_run, str(tmp_path), 9, timeout=120))
+    left = [n for node in held for names in node.values() for n in names if ".copy-" in n]
+    assert not left, held
+    assert not list(Path(tmp_path).glob("node*/w2/rank*/.step_*.copy-*"))
