@@ -100,3 +100,31 @@ def plain_run(rank: int, world: int, root: str, steps: int) -> Any:
             mgr.save(step, _state(step))
     node = f"{root}/node{rank}/w{world}"
     return {d: sorted(os.listdir(f"{node}/{d}")) for d in sorted(os.listdir(node))}
+
+
+def fetch_without_room(rank: int, world: int, root: str) -> Any:
+    """Node 1's path was emptied (the node replaced) and its new tmpfs has no room: writing the copy rank 1 is
+    sent on restore fails with ENOSPC there. What each rank's restore_latest does."""
+    import errno
+    import time
+
+    from trainstate._manager import tier_peers
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    real = tier_peers.unpack
+
+    def no_room(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if rank == 1:
+        tier_peers.unpack = no_room  # type: ignore[assignment]
+    began = time.monotonic()
+    try:
+        tier = trainstate.LocalTier(f"{root}/node{rank}", every_steps=1, replicas=1, keep=2)
+        with trainstate.CheckpointManager(f"{root}/durable", every_steps=100, local=tier, timeout=15) as mgr:
+            state = _state(-1)
+            return "resumed", mgr.restore_latest(state), round(time.monotonic() - began)
+    except Exception as e:  # noqa: BLE001
+        return "raised", type(e).__name__, str(e)[:200], round(time.monotonic() - began)
+    finally:
+        tier_peers.unpack = real  # type: ignore[assignment]

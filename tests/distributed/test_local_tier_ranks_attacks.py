@@ -79,3 +79,18 @@ def test_a_copy_staging_folder_left_by_a_kill_mid_unpack_is_swept(tmp_path):
     left = [n for node in held for names in node.values() for n in names if ".copy-" in n]
     assert not left, held
     assert not list(Path(tmp_path).glob("node*/w2/rank*/.step_*.copy-*"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an OSError (ENOSPC) writing a fetched copy in the restore escapes raw on that rank only (only "
+    "CheckpointError is agreed): the other ranks wait the whole timeout and report a rank that 'lost contact'",
+)
+def test_a_restore_fetch_that_cannot_be_written_is_agreed_by_every_rank_not_left_to_time_out(tmp_path):
+    import shutil
+
+    ranks.ok(ranks.run(2, workers.plain_run, str(tmp_path), 5, timeout=120))
+    shutil.rmtree(tmp_path / "node1")  # node 1 replaced: rank 1 is sent its step 5 from node 0, and has no room
+    results = ranks.ok(ranks.run(2, workers.fetch_without_room, str(tmp_path), timeout=120))
+    assert not any("lost contact" in str(r) for r in results), results
+    assert results[0][:2] == results[1][:2], results  # the same outcome everywhere: a fallback, or one error
