@@ -128,3 +128,44 @@ def fetch_without_room(rank: int, world: int, root: str) -> Any:
         return "raised", type(e).__name__, str(e)[:200], round(time.monotonic() - began)
     finally:
         tier_peers.unpack = real  # type: ignore[assignment]
+
+
+def resume_only(rank: int, world: int, root: str) -> Any:
+    """Two nodes of one rank, replicas=1: the step restore_latest resumes at, and the state's step."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    tier = trainstate.LocalTier(f"{root}/node{rank}", every_steps=1, replicas=1, keep=2)
+    try:
+        with trainstate.CheckpointManager(f"{root}/durable", every_steps=100, local=tier, timeout=30) as mgr:
+            state = _state(-1)
+            return "resumed", mgr.restore_latest(state), state["step"]
+    except Exception as e:  # noqa: BLE001
+        return "raised", type(e).__name__, str(e)[:300]
+
+
+def layout(rank: int, world: int, root: str, sharded: bool, steps: int) -> Any:
+    """A model trained (durable every 10 steps, local every step) with FSDP2 (``sharded``) or replicated plain
+    tensors at the same world size; resumes first. The step resumed at (or the error)."""
+    import torch
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": optim}
+    tier = trainstate.LocalTier(f"{root}/node{rank}", every_steps=1, replicas=1, keep=2)
+    try:
+        with trainstate.CheckpointManager(f"{root}/durable", every_steps=10, local=tier, timeout=30) as mgr:
+            start = mgr.restore_latest(state) or 0
+            for step in range(start, steps):
+                model(torch.ones(2, 8)).sum().backward()
+                optim.step()
+                optim.zero_grad()
+                mgr.save(step, state)
+        return "resumed", start
+    except Exception as e:  # noqa: BLE001
+        return "raised", type(e).__name__, str(e)[:300]
