@@ -169,3 +169,34 @@ def layout(rank: int, world: int, root: str, sharded: bool, steps: int) -> Any:
         return "resumed", start
     except Exception as e:  # noqa: BLE001
         return "raised", type(e).__name__, str(e)[:300]
+
+
+def local_write_fails(rank: int, world: int, root: str) -> Any:
+    """Rank 1's local save of step 3 fails in the background (its node's tmpfs full: ENOSPC); every rank trains
+    on to step 8. What each rank sees, and how long it took."""
+    import errno
+    import time
+
+    from trainstate._manager import committer
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    real = committer.Committer._write
+
+    def full(self: Any, step: int, *args: Any) -> Any:
+        if step == 3 and f"node{rank}" in str(self.catalog.path("x")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, step, *args)
+
+    if rank == 1:
+        committer.Committer._write = full  # type: ignore[method-assign]
+    began = time.monotonic()
+    try:
+        tier = trainstate.LocalTier(f"{root}/node{rank}", every_steps=1, replicas=1, keep=2)
+        with trainstate.CheckpointManager(f"{root}/durable", every_steps=100, local=tier, timeout=15) as mgr:
+            for step in range(1, 9):
+                mgr.save(step, _state(step))
+        return "trained", round(time.monotonic() - began)
+    except Exception as e:  # noqa: BLE001
+        return "raised", type(e).__name__, str(e)[:200], round(time.monotonic() - began)
+    finally:
+        committer.Committer._write = real  # type: ignore[method-assign]

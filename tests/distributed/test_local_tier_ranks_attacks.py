@@ -143,3 +143,15 @@ def test_loading_a_ranks_local_checkpoint_by_itself_does_not_pass_its_shards_off
         return  # refused: a rank's own view is not a checkpoint of the whole state
     shapes = {k: tuple(v.shape) for k, v in loaded["model"].items()}
     assert shapes["0.weight"] == (16, 8) and shapes["1.weight"] == (4, 16), shapes
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a local save failing in the background on one rank (ENOSPC) is raised by that rank's next save alone "
+    "(the inner manager is collective=False, its errors not agreed): the others wait the whole timeout in the "
+    "next copy exchange and report a rank that 'lost contact'",
+)
+def test_a_local_save_failing_on_one_rank_is_agreed_by_every_rank_not_left_to_time_out(tmp_path):
+    results = ranks.ok(ranks.run(2, workers.local_write_fails, str(tmp_path), timeout=120))
+    assert not any("lost contact" in str(r) for r in results), results
+    assert results[0][:2] == results[1][:2], results  # every rank raises the same error, or every rank trains on
