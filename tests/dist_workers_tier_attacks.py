@@ -200,3 +200,17 @@ def local_write_fails(rank: int, world: int, root: str) -> Any:
         return "raised", type(e).__name__, str(e)[:200], round(time.monotonic() - began)
     finally:
         committer.Committer._write = real  # type: ignore[method-assign]
+
+
+def durable_every_5(rank: int, world: int, root: str, steps: int) -> Any:
+    """Two nodes of one rank, replicas=1, keep=3, a durable checkpoint every 5 steps: resumes, trains to
+    ``steps``; the step resumed at and the restored state's step."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    tier = trainstate.LocalTier(f"{root}/node{rank}", every_steps=1, replicas=1, keep=3)
+    with trainstate.CheckpointManager(f"{root}/durable", every_steps=5, local=tier, timeout=30) as mgr:
+        state = _state(-1)
+        start = mgr.restore_latest(state)
+        restored = state["step"]
+        for step in range(start or 1, steps + 1):
+            mgr.save(step, _state(step))
+    return start, restored
