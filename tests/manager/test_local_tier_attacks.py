@@ -26,11 +26,6 @@ def _train(mgr: trainstate.CheckpointManager, state: dict, steps: range, timelin
         mgr.wait()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the local tier ignores a rollback: restore_latest takes the abandoned timeline's local step 13 (newer "
-    "by step number) over the new timeline's step 11, though the durable tier follows the rollback",
-)
 def test_after_a_rollback_a_resume_does_not_return_to_the_abandoned_timelines_local_steps(tmp_path):
     state = {"w": np.zeros(4, np.float32), "timeline": 0}
     with _manager(tmp_path, every_steps=1, keep=2) as mgr:
@@ -46,11 +41,6 @@ def test_after_a_rollback_a_resume_does_not_return_to_the_abandoned_timelines_lo
     assert start == 12
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_tier.json binds the local path to the durable path only: a new run started in the same (emptied) "
-    "durable directory resumes the deleted run's local step instead of starting fresh",
-)
 def test_a_fresh_run_in_a_recreated_durable_directory_does_not_resume_the_old_runs_local_checkpoints(tmp_path):
     state = {"w": np.zeros(4, np.float32), "timeline": 0}
     with _manager(tmp_path, every_steps=1, keep=2) as mgr:
@@ -137,12 +127,6 @@ def test_copying_a_local_checkpoint_to_two_peers_does_not_hold_several_copies_of
     assert peak < 1.5 * size, f"{peak / size:.1f}x the checkpoint's {size:,} bytes"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="claim() compares Path.absolute(), not resolved paths: a local path that is a symlink to the durable "
-    "directory is accepted, writes _tier.json and w1/ into it, and `trainstate ls DURABLE` then lists the local "
-    "tier instead of the durable checkpoints",
-)
 def test_a_local_path_that_is_a_symlink_to_the_durable_directory_is_refused(tmp_path):
     import os
 
@@ -156,11 +140,6 @@ def test_a_local_path_that_is_a_symlink_to_the_durable_directory_is_refused(tmp_
                 mgr.save(step, {"w": np.zeros(10, np.float32)})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_tier.json records the durable path as given (not resolved): the same run's durable directory named "
-    "through a symlink once and by its real path the next time is refused as another run's",
-)
 def test_the_same_durable_directory_through_a_symlink_is_the_same_run(tmp_path):
     import os
 
@@ -173,11 +152,6 @@ def test_the_same_durable_directory_through_a_symlink_is_the_same_run(tmp_path):
             mgr.save(1, state)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a LocalTier path that is an existing file raises a raw FileExistsError from CheckpointManager() "
-    "instead of the InvalidArgumentError every other bad local path gets",
-)
 def test_a_local_path_that_is_a_file_is_an_invalid_argument(tmp_path):
     (tmp_path / "shm").write_text("not a directory")
     with pytest.raises(trainstate.InvalidArgumentError):

@@ -35,7 +35,7 @@ from trainstate import _arguments as arguments
 from trainstate._keys import Key
 from trainstate._manager.newest import FATAL
 from trainstate._manager.policies import saved_order
-from trainstate.errors import CheckpointError, InvalidArgumentError, StorageError
+from trainstate.errors import CheckpointError, InvalidArgumentError, StateMismatchError, StorageError
 
 if TYPE_CHECKING:
     from trainstate._history.log import SaveRecord
@@ -109,6 +109,8 @@ def claim(tier: LocalTier, durable: str, read_only: bool = False) -> Path:
                 "local tier a directory of its own (tmpfs or a local disk)"
             )
         durable = str(mine)
+    if root.exists() and not root.is_dir():
+        raise InvalidArgumentError(f"LocalTier path {root} is a file: give the local tier a directory")
     if not read_only:
         root.mkdir(parents=True, exist_ok=True)
     marker = root / MARKER
@@ -220,6 +222,8 @@ class Tier:
             return False
         if self.peers is not None:
             self.peers.wait()  # raises the previous copies' error
+            # a rank whose previous local save failed raises it; the others must not wait for its copies
+            self.peers.agree_on(self.writer.take_error(), "LocalTier (the previous local save)")
         grown = self.writer.history[-1].nbytes if self.writer.history else 0
         if not self._checked:
             error: StorageError | None = None
@@ -254,7 +258,8 @@ class Tier:
             f", and {self.config.keep} of each of {len(self.peers.sources)} peers" if self.peers else ""
         )
         budget = self.config.budget_bytes
-        free = shutil.disk_usage(self.inner.directory).free + self.used()
+        sharing = self.peers.on_my_node if self.peers is not None else 1  # ranks whose tiers share this disk
+        free = (shutil.disk_usage(self.inner.directory).free + self.used() * sharing) // sharing
         if budget is not None and need > budget:
             raise StorageError(
                 f"the local tier needs {need:,} bytes ({held}, {nbytes:,} bytes each), over its budget_bytes of "
@@ -314,6 +319,9 @@ class Tier:
         for info in self.after(base, below):
             try:
                 self._restore(info.step, state, load_kwargs)
+            except StateMismatchError as e:  # the job is laid out otherwise now: the durable tier reshards
+                log.warning("local tier: step %d does not fit this job (%s); the durable tier resumes", info.step, e)
+                return None
             except FATAL:
                 raise
             except CheckpointError as e:
@@ -366,7 +374,7 @@ def tier_peers(ranks: ManagerRanks, config: LocalTier, world_root: Path) -> Peer
     copies = coordinator(timeout=timeout, channel=f"{channel}-tier-copies")
     assert control is not None and copies is not None  # the manager's group has several ranks
     nodes = Nodes(control)
-    return Peers(world_root, nodes, control, copies, config.replicas, config.keep, config.fsync)
+    return Peers(world_root, nodes, control, copies, config.replicas, config.keep, config.fsync, config.every_steps)
 
 
 LOCAL_KEY = "trainstate_local"  # a local checkpoint's metadata: {"durable_seq": the durable tier's commit number}

@@ -224,7 +224,9 @@ class CheckpointManager(Configured):
         inner = CheckpointManager(
             world_root / f"rank{rank:05d}",
             save_policies=[LocalEvery(local.every_steps)],
-            keep_last=local.keep,
+            # under a process group one more: while one rank's newest commits and another's is in flight,
+            # the step before is the newest every rank has (a kill then still finds a common step)
+            keep_last=local.keep + (1 if peers is not None else 0),
             async_save=True,
             capture_rng=given["capture_rng"],
             save_on_preemption=False,

@@ -32,7 +32,7 @@ from trainstate._distributed.group import Coordinator, Failure
 from trainstate._format import run_dir as naming
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager.newest import FATAL
-from trainstate.errors import CheckpointError, DistributedError, InvalidArgumentError
+from trainstate.errors import CheckpointError, DistributedError, InvalidArgumentError, StateMismatchError
 
 log = logging.getLogger("trainstate")
 
@@ -227,13 +227,25 @@ class Peers:
         replicas: int,
         keep: int,
         fsync: bool,
+        every_steps: int = 1,
     ) -> None:
+        settings = (every_steps, replicas, keep)
+        differ = [
+            r for r, theirs in enumerate(control.all_gather(settings, "LocalTier (settings)")) if theirs != settings
+        ]
+        if differ:
+            raise InvalidArgumentError(
+                f"LocalTier: rank {differ[0]} has every_steps, replicas, keep = {settings if not differ else '...'} other "
+                "than this rank's: every rank saves and copies the same steps, so give every rank the same LocalTier"
+            )
         self.world_root, self.nodes, self.control, self.copies = world_root, nodes, control, copies
         self.keep, self.fsync = keep, fsync
         self.rank = control.rank
         self.targets = nodes.targets(replicas)
         self.sources = nodes.sources(replicas)
+        self.on_my_node = len(nodes.members[nodes.node_of[self.rank]])
         _check_paths_apart(world_root, nodes, control)
+        _sweep_copies(world_root, nodes, self.rank)
         if replicas and nodes.count == 1 and self.rank == 0:
             log.warning(
                 "LocalTier(replicas=%d): every rank is on one node (LOCAL_WORLD_SIZE, or one host name), so no local "
@@ -242,6 +254,11 @@ class Peers:
             )
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainstate-tier-copies")
         self._pending: Future[None] | None = None
+
+    def agree_on(self, error: BaseException | None, what: str) -> None:
+        """Every rank raises if one has ``error`` (that rank its own): one cheap reduction when none has."""
+        if self.control.max([int(error is not None)], what)[0]:
+            self.control.agree(error, what)
 
     @property
     def own(self) -> Path:
@@ -300,10 +317,12 @@ class Peers:
                         raise CheckpointError(f"rank {receives[0]} could not send its copy of step {step}")
                     unpack(self.own, header, payload, None, self.fsync)
                 restore(step)
+            except StateMismatchError as e:  # a misplaced copy, or a job laid out otherwise: not this copy
+                mine, error = Failure(self.rank, str(e).splitlines()[0][:300]), e
             except FATAL as e:
                 mine, error = Failure(self.rank, str(e), fatal=True), e
-            except CheckpointError as e:
-                mine, error = Failure(self.rank, str(e).splitlines()[0][:300]), e
+            except (CheckpointError, OSError) as e:  # damaged, or a fetched copy that cannot be written here
+                mine, error = Failure(self.rank, str(e).splitlines()[0][:300]), None
             failures = [f for f in self.control.all_gather(mine, "LocalTier restore") if f is not None]
             fatal = next((f for f in failures if f.fatal), None)
             if fatal is not None:
@@ -352,3 +371,13 @@ def _check_paths_apart(world_root: Path, nodes: Nodes, control: Coordinator) -> 
             "filesystem, or one path for several machines): give each node a path on its own disk or tmpfs "
             "(/dev/shm/...), or leave local= out"
         )
+
+
+def _sweep_copies(world_root: Path, nodes: Nodes, rank: int) -> None:
+    """Each node's first rank removes the staging folders of copies a kill cut short (``.step_N.copy-*``)."""
+    if nodes.members[nodes.node_of[rank]][0] != rank or not world_root.is_dir():
+        return
+    for folder in world_root.iterdir():
+        if folder.is_dir() and folder.name.startswith("rank"):
+            for leftover in folder.glob(".step_*.copy-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
