@@ -85,12 +85,6 @@ def test_a_changed_parallel_layout_at_the_same_world_size_resumes_from_the_durab
     assert results == [("resumed", 1), ("resumed", 1)], results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a rank's local checkpoint of FSDP2 shards reads, outside a local-tier restore (trainstate.load without "
-    "a target, trainstate export), as a whole model: each shard under the full parameter's name, half its rows, "
-    "no error or warning (inspect says 'saved by 1 process')",
-)
 def test_loading_a_ranks_local_checkpoint_by_itself_does_not_pass_its_shards_off_as_whole_tensors(tmp_path):
     import trainstate
 

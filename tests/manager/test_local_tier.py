@@ -244,7 +244,7 @@ def _torch_run(tmp_path: Path, copy_behind: bool, steps: int = 6) -> tuple[dict,
             optim.step()
             optim.zero_grad()
             mgr.save(step, state)  # the next step changes the weights while (with copy_behind) they are copied
-            assert (mgr._local.inner._writer.copying is not None) == copy_behind  # noqa: SLF001 - it did
+            assert (mgr._local.inner._writer.behind is not None) == copy_behind  # noqa: SLF001 - it did
             seen.append({k: v.clone() for k, v in model.state_dict().items()})
     return state, seen
 

@@ -52,11 +52,6 @@ def test_a_fresh_run_in_a_recreated_durable_directory_does_not_resume_the_old_ru
     assert start is None and fresh["timeline"] == 0, (start, fresh)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="copy_behind's version check races the in-place op: torch bumps the version counter after the kernel, "
-    "so a copy that ends while the op runs reads half-changed data, sees the old version and commits it",
-)
 def test_copy_behind_never_commits_a_parameter_torn_by_an_in_place_change_after_save(tmp_path):
     torch.set_num_threads(1)
     outcomes = []

@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ from trainstate._manager.committer import Committer
 from trainstate._save import Snapshot
 from trainstate._save.background import raise_background
 from trainstate._save.queue import BackgroundQueue
+from trainstate._save.staging import StagingBuffer
 from trainstate.errors import CheckpointError
 
 log = logging.getLogger("trainstate")
@@ -56,7 +56,7 @@ class AsyncWriter:
         # (the next save()'s decision): a rank raising it on its own, at the moment its thread happened to
         # finish, would leave the others in the next collective until the timeout.
         self.agreed_errors_only = False
-        self.copying: Future[None] | None = None  # the last background save's copy behind training, if any
+        self.behind: StagingBuffer | None = None  # the buffer of the last save copied behind training, unsettled
 
     def reserve(self, snapshot: Callable[[], Snapshot]) -> None:
         """Allocate and touch the first staging buffer on a helper thread, unless there is none to reserve
@@ -116,9 +116,9 @@ class AsyncWriter:
         # the background job holds the committer, never the manager: a manager dropped with a save in
         # flight is collected at once, and its finalizer waits for the save before letting go of the lock
         job = functools.partial(self.committer.write, step, reason, staged, True, None, blocking, facts)
-        self.copying = buffer.copying
-        if self.copying is not None:  # the write starts once the copy behind training has ended
-            job = functools.partial(_after, step, self.copying, job)
+        self.behind = buffer if buffer.copying is not None else None
+        if self.behind is not None:  # the write starts once the copy behind training is settled
+            job = functools.partial(_after, step, buffer, job)
         self.queue.submit(
             job, buffer, f"the background save of step {step}", InFlight(step, reason, blocking, previous)
         )
@@ -126,17 +126,19 @@ class AsyncWriter:
         log.debug("step %d: async save started, blocked %.3fs", step, blocking)
 
     def wait_copy(self) -> None:
-        """Wait for the last save's copy behind training (an optimizer's step-pre hook calls it: the step
-        changes what is being copied); its error is the save's, raised with it."""
-        copying = self.copying
-        if copying is not None:
-            copying.exception()
+        """Settle the last save's copy behind training (an optimizer's step-pre hook calls it: the step changes
+        what is being copied; so do the next save, a wait and a close); its error is the save's, raised with it."""
+        behind, self.behind = self.behind, None
+        if behind is not None:
+            behind.settle()
 
     def collect(self, block: bool, first_only: bool = False) -> None:
         """Move finished background saves into the history; remember the first error.
 
         Waiting is interruptible: a second Ctrl-C (KeyboardInterrupt) goes through to the caller.
         """
+        if block:
+            self.wait_copy()  # a write waiting for its copy to settle would wait for this very call
         for job in self.queue.finished(block, first_only):
             error = job.future.exception()
             if error is None:
@@ -173,6 +175,7 @@ class AsyncWriter:
     def close(self) -> None:
         """Let the saves in flight finish and stop the thread; part of a manager's finalizer, so an error
         nobody waited for is logged, since nobody is left to raise it to."""
+        self.wait_copy()
         self.queue.shutdown()
         for job in self.queue.jobs:
             error = job.future.exception() if job.future.done() else None
@@ -180,9 +183,9 @@ class AsyncWriter:
                 log.error("%s failed and nobody waited for it: %r", job.what, error)
 
 
-def _after(step: int, copying: Future[None], write: Callable[[], SaveRecord]) -> SaveRecord:
+def _after(step: int, buffer: StagingBuffer, write: Callable[[], SaveRecord]) -> SaveRecord:
     try:
-        copying.result()  # raises if what was copied behind training changed meanwhile: nothing is written
+        buffer.settled()  # raises if what was copied behind training changed meanwhile: nothing is written
     except CheckpointError as e:
         raise CheckpointError(f"the save of step {step} was dropped: {e}") from None
     return write()

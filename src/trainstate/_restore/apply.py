@@ -44,6 +44,8 @@ def restore(
     several ranks hold are read by one of them (shared.py); a failure before the reads is the caller's to
     report to the other ranks (:meth:`Share.abandon`).
     """
+    if local_view is None:
+        _whole_state(ck)
     if verify:
         ck.verify_headers()  # a damaged safetensors header is caught here, not by the next tool
     r = Restorer(
@@ -105,3 +107,18 @@ def saved_view(ck: Opened, expected: tuple[int, int]) -> dict[str, Any]:
         )
     boxes: dict[str, Any] = view["boxes"]
     return boxes
+
+
+def _whole_state(ck: Opened) -> None:
+    """Refuse one rank's own view of a sharded state (a local tier's checkpoint under a process group) where the
+    whole state is asked for: its shards would pass for whole tensors."""
+    view = ck.metadata.get(LOCAL_VIEW) if isinstance(ck.metadata, dict) else None
+    if isinstance(view, dict) and view.get("boxes"):
+        raise StateMismatchError(
+            [],
+            [],
+            [("checkpoint", "the whole state", f"rank {view.get('rank')} of {view.get('world_size')}'s own view")],
+            hint="this is a local tier's checkpoint of one rank: it holds that rank's shards as they are on it, and "
+            "restores only that rank, through CheckpointManager(..., local=...).restore_latest on as many ranks; "
+            "the durable tier's checkpoints hold the whole state",
+        )

@@ -55,6 +55,9 @@ class StagingBuffer:
         self._pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool)
         self._behind: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): the copy behind training
         self.copying: Future[None] | None = None  # the last stage's copy behind training, if any
+        self._check: tuple[list[tuple[Entry, Any]], list[Any]] | None = None  # its arrays and their versions
+        self._settled: threading.Event | None = None  # set once settle() judged it
+        self._behind_error: CheckpointError | None = None
 
     @property
     def capacity(self) -> int:
@@ -109,11 +112,12 @@ class StagingBuffer:
 
         With ``later``, the arrays it picks (those an optimizer changes only in its step) are copied on a
         background thread instead, while training goes on: :attr:`copying` is that copy, which must end before
-        they change (an optimizer's step-pre hook waits for it) and before the snapshot is written. If one of
-        them was changed in place meanwhile (its version counter moved), the copy raises CheckpointError
-        instead of handing on a torn array."""
+        they change (an optimizer's step-pre hook waits for it). The snapshot is written once the copy is
+        *settled* (:meth:`settle`: at the next optimizer step, save, wait or close), when every in-place change
+        made meanwhile has finished: one that moved an array's version counter makes :meth:`settled` raise
+        CheckpointError instead of handing on a torn array."""
         offsets, total = _layout(snapshot)
-        self.copying = None
+        self.copying, self._check, self._settled, self._behind_error = None, None, None, None
         with self._lock:  # through the copy: nothing reallocates or writes the buffer meanwhile
             buf, _ = self._ensure(total, _on_device(snapshot))
             jobs = [(e, buf[o : o + e.nbytes]) for e, o in zip(snapshot.entries, offsets)]
@@ -122,7 +126,8 @@ class StagingBuffer:
                 picked = {id(j[0]) for j in deferred}
                 jobs_now = [j for j in jobs if id(j[0]) not in picked]
                 versions = [getattr(e.value, "_version", None) for e, _ in deferred]
-                self.copying = self._behind_pool().submit(self._copy_behind, deferred, versions)
+                self._check, self._settled = (deferred, versions), threading.Event()
+                self.copying = self._behind_pool().submit(self._copy_behind, deferred)
             else:
                 jobs_now = jobs
             if threads > 1 and sum(e.nbytes for e, _ in jobs_now) > (64 << 20):
@@ -138,17 +143,37 @@ class StagingBuffer:
         staged = [replace(e, value=dst.view(np.uint8), adapter=numpy_adapter) for e, dst in jobs]
         return Snapshot(snapshot.tree, snapshot.metadata, staged)
 
-    def _copy_behind(self, jobs: list[tuple[Entry, Any]], versions: list[Any]) -> None:
+    def _copy_behind(self, jobs: list[tuple[Entry, Any]]) -> None:
         with self._lock:
             _copy_lane(jobs)
+
+    def settle(self) -> None:
+        """End the copy behind training (waiting for it) and judge it: an array whose version counter moved
+        since the stage was changed in place meanwhile. Called where nothing changes them any more (the next
+        optimizer step's hook, the next save, a wait, a close); idempotent."""
+        if self._settled is None or self._settled.is_set() or self.copying is None:
+            return
+        self.copying.exception()  # waits; a failed copy is the write's to raise
+        assert self._check is not None
+        jobs, versions = self._check
         changed = [e.name for (e, _), v in zip(jobs, versions) if getattr(e.value, "_version", None) != v]
         if changed:
-            raise CheckpointError(
+            self._behind_error = CheckpointError(
                 f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} changed in place after save() and "
                 "before the optimizer's next step, while they were being copied behind training: this save is "
                 "not consistent and was dropped. Change parameters only in optimizer.step() between saves, or "
                 "copy them before save() returns (LocalTier(copy_behind=False))"
             )
+        self._settled.set()
+
+    def settled(self) -> None:
+        """Block until :meth:`settle` ran; raise what the copy behind training met (on the writer's thread)."""
+        if self._settled is not None:
+            self._settled.wait()
+        if self.copying is not None:
+            self.copying.result()
+        if self._behind_error is not None:
+            raise self._behind_error
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
