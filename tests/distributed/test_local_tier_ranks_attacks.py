@@ -45,8 +45,10 @@ def test_ranks_with_different_replicas_are_told_so_not_left_to_time_out(tmp_path
 
 def test_a_copy_staging_folder_left_by_a_kill_mid_unpack_is_swept(tmp_path):
     ranks.ok(ranks.run(2, workers.plain_run, str(tmp_path), 5, timeout=120))
-    for folder, name in (("node1/w2/rank00000", ".step_00000006.copy-deadbeef"),  # a copy from rank 0
-                         ("node0/w2/rank00000", ".step_00000004.copy-cafef00d")):  # a restore's fetch, own folder
+    for folder, name in (
+        ("node1/w2/rank00000", ".step_00000006.copy-deadbeef"),  # a copy from rank 0
+        ("node0/w2/rank00000", ".step_00000004.copy-cafef00d"),
+    ):  # a restore's fetch, own folder
         staging = tmp_path / folder / name
         staging.mkdir()
         (staging / "data").write_bytes(b"x" * 100_000)
@@ -108,12 +110,6 @@ def test_a_local_save_failing_on_one_rank_is_agreed_by_every_rank_not_left_to_ti
     assert all(r[-1] < 10 for r in results), results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under a process group a damaged newest durable checkpoint is not passed for the local steps below it: "
-    "only local steps newer than it are tried, and the resume falls back to the older durable one (in one "
-    "process the local step between them is taken)",
-)
 def test_a_damaged_newest_durable_checkpoint_is_passed_for_a_local_step_older_than_it_under_a_group(tmp_path):
     ranks.ok(ranks.run(2, workers.durable_every_5, str(tmp_path), 10, timeout=120))  # durable 5, 10; local 7-9
     data = max((tmp_path / "durable" / "step_00000010").glob("data*"), key=lambda p: p.stat().st_size)

@@ -95,11 +95,6 @@ def test_copy_behind_never_commits_a_parameter_torn_by_an_in_place_change_after_
     assert all(changed == 0 for changed in outcomes), outcomes  # elements of step 2 not as at save()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a copy to the peers is built whole in memory: pack() reads every file and joins them, then each "
-    "target gets its own bytearray(header + payload): 4x the checkpoint with replicas=2, besides the tmpfs copy",
-)
 def test_copying_a_local_checkpoint_to_two_peers_does_not_hold_several_copies_of_it_in_memory(tmp_path):
     import tracemalloc
 

@@ -385,9 +385,10 @@ class CheckpointManager(Configured):
                 self.prepare(state)
                 return local + 1
         found = self._restorer.newest(state, self.list, load_kwargs)
-        if self._local is not None and self._local.peers is None and base is not None:
+        if self._local is not None and base is not None:
             # the newest durable ones did not restore: a local one written after the durable one that did
-            restored = next((c.seq or 0 for c in self.list() if found is not None and c.name == found.name), None)
+            mine = next((c.seq or 0 for c in self.list() if found is not None and c.name == found.name), None)
+            restored = self._ranks.from_leader(mine if self._ranks.leader else None, "restore_latest (tiers)")
             if found is None or restored != base:
                 local = self._local.restore_newest(state, restored, load_kwargs, below=base)
                 if local is not None:

@@ -83,21 +83,44 @@ class Nodes:
         return [self.peer(rank, j) for j in range(1, min(replicas, self.count - 1) + 1)]
 
 
-def pack(folder: Path, step: int) -> tuple[bytes, bytes]:
-    """A checkpoint directory as (header, payload): its files' names and sizes, then their bytes."""
+class Packed:
+    """A checkpoint directory as one buffer: a header (its files' names and sizes) then their bytes, read once
+    into memory taken once (every peer is sent the same buffer)."""
+
+    def __init__(self, header: bytes = b"", body: bytearray | None = None) -> None:
+        self.header_len = len(header)
+        self.body = body if body is not None else bytearray(header)
+
+    @property
+    def empty(self) -> bool:
+        return not self.body
+
+
+def pack(folder: Path, step: int) -> Packed:
+    """A checkpoint directory packed (see :class:`Packed`)."""
     checkpoint = folder / naming.name_for(step)
-    names = sorted(p.name for p in checkpoint.iterdir() if p.is_file())
-    blobs = [(checkpoint / n).read_bytes() for n in names]
-    header = json.dumps({"step": step, "files": [[n, len(b)] for n, b in zip(names, blobs)]}).encode()
-    return header, b"".join(blobs)
+    files = sorted((p.name, p.stat().st_size) for p in checkpoint.iterdir() if p.is_file())
+    header = json.dumps({"step": step, "files": [[n, size] for n, size in files]}).encode()
+    body = bytearray(len(header) + sum(size for _, size in files))
+    body[: len(header)] = header
+    view, at = memoryview(body), len(header)
+    for name, size in files:
+        with open(checkpoint / name, "rb") as f:
+            got = f.readinto(view[at : at + size])
+        if got != size:
+            raise CheckpointError(f"{checkpoint / name} changed while it was packed for a peer")
+        at += size
+    return Packed(header, body)
 
 
-def unpack(folder: Path, header: bytes, payload: bytes, keep: int | None, fsync: bool) -> int:
+def unpack(folder: Path, packed: Packed, keep: int | None, fsync: bool) -> int:
     """Write a packed checkpoint into ``folder`` under its step's name (staged, then renamed); returns the step.
     With ``keep``, the folder keeps its newest ``keep`` checkpoints."""
-    info = json.loads(header)
+    view = memoryview(packed.body)
+    info = json.loads(bytes(view[: packed.header_len]))
     step = int(info["step"])
     files = [(str(n), int(size)) for n, size in info["files"]]
+    payload = view[packed.header_len :]
     if any("/" in n or n in ("", ".", "..") for n, _ in files) or sum(s for _, s in files) != len(payload):
         raise CheckpointError(f"a damaged local checkpoint copy of step {step} was received")
     folder.mkdir(parents=True, exist_ok=True)
@@ -136,11 +159,10 @@ def held_steps(folder: Path) -> list[int]:
     return sorted(steps)
 
 
-def send_and_receive(
-    coord: Coordinator, sends: dict[int, tuple[bytes, bytes]], receives: list[int], what: str
-) -> dict[int, tuple[bytes, bytes]]:
-    """Packed checkpoints to ``sends``' ranks, and one from each of ``receives``' (an empty pair: none to send)."""
-    sizes_out = {peer: bytearray(struct.pack("<qq", len(h), len(p))) for peer, (h, p) in sends.items()}
+def send_and_receive(coord: Coordinator, sends: dict[int, Packed], receives: list[int], what: str) -> dict[int, Packed]:
+    """Packed checkpoints to ``sends``' ranks, and one from each of ``receives``' (an empty one: none to send).
+    A buffer sent to several peers is sent as it is, never copied."""
+    sizes_out = {peer: bytearray(struct.pack("<qq", p.header_len, len(p.body))) for peer, p in sends.items()}
     sizes_in = {peer: bytearray(_SIZES) for peer in receives}
     coord.exchange(
         [(memoryview(b), peer, 1) for peer, b in sizes_out.items()],
@@ -148,17 +170,21 @@ def send_and_receive(
         what,
     )
     lengths = {peer: struct.unpack("<qq", b) for peer, b in sizes_in.items()}
-    if any(n < 0 or m < 0 or n + m > _LARGEST for n, m in lengths.values()):
+    if any(not 0 <= n <= m <= _LARGEST for n, m in lengths.values()):
         raise CheckpointError(f"{what}: a peer announced a copy of {lengths} bytes")
-    bodies_in = {peer: bytearray(n + m) for peer, (n, m) in lengths.items()}
+    bodies_in = {peer: bytearray(m) for peer, (_, m) in lengths.items()}
     coord.exchange(
-        [(memoryview(bytearray(h + p)), peer, 2) for peer, (h, p) in sends.items() if len(h) + len(p)],
-        [(memoryview(b), peer, 2) for peer, b in bodies_in.items() if len(b)],
+        [(memoryview(p.body), peer, 2) for peer, p in sends.items() if p.body],
+        [(memoryview(b), peer, 2) for peer, b in bodies_in.items() if b],
         what,
     )
-    return {
-        peer: (bytes(body[: lengths[peer][0]]), bytes(body[lengths[peer][0] :])) for peer, body in bodies_in.items()
-    }
+    return {peer: _received(lengths[peer][0], b) for peer, b in bodies_in.items()}
+
+
+def _received(header_len: int, body: bytearray) -> Packed:
+    packed = Packed(body=body)
+    packed.header_len = header_len
+    return packed
 
 
 def rank_folder(rank: int) -> str:
@@ -280,13 +306,14 @@ class Peers:
                 saved.result()
             packed = pack(self.own, step)
         except BaseException:  # noqa: BLE001 - this rank's save failed (the manager raises it): send no copy
-            packed = (b"", b"")
+            packed = Packed()
         got = send_and_receive(
             self.copies, {t: packed for t in self.targets}, self.sources, f"LocalTier copies of step {step}"
         )
-        for source, (header, payload) in got.items():
-            if header:
-                unpack(self.world_root / rank_folder(source), header, payload, self.keep, self.fsync)
+        del packed
+        for source, copy in got.items():
+            if not copy.empty:
+                unpack(self.world_root / rank_folder(source), copy, self.keep, self.fsync)
 
     def restore_newest(self, restore: Callable[[int], None], usable: Callable[[Path], int | None]) -> int | None:
         """Every rank: find the newest step every rank's local checkpoint is on some node for (of those
@@ -304,18 +331,18 @@ class Peers:
                 if sender == self.rank:
                     try:
                         sends[rank] = pack(self.world_root / rank_folder(rank), step)
-                    except OSError:
-                        sends[rank] = (b"", b"")
+                    except (OSError, CheckpointError):
+                        sends[rank] = Packed()
             receives = [plan[self.rank]] if self.rank in plan else []
             got = send_and_receive(self.control, sends, receives, f"LocalTier restore (copies of step {step})")
             mine: Failure | None = None
             error: CheckpointError | None = None
             try:
                 if receives:
-                    header, payload = got[receives[0]]
-                    if not header:
+                    copy = got[receives[0]]
+                    if copy.empty:
                         raise CheckpointError(f"rank {receives[0]} could not send its copy of step {step}")
-                    unpack(self.own, header, payload, None, self.fsync)
+                    unpack(self.own, copy, None, self.fsync)
                 restore(step)
             except StateMismatchError as e:  # a misplaced copy, or a job laid out otherwise: not this copy
                 mine, error = Failure(self.rank, str(e).splitlines()[0][:300]), e
