@@ -154,19 +154,10 @@ def test_lightning_fit_continued_after_max_steps_mid_epoch_sees_the_next_global_
 
 
 def _hf_position(per_device: int, accumulation: int, world: int, **changes: Any) -> dict[str, Any]:
-    out = {
-        "epoch": 1,
-        "batches_into_epoch": accumulation,
-        "batches_per_epoch": -(-40 // (per_device * world)),
-        "gradient_accumulation_steps": accumulation,
-        "train_batch_size": per_device,
-        "world_size": world,
-        "seed": 0,
-        "samples": 40,
-        "seeded_per_sample": True,
-    }
-    out.update(changes)
-    return out
+    pytest.importorskip("transformers")
+    from test_hf_elastic_rules import _position
+
+    return _position(per_device, accumulation, world, **changes)
 
 
 @pytest.mark.parametrize(
