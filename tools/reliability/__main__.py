@@ -139,6 +139,52 @@ def collect(quick: bool) -> list[tuple[str, list[Row], float]]:
     return sections
 
 
+CRASH_STATES = """## Crash states, enumerated (tools/crashstates)
+
+Random SIGKILLs land where time is spent; the short windows between a rename and an fsync are rarely hit. So
+every file mutation a piece of trainstate work makes is also recorded (`os` calls, `open()`, the local backend's
+rename-exchange), and every state a crash may leave the disk in is rebuilt and judged. The model is stricter than
+ext4 in its default `data=ordered` mode, so it covers every state ext4 can leave and more:
+
+- a namespace operation (create, mkdir, rename, exchange, unlink, rmdir) is durable once every directory it
+  touches was fsynced after it; before that a crash loses it with everything after it (a journal commits in
+  order), or a rename alone (reordered);
+- file data written since the file's last fsync is kept, dropped back to what that fsync saw, or cut after its
+  first unsynced write;
+- a state is rebuilt after every operation (and before the first), each distinct tree once.
+
+The oracle, on each state: `restore_latest` returns a checkpoint that was saved, no older than the newest one
+committed before the crash (a synchronous save returned, or an async one was waited for), and restores exactly
+what that save held; the manager's start deletes nothing it then restores; a new manager starts there and saves;
+every checkpoint it lists verifies byte for byte. `python -m tools.crashstates` runs every state (CI runs 40 of
+each path); it fails when saves skip their fsyncs (`tests/reliability/test_crashstates.py`).
+
+Run on 2026-11-29, 2 cores, 427 s:
+
+| path | recorded operations | crash states | checked | failures |
+|---|---:|---:|---:|---:|
+| sync saves, retention (keep_last=2) | 77 | 1410 | 1410 | 0 |
+| async saves, waited for every other one | 65 | 908 | 908 | 0 |
+| pins: pin, retention past it, unpin | 87 | 2010 | 2010 | 0 |
+| incremental saves and the pool's collection | 86 | 1675 | 1675 | 0 |
+| zstd + encryption | 68 | 925 | 925 | 0 |
+| local tier every step (not flushed) behind durable saves | 83 | 3239 | 3239 | 0 |
+| local tier every step (fsync=True) behind durable saves | 98 | 2246 | 2246 | 0 |
+
+12,413 crash states, 0 failures. A local tier that is not flushed (the default) survives the process, not the
+machine: against this model its checkpoints count as committed only with `fsync=True`; without it a crash may
+lose them, and the resume then takes the durable tier's, never a torn local one.
+
+Found on the way and fixed: the local tier's `_tier.json` marker was written without an fsync, so a crash could
+leave it empty and every restart was then refused ("not a local tier's marker"); it is now written, flushed and
+renamed into place, and an empty one counts as absent.
+
+Not yet enumerated: overwrite saves (`save(overwrite=True)`), a collective save's commit (per-rank recordings
+combined), object stores (each prefix of completed requests), and the same generator against
+`torch.distributed.checkpoint` and `torch.save` + rename.
+"""
+
+
 def render(sections: list[tuple[str, list[Row], float]], quick: bool = False) -> str:
     sizes = _sizes(quick)
     lines = [
@@ -166,7 +212,7 @@ def render(sections: list[tuple[str, list[Row], float]], quick: bool = False) ->
                 lines.append(f"  - {row.campaign}: {note}")
             if len(row.notes) > 8:
                 lines.append(f"  - {row.campaign}: ... {len(row.notes) - 8} more")
-    return "\n".join(lines) + "\n\n" + DEFECTS + "\n" + EXPLAIN
+    return "\n".join(lines) + "\n\n" + DEFECTS + "\n" + CRASH_STATES + "\n" + EXPLAIN
 
 
 def by_flavor(sections: list[tuple[str, list[Row], float]]) -> list[str]:
