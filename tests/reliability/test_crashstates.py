@@ -56,3 +56,25 @@ def test_the_generator_keeps_what_was_fsynced_and_may_lose_what_was_not(tmp_path
     assert any("b" not in image.files for image in last)  # the rename lost
     assert any(image.files.get("b") == b"" for image in last)  # renamed, its data lost
     assert any(image.files.get("b") == b"b" * 100 for image in last)
+
+
+def test_every_single_bit_flip_of_a_small_checkpoint_is_detected_before_it_reaches_the_target():
+    import logging
+
+    from tools.crashstates import flips
+
+    logging.getLogger("trainstate").setLevel(logging.CRITICAL)
+    result = flips.campaign("small", flips.small_state(), every=True)
+    print(f"{result.flips} flips, {result.detected} detected, {result.harmless} harmless")
+    assert result.flips > 10_000 and result.failures == []
+    assert result.detected + result.harmless == result.flips
+
+
+def test_random_bit_flips_of_a_model_like_checkpoint_are_detected():
+    import logging
+
+    from tools.crashstates import flips
+
+    logging.getLogger("trainstate").setLevel(logging.CRITICAL)
+    result = flips.campaign("realistic", flips.realistic_state(0.5), every=False, count=200, seed=3)
+    assert result.flips == 200 and result.failures == [] and result.detected + result.harmless == 200
