@@ -20,7 +20,7 @@ from tools.crashstates.workloads import WORKLOADS  # noqa: E402
 @pytest.mark.parametrize("workload", WORKLOADS, ids=[w.name for w in WORKLOADS])
 def test_a_sample_of_every_crash_state_restores_what_was_committed(workload):
     result = run(workload, sample=40, seed=1)
-    assert result.states > 400 and result.checked == 40
+    assert result.states > 200 and result.checked == 40
     assert result.failures == []
 
 

@@ -37,6 +37,7 @@ class Workload:
     frozen: bool = False  # the state has a frozen tensor (an incremental run shares it)
     local: bool = False  # a local tier under ROOT/local
     local_fsync: bool = False  # ... flushing its checkpoints: they count as committed against a machine's crash
+    judge: str = "manager"  # which oracle: "manager" (a run directory), or "overwrite" (one path saved over)
 
 
 def _state(step: int, w: Workload) -> dict[str, Any]:
@@ -79,8 +80,34 @@ def _pins(root: Path, recorder: Recorder, w: Workload) -> None:
                 mgr.unpin(1)
 
 
+def _overwrites(root: Path, recorder: Recorder, w: Workload) -> None:
+    """``trainstate.save(path, overwrite=True)`` three times over one path (the old one replaced atomically)."""
+    for step in range(3):
+        trainstate.save(root / "latest", _state(step, w), overwrite=True)
+        recorder.mark(f"committed {step}")
+
+
+def _judge_overwrite(root: Path, w: Workload, committed: list[int], saved: set[int]) -> None:
+    """The path holds a whole checkpoint of a step saved, no older than the last save that returned (or
+    nothing, before the first returned); ``verify`` agrees."""
+    floor = max(committed) if committed else None
+    try:
+        state = trainstate.load(root / "latest")
+    except trainstate.CheckpointNotFoundError:
+        assert floor is None, f"nothing at the path, though the save of step {floor} returned"
+        return
+    step = int(state["step"])
+    assert step in saved and (floor is None or step >= floor), f"holds step {step}; committed: {floor}"
+    check_numpy_state(state, step)
+    with trainstate.open(root / "latest") as ck:
+        ck.verify()
+
+
 def oracle(root: Path, w: Workload, committed: list[int], saved: set[int]) -> None:
     """Judge one crash state of ``w`` (see the module docstring)."""
+    if w.judge == "overwrite":
+        _judge_overwrite(root, w, committed, saved)
+        return
     floor = max(committed) if committed else None
     state = _state(0, w)
     with _manager(root, w) as mgr:
@@ -104,6 +131,7 @@ def oracle(root: Path, w: Workload, committed: list[int], saved: set[int]) -> No
 
 
 WORKLOADS = [
+    Workload("save(path, overwrite=True), three times", _overwrites, {}, judge="overwrite"),
     Workload("sync saves, retention (keep_last=2)", _saves([0, 1, 2, 3]), {"keep_last": 2}),
     Workload("async saves, waited for every other one", _saves([0, 1, 2, 3], 2), {"async_save": True}),
     Workload("pins: pin, retention past it, unpin", _pins, {"keep_last": 1}),
