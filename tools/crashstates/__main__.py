@@ -27,6 +27,15 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r.workload} | {r.operations} | {r.states} | {r.checked} | {len(r.failures)} |")
+    from . import others
+
+    print("\nThe same crash states for the alternatives (tools/crashstates/others.py says what each must hold):\n")
+    print("| tool | recorded operations | crash states | checked | lost a returned save | loaded torn or raised |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, work, judge in others.TOOLS:
+        r = others.run(name, work, judge)
+        lost = sum("older than" in f or "though step" in f for f in r.failures)
+        print(f"| {name} | {r.operations} | {r.states} | {r.checked} | {lost} | {len(r.failures) - lost} |")
     total = sum(r.checked for r in results)
     failures = [f"{r.workload}: {f}" for r in results for f in r.failures]
     print(f"\n{total} crash states checked, {len(failures)} failures, {time.perf_counter() - start:.0f} s")

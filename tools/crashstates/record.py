@@ -78,6 +78,13 @@ class Recorder:
         with self._lock:
             self.marks.append((len(self.ops), label))
 
+    def wrote(self, path: Path) -> None:
+        """Record that ``path`` was created and written whole by code this recorder cannot see (a C++ writer:
+        ``torch.save``), as that code's unsynced writes."""
+        absolute = os.path.realpath(path)
+        self._add("create", absolute)
+        self._add("write", absolute, offset=0, data=Path(absolute).read_bytes())
+
     # -- wrapping ----------------------------------------------------------------------------------------
 
     def __enter__(self) -> Recorder:

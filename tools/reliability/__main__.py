@@ -176,13 +176,29 @@ Run on 2026-11-29, 2 cores, 427 s (the overwrite path run apart, 4 s):
 machine: against this model its checkpoints count as committed only with `fsync=True`; without it a crash may
 lose them, and the resume then takes the durable tier's, never a torn local one.
 
+The same generator, run against what users would otherwise write with (`tools/crashstates/others.py`, the same
+model and crash points). For DCP a checkpoint is complete when its `.metadata` file exists (what torchtitan and
+most loops check), and the newest complete one must load exactly and be no older than the last save that
+returned; for `torch.save` to a temporary file and `os.replace` over `ckpt.pt` (no fsync), `ckpt.pt` must load
+exactly a saved state, no older than the last save that returned:
+
+| tool | recorded operations | crash states | lost a returned save | loaded torn or raised |
+|---|---:|---:|---:|---:|
+| `torch.distributed.checkpoint` (FileSystemWriter), 3 saves | 372 | 3343 | 1746 | 0 |
+| `torch.save` + `os.replace`, 3 saves | 9 | 65 | 31 | 15 (`EOFError`) |
+| trainstate, every path above | 615 | 12,668 | 0 | 0 |
+
+DCP flushes its files but not the directories it renames `.metadata` into, so under this model a crash can take
+back a save that returned; ext4 commits those renames at the next fsync of any file (or within 5 s), so on ext4
+the window is shorter than the model's, not absent. `torch.save` + rename without an fsync can leave `ckpt.pt`
+renamed over with its bytes not yet written, which then fails to load.
+
 Found on the way and fixed: the local tier's `_tier.json` marker was written without an fsync, so a crash could
 leave it empty and every restart was then refused ("not a local tier's marker"); it is now written, flushed and
 renamed into place, and an empty one counts as absent.
 
 Not yet enumerated: a collective save's commit (per-rank recordings
-combined), object stores (each prefix of completed requests), and the same generator against
-`torch.distributed.checkpoint` and `torch.save` + rename.
+combined), and object stores (each prefix of completed requests).
 """
 
 
