@@ -186,7 +186,7 @@ exactly a saved state, no older than the last save that returned:
 |---|---:|---:|---:|---:|
 | `torch.distributed.checkpoint` (FileSystemWriter), 3 saves | 372 | 3343 | 1746 | 0 |
 | `torch.save` + `os.replace`, 3 saves | 9 | 65 | 31 | 15 (`EOFError`) |
-| trainstate, every path above | 615 | 12,668 | 0 | 0 |
+| trainstate, every path above | 611 | 12,668 | 0 | 0 |
 
 DCP flushes its files but not the directories it renames `.metadata` into, so under this model a crash can take
 back a save that returned; ext4 commits those renames at the next fsync of any file (or within 5 s), so on ext4
