@@ -339,3 +339,19 @@ def test_a_local_path_through_a_symlink_into_the_durable_directory_is_refused(tm
     (tmp_path / "link").symlink_to(tmp_path / "durable")
     with pytest.raises(trainstate.InvalidArgumentError, match="inside one another"):
         trainstate.CheckpointManager(tmp_path / "durable", local=trainstate.LocalTier(tmp_path / "link" / "local"))
+
+
+def test_trainstate_history_of_the_local_path_shows_each_folder_s_saves(tmp_path):
+    import json
+
+    from helpers import cli
+
+    state = {"w": np.zeros(1000, dtype=np.float32), "step": -1}
+    with _manager(tmp_path, every_steps=1, keep=2) as mgr:
+        _train(mgr, state, range(4))  # local 1, 2, 3 (0 is durable)
+    shown = cli("history", str(tmp_path / "shm")).stdout
+    assert "saves in" in shown and "rank00000" in shown, shown
+    listed = json.loads(cli("history", "--json", str(tmp_path / "shm")).stdout)
+    assert listed["kind"] == "local tier" and [e["step"] for e in listed["folders"]["w1/rank00000"]] == [1, 2, 3]
+    tier = json.loads(cli("ls", "--json", str(tmp_path / "shm")).stdout)
+    assert tier["copies"] == []  # one process: its own folder only

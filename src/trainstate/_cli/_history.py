@@ -11,6 +11,7 @@ import dataclasses
 import statistics
 
 from trainstate._cli._args import OK, Subparsers, UsageError, command
+from trainstate._cli._ls_tier import is_local_tier, tier_folders
 from trainstate._cli._open import require_dir
 from trainstate._cli._output import Printer, Table, local_time, metrics_text, size
 from trainstate._manager.history import HistoryEntry
@@ -61,6 +62,25 @@ def history(
 ) -> int:
     path = path.rstrip("/") or "/"
     require_dir(path)
+    if is_local_tier(path) and plot is None:  # each process's folder of a local tier (LocalTier), one after another
+        folders = tier_folders(path)
+        if out.json_mode:
+            saves = {
+                f.rsplit("/", 2)[-2] + "/" + f.rsplit("/", 1)[-1]: read_history(f, key_env=key_env) for f in folders
+            }
+            out.json(
+                {
+                    "path": path,
+                    "kind": "local tier",
+                    "folders": {k: [dataclasses.asdict(e) for e in v] for k, v in saves.items()},
+                }
+            )
+            return OK
+        for folder in folders:
+            history(out, folder, metrics=metrics, key_env=key_env)
+        if not folders:
+            out.line(f"no saves in the local tier {path}")
+        return OK
     entries = read_history(path, key_env=key_env)
     try:
         shown = chosen_metrics(entries, metrics or None)  # --metric also narrows the table's metrics

@@ -38,14 +38,10 @@ def tier_ls(out: Printer, path: str, rows_of: Any) -> int:
         durable = json.loads((Path(path) / MARKER).read_text()).get("durable")
     except (OSError, ValueError, AttributeError):
         durable = None
-    folders = sorted(
-        p
-        for w in Path(path).iterdir()
-        if w.is_dir() and w.name.startswith("w")
-        for p in w.iterdir()
-        if p.is_dir() and p.name.startswith("rank")
-    )
+    folders = [Path(f) for f in tier_folders(path)]
     by_folder = {f"{p.parent.name}/{p.name}": rows_of(str(p)) for p in folders}
+    # a process's own folder holds its manager's lock file; the others hold copies other nodes sent
+    copies = {f"{p.parent.name}/{p.name}" for p in folders if not (p / ".trainstate.lock").exists()}
     fs = filesystem(path)
     held = sum(r["size_nbytes"] for rows in by_folder.values() for r in rows if r["status"] == "complete")
     if out.json_mode:
@@ -57,11 +53,12 @@ def tier_ls(out: Printer, path: str, rows_of: Any) -> int:
                 "held_nbytes": held,
                 "filesystem": fs,
                 "folders": by_folder,
+                "copies": sorted(copies),  # folders of copies other nodes sent, not this node's own
             }
         )
         return 0
     t = Table(
-        ["folder", "name", "step", "time", "size", "status"],
+        ["folder", "holds", "name", "step", "time", "size", "status"],
         right=frozenset({"step", "size"}),
         title=f"local tier in {path} (of the run in {durable})",
     )
@@ -69,6 +66,7 @@ def tier_ls(out: Printer, path: str, rows_of: Any) -> int:
         for r in rows:
             t.add(
                 folder,
+                "copies" if folder in copies else "own",
                 r["name"],
                 "" if r["step"] is None else r["step"],
                 r["created_iso"],
@@ -82,3 +80,14 @@ def tier_ls(out: Printer, path: str, rows_of: Any) -> int:
         f"{size(fs['size_nbytes'])}" + (" (tmpfs: memory)" if fs["type"] == "tmpfs" else "")
     )
     return 0
+
+
+def tier_folders(path: str) -> list[str]:
+    """A local tier's folders (``w{world}/rank{r}``), in order."""
+    return sorted(
+        str(p)
+        for w in Path(path).iterdir()
+        if w.is_dir() and w.name.startswith("w")
+        for p in w.iterdir()
+        if p.is_dir() and p.name.startswith("rank")
+    )
