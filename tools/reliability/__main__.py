@@ -193,6 +193,20 @@ back a save that returned; ext4 commits those renames at the next fsync of any f
 the window is shorter than the model's, not absent. `torch.save` + rename without an fsync can leave `ckpt.pt`
 renamed over with its bytes not yet written, which then fails to load.
 
+**Bit flips** (`python -m tools.crashstates.flips`): each single-bit flip made in place in one file of a
+checkpoint, which is then loaded into a live target filled with a sentinel. A flip is *detected* when the load
+raises a `CheckpointError` and every tensor of the target holds the sentinel or exactly the saved values (no
+flipped byte reached it); *harmless* when the load restores exactly the saved state; anything else fails.
+
+| checkpoint | flips | detected | harmless | failures |
+|---|---:|---:|---:|---:|
+| every bit of a small checkpoint (3 tensors, plain values: manifest and data files) | 11,792 | 11,792 | 0 | 0 |
+| every bit of the same, zstd + encryption | 15,736 | 15,736 | 0 | 0 |
+| 1,000,000 random bits of a model-like checkpoint (20 tensors, 1.0 MB; 2 runs of 500,000, seeds 1 and 2) | 1,000,000 | 1,000,000 | 0 | 0 |
+
+No bit is harmless: the manifest's checksum covers every byte after it, and each data chunk has its own. CI flips
+every bit of the small checkpoint and 200 random bits of a model-like one (`tests/reliability/test_crashstates.py`).
+
 Found on the way and fixed: the local tier's `_tier.json` marker was written without an fsync, so a crash could
 leave it empty and every restart was then refused ("not a local tier's marker"); it is now written, flushed and
 renamed into place, and an empty one counts as absent.
