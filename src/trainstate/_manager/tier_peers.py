@@ -85,11 +85,11 @@ class Nodes:
 
 class Packed:
     """A checkpoint directory as one buffer: a header (its files' names and sizes) then their bytes, read once
-    into memory taken once (every peer is sent the same buffer)."""
+    into memory taken once (every peer is sent the same buffer). Empty: no copy to send."""
 
-    def __init__(self, header: bytes = b"", body: bytearray | None = None) -> None:
-        self.header_len = len(header)
-        self.body = body if body is not None else bytearray(header)
+    def __init__(self, body: bytearray | None = None, header_len: int = 0) -> None:
+        self.body = body if body is not None else bytearray()
+        self.header_len = header_len
 
     @property
     def empty(self) -> bool:
@@ -110,7 +110,7 @@ def pack(folder: Path, step: int) -> Packed:
         if got != size:
             raise CheckpointError(f"{checkpoint / name} changed while it was packed for a peer")
         at += size
-    return Packed(header, body)
+    return Packed(body, len(header))
 
 
 def unpack(folder: Path, packed: Packed, keep: int | None, fsync: bool) -> int:
@@ -178,13 +178,7 @@ def send_and_receive(coord: Coordinator, sends: dict[int, Packed], receives: lis
         [(memoryview(b), peer, 2) for peer, b in bodies_in.items() if b],
         what,
     )
-    return {peer: _received(lengths[peer][0], b) for peer, b in bodies_in.items()}
-
-
-def _received(header_len: int, body: bytearray) -> Packed:
-    packed = Packed(body=body)
-    packed.header_len = header_len
-    return packed
+    return {peer: Packed(b, lengths[peer][0]) for peer, b in bodies_in.items()}
 
 
 def rank_folder(rank: int) -> str:
