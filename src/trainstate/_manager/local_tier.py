@@ -403,15 +403,15 @@ def durable_seq_of(checkpoint: Path, key: Key | None) -> int | None:
     return seq if type(seq) is int and seq >= 0 else None
 
 
-def _usable(checkpoint: Path, *, key: Key | None, base: int | None, below: int | None) -> int | None:
-    """A local checkpoint's own commit number when it may be restored (it comes after the durable tier's
-    newest, and before ``below``); else None."""
+def _usable(folder: Path, *, key: Key | None, base: int | None, below: int | None) -> dict[int, int]:
+    """A rank folder's local checkpoints that may be restored (each comes after the durable tier's newest, and
+    before ``below``): step -> the tier's own commit number, from one listing of the folder."""
     from trainstate._manager.catalog import Catalog
     from trainstate._storage import LocalStorage
 
-    seq = durable_seq_of(checkpoint, key)
-    if seq is None or not follows(seq, base) or (below is not None and seq >= below):
-        return None
-    infos = Catalog(LocalStorage(), str(checkpoint.parent), key).list()
-    own = next((i.seq for i in infos if i.name == checkpoint.name), None)
-    return own if own is not None else 0
+    usable = {}
+    for info in Catalog(LocalStorage(), str(folder), key).list():
+        seq = durable_seq_of(folder / info.name, key)
+        if seq is not None and follows(seq, base) and (below is None or seq < below):
+            usable[info.step] = info.seq if info.seq is not None else 0
+    return usable

@@ -185,17 +185,16 @@ def rank_folder(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
-def listing(world_root: Path, usable: Callable[[Path], int | None]) -> dict[int, dict[int, int]]:
+def listing(world_root: Path, usable: Callable[[Path], dict[int, int]]) -> dict[int, dict[int, int]]:
     """The local checkpoints this node holds that may be restored, by the rank that wrote them: step -> the
-    tier's own commit number (``usable`` says, of each checkpoint directory; None: not to be restored)."""
+    tier's own commit number (``usable`` says, of each rank folder)."""
     found: dict[int, dict[int, int]] = {}
     if world_root.is_dir():
         for p in world_root.iterdir():
             if p.name.startswith("rank") and p.name[4:].isdigit():
-                for step in held_steps(p):
-                    seq = usable(p / naming.name_for(step))
-                    if seq is not None:
-                        found.setdefault(int(p.name[4:]), {})[step] = seq
+                steps = usable(p)
+                if steps:
+                    found[int(p.name[4:])] = steps
     return found
 
 
@@ -309,7 +308,7 @@ class Peers:
             if not copy.empty:
                 unpack(self.world_root / rank_folder(source), copy, self.keep, self.fsync)
 
-    def restore_newest(self, restore: Callable[[int], None], usable: Callable[[Path], int | None]) -> int | None:
+    def restore_newest(self, restore: Callable[[int], None], usable: Callable[[Path], dict[int, int]]) -> int | None:
         """Every rank: find the newest step every rank's local checkpoint is on some node for (of those
         ``usable`` lets through), fetch what a node lacks from one that has it, restore it (``restore(step)``);
         past copies that do not restore, to older steps. None when no such step restores on every rank."""
