@@ -19,7 +19,8 @@ import io
 import os
 import stat
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ from trainstate._storage.local import LocalStorage
 @dataclass(frozen=True)
 class Op:
     """One mutation: ``kind`` is mkdir, create, write, truncate, fsync, rename, exchange, unlink or rmdir; paths
-    are relative to the root; ``data`` and ``offset`` for a write, ``size`` for a truncate."""
+    are relative to the root; ``data`` and ``offset`` for a write, ``size`` for a truncate; ``at`` when it was
+    recorded (the system's monotonic clock: several processes' recordings of one machine merge by it)."""
 
     kind: str
     path: str
@@ -37,6 +39,7 @@ class Op:
     offset: int = 0
     data: bytes = b""
     size: int = 0
+    at: int = field(default_factory=time.monotonic_ns)
 
 
 @dataclass

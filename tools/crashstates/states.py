@@ -189,16 +189,22 @@ def _variants(before: Image, prefix: list[Op]) -> Iterator[tuple[str, Image]]:
             yield f"rename #{i} lost alone", _build(before, prefix, {i}).image(drop=False)
 
 
+def states_after(before: Image, ops: list[Op]) -> Iterator[tuple[str, Image]]:
+    """(how the state was made, the tree) for a crash right after ``ops``, each tree once."""
+    seen: set[str] = set()
+    for how, image in _variants(before, ops):
+        key = digest(image)
+        if key not in seen:
+            seen.add(key)
+            yield how, image
+
+
 def crash_states(before: Image, ops: list[Op]) -> Iterator[tuple[int, str, Image]]:
     """(crash point: the number of operations that ran, how the state was made, the tree), each tree once per
     crash point."""
     for k in range(len(ops) + 1):
-        seen: set[str] = set()
-        for how, image in _variants(before, ops[:k]):
-            key = digest(image)
-            if key not in seen:
-                seen.add(key)
-                yield k, how, image
+        for how, image in states_after(before, ops[:k]):
+            yield k, how, image
 
 
 def materialize(image: Image, root: Path) -> None:

@@ -18,43 +18,62 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trainstate
+from trainstate._format.manifest import MANIFEST_NAME
 
 from ..reliability.common import check_numpy_state, numpy_state
-from .record import Recorder
 
 SIZE = 1 << 10  # a small state: the paths, not the bytes, make the crash states
 KEY = "5a" * 32
 
 
+class Marks(Protocol):
+    """What a workload tells the recorder (a local :class:`~.record.Recorder`, or an object store's log)."""
+
+    def mark(self, label: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a workload works: a local directory, or (``storage``) an object store's bucket."""
+
+    root: Path
+    storage: Any = None  # a trainstate.FsspecStorage over a recorded object store; None: local files
+
+    def at(self, name: str) -> Any:
+        return self.root / name if self.storage is None else f"bucket/{name}"
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
-    run: Callable[[Path, Recorder, Workload], None]
+    run: Callable[[Place, Marks, Workload], None]
     settings: dict[str, Any]  # the manager's keywords, for the work and for the oracle
     frozen: bool = False  # the state has a frozen tensor (an incremental run shares it)
     local: bool = False  # a local tier under ROOT/local
     local_fsync: bool = False  # ... flushing its checkpoints: they count as committed against a machine's crash
     judge: str = "manager"  # which oracle: "manager" (a run directory), or "overwrite" (one path saved over)
+    objects: bool = False  # on an object store (tools/crashstates/objects.py) instead of a local disk
+    ranks: int = 1  # run by that many ranks together (tools/crashstates/collective.py)
 
 
 def _state(step: int, w: Workload) -> dict[str, Any]:
     return numpy_state(step, size=SIZE, frozen=w.frozen)
 
 
-def _manager(root: Path, w: Workload, **extra: Any) -> trainstate.CheckpointManager:
-    tier = trainstate.LocalTier(root / "local", every_steps=1, fsync=w.local_fsync) if w.local else None
-    return trainstate.CheckpointManager(root / "run", local=tier, **w.settings, **extra)
+def _manager(place: Place, w: Workload) -> trainstate.CheckpointManager:
+    tier = trainstate.LocalTier(place.root / "local", every_steps=1, fsync=w.local_fsync) if w.local else None
+    return trainstate.CheckpointManager(place.at("run"), storage=place.storage, local=tier, **w.settings)
 
 
-def _saves(steps: list[int], wait_every: int = 1, force: bool = True) -> Callable[[Path, Recorder, Workload], None]:
+def saves(steps: list[int], wait_every: int = 1, force: bool = True) -> Callable[[Place, Marks, Workload], None]:
     """Save each of ``steps`` (``force``: whatever the policy says), waiting for the saves in flight and marking
     them committed every ``wait_every`` saves."""
 
-    def run(root: Path, recorder: Recorder, w: Workload) -> None:
-        with _manager(root, w) as mgr:
+    def run(place: Place, recorder: Marks, w: Workload) -> None:
+        with _manager(place, w) as mgr:
             durable = w.settings.get("every_steps", 1)
             for n, step in enumerate(steps, 1):
                 mgr.save(step, _state(step, w), force=force)
@@ -69,8 +88,8 @@ def _saves(steps: list[int], wait_every: int = 1, force: bool = True) -> Callabl
     return run
 
 
-def _pins(root: Path, recorder: Recorder, w: Workload) -> None:
-    with _manager(root, w) as mgr:
+def _pins(place: Place, recorder: Marks, w: Workload) -> None:
+    with _manager(place, w) as mgr:
         for step in range(4):
             mgr.save(step, _state(step, w), force=True)
             recorder.mark(f"committed {step}")
@@ -80,37 +99,45 @@ def _pins(root: Path, recorder: Recorder, w: Workload) -> None:
                 mgr.unpin(1)
 
 
-def _overwrites(root: Path, recorder: Recorder, w: Workload) -> None:
+def _overwrites(place: Place, recorder: Marks, w: Workload) -> None:
     """``trainstate.save(path, overwrite=True)`` three times over one path (the old one replaced atomically)."""
     for step in range(3):
-        trainstate.save(root / "latest", _state(step, w), overwrite=True)
+        trainstate.save(place.at("latest"), _state(step, w), overwrite=True, storage=place.storage)
         recorder.mark(f"committed {step}")
 
 
-def _judge_overwrite(root: Path, w: Workload, committed: list[int], saved: set[int]) -> None:
+def _judge_overwrite(place: Place, w: Workload, committed: list[int], saved: set[int]) -> None:
     """The path holds a whole checkpoint of a step saved, no older than the last save that returned (or
     nothing, before the first returned); ``verify`` agrees."""
     floor = max(committed) if committed else None
     try:
-        state = trainstate.load(root / "latest")
-    except trainstate.CheckpointNotFoundError:
+        state = trainstate.load(place.at("latest"), storage=place.storage)
+    except (trainstate.CheckpointNotFoundError, trainstate.IncompleteCheckpointError):
+        # nothing committed there (an object store shows the first save's data files before its manifest)
         assert floor is None, f"nothing at the path, though the save of step {floor} returned"
         return
     step = int(state["step"])
     assert step in saved and (floor is None or step >= floor), f"holds step {step}; committed: {floor}"
     check_numpy_state(state, step)
-    with trainstate.open(root / "latest") as ck:
+    with trainstate.open(place.at("latest"), storage=place.storage) as ck:
         ck.verify()
 
 
-def oracle(root: Path, w: Workload, committed: list[int], saved: set[int]) -> None:
+def _committed_at(place: Place, name: str) -> bool:
+    """Whether a committed checkpoint is at ``name``: its directory, or (object stores) its manifest object."""
+    if place.storage is None:
+        return bool(place.at(name).is_dir())
+    return place.storage.stat(f"{place.at(name)}/{MANIFEST_NAME}") is not None
+
+
+def oracle(place: Place, w: Workload, committed: list[int], saved: set[int]) -> None:
     """Judge one crash state of ``w`` (see the module docstring)."""
     if w.judge == "overwrite":
-        _judge_overwrite(root, w, committed, saved)
+        _judge_overwrite(place, w, committed, saved)
         return
     floor = max(committed) if committed else None
     state = _state(0, w)
-    with _manager(root, w) as mgr:
+    with _manager(place, w) as mgr:
         got = mgr.restore_latest(state)
         if floor is not None:
             assert got is not None, f"nothing restored, though step {floor} was committed"
@@ -118,41 +145,51 @@ def oracle(root: Path, w: Workload, committed: list[int], saved: set[int]) -> No
         if got is not None:
             assert got - 1 in saved, f"restored step {got - 1}, which was never saved"
             check_numpy_state(state, got - 1)
-            durable = root / "run" / f"step_{got - 1:08d}"
-            assert w.local or durable.is_dir(), "the manager's start deleted the checkpoint it then restored"
+            assert w.local or _committed_at(place, f"run/step_{got - 1:08d}"), (
+                "the manager's start deleted the checkpoint it then restored"
+            )
         mgr.save(99, _state(99, w), force=True)  # a new manager starts and saves
     after = _state(0, w)
-    with _manager(root, w) as mgr:
+    with _manager(place, w) as mgr:
         assert mgr.restore_latest(after) == 100, "the new manager's save is not the newest"
         check_numpy_state(after, 99)
         for info in mgr.list():  # every checkpoint listed verifies, byte for byte
-            with trainstate.open(mgr.path_for(info.step), key=w.settings.get("key")) as ck:
+            with trainstate.open(mgr.path_for(info.step), key=w.settings.get("key"), storage=place.storage) as ck:
                 ck.verify()
 
 
-WORKLOADS = [
+ON_DISK = [
     Workload("save(path, overwrite=True), three times", _overwrites, {}, judge="overwrite"),
-    Workload("sync saves, retention (keep_last=2)", _saves([0, 1, 2, 3]), {"keep_last": 2}),
-    Workload("async saves, waited for every other one", _saves([0, 1, 2, 3], 2), {"async_save": True}),
+    Workload("sync saves, retention (keep_last=2)", saves([0, 1, 2, 3]), {"keep_last": 2}),
+    Workload("async saves, waited for every other one", saves([0, 1, 2, 3], 2), {"async_save": True}),
     Workload("pins: pin, retention past it, unpin", _pins, {"keep_last": 1}),
     Workload(
         "incremental saves and the pool's collection",
-        _saves([0, 1, 2, 3]),
+        saves([0, 1, 2, 3]),
         {"incremental": True, "keep_last": 1},
         frozen=True,
     ),
-    Workload("zstd + encryption", _saves([0, 1, 2]), {"compression": "zstd", "key": KEY, "keep_last": 2}),
+    Workload("zstd + encryption", saves([0, 1, 2]), {"compression": "zstd", "key": KEY, "keep_last": 2}),
     Workload(
         "local tier every step (not flushed) behind durable saves",
-        _saves([0, 1, 2, 3, 4], force=False),
+        saves([0, 1, 2, 3, 4], force=False),
         {"every_steps": 3},
         local=True,
     ),
     Workload(
         "local tier every step (fsync=True) behind durable saves",
-        _saves([0, 1, 2, 3, 4], force=False),
+        saves([0, 1, 2, 3, 4], force=False),
         {"every_steps": 3},
         local=True,
         local_fsync=True,
     ),
 ]
+
+# The same paths on an object store (tools/crashstates/objects.py); the local tier is a local disk's.
+ON_STORE = [
+    Workload(f"object store: {w.name}", w.run, w.settings, frozen=w.frozen, judge=w.judge, objects=True)
+    for w in ON_DISK
+    if not w.local
+]
+
+WORKLOADS = ON_DISK + ON_STORE
