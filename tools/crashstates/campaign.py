@@ -41,6 +41,8 @@ class Recording:
     saved: set[int]
     states: list[tuple[str, str, list[int], Any]]
     lay_out: Callable[[Any], Place]
+    judge: Callable[[Place, Workload, list[int], set[int]], None] = oracle
+    close: Callable[[], None] = lambda: None
 
 
 def _committed(marks: list[tuple[int, str]], point: int) -> list[int]:
@@ -97,7 +99,11 @@ def _by_ranks(w: Workload, work: Path) -> Recording:
     recordings = collective.record(w, root, work)
     states = list(collective.crash_states(recordings))
     operations = sum(len(r.ops) for r in recordings)
-    return Recording(operations, _saved(recordings[0].marks), states, _in_directory(root))
+    recording = Recording(operations, _saved(recordings[0].marks), states, _in_directory(root))
+    if w.local:  # a local tier restores at the world size that wrote it: judged by as many ranks
+        judges = collective.Judges(w)
+        recording.judge, recording.close = judges.judge, judges.close
+    return recording
 
 
 def run(w: Workload, *, sample: int | None = None, seed: int = 0) -> Result:
@@ -110,11 +116,14 @@ def run(w: Workload, *, sample: int | None = None, seed: int = 0) -> Result:
         states = recording.states
         if sample is not None and sample < len(states):
             states = random.Random(seed).sample(states, sample)
-        for where, how, committed, state in states:
-            try:
-                oracle(recording.lay_out(state), w, committed, recording.saved)
-            except Exception as e:  # noqa: BLE001 - each failure is a finding, reported with its state
-                trace = traceback.format_exception_only(type(e), e)[-1].strip()
-                result.failures.append(f"{where} ({how}): {trace}")
-            result.checked += 1
+        try:
+            for where, how, committed, state in states:
+                try:
+                    recording.judge(recording.lay_out(state), w, committed, recording.saved)
+                except Exception as e:  # noqa: BLE001 - each failure is a finding, reported with its state
+                    trace = traceback.format_exception_only(type(e), e)[-1].strip()
+                    result.failures.append(f"{where} ({how}): {trace}")
+                result.checked += 1
+        finally:
+            recording.close()
     return result

@@ -15,6 +15,7 @@ the crash states and raises AssertionError (or any error) when trainstate misbeh
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +64,17 @@ def _state(step: int, w: Workload) -> dict[str, Any]:
     return numpy_state(step, size=SIZE, frozen=w.frozen)
 
 
+def _rank() -> int:
+    dist = sys.modules.get("torch.distributed")
+    return int(dist.get_rank()) if dist is not None and dist.is_initialized() else 0
+
+
 def _manager(place: Place, w: Workload) -> trainstate.CheckpointManager:
-    tier = trainstate.LocalTier(place.root / "local", every_steps=1, fsync=w.local_fsync) if w.local else None
+    tier = None
+    if w.local and w.ranks == 1:
+        tier = trainstate.LocalTier(place.root / "local", every_steps=1, fsync=w.local_fsync)
+    elif w.local:  # each rank a node of its own (tools/crashstates/collective.py), its copies on the other
+        tier = trainstate.LocalTier(place.root / f"node{_rank()}", every_steps=1, replicas=1, fsync=w.local_fsync)
     return trainstate.CheckpointManager(place.at("run"), storage=place.storage, local=tier, **w.settings)
 
 
