@@ -139,81 +139,18 @@ def collect(quick: bool) -> list[tuple[str, list[Row], float]]:
     return sections
 
 
-CRASH_STATES = """## Crash states, enumerated (tools/crashstates)
+CRASH_HEADING = "## Crash states, enumerated (tools/crashstates)"
 
-Random SIGKILLs land where time is spent; the short windows between a rename and an fsync are rarely hit. So
-every file mutation a piece of trainstate work makes is also recorded (`os` calls, `open()`, the local backend's
-rename-exchange), and every state a crash may leave the disk in is rebuilt and judged. The model is stricter than
-ext4 in its default `data=ordered` mode, so it covers every state ext4 can leave and more:
 
-- a namespace operation (create, mkdir, rename, exchange, unlink, rmdir) is durable once every directory it
-  touches was fsynced after it; before that a crash loses it with everything after it (a journal commits in
-  order), or a rename alone (reordered);
-- file data written since the file's last fsync is kept, dropped back to what that fsync saw, or cut after its
-  first unsynced write;
-- a state is rebuilt after every operation (and before the first), each distinct tree once.
-
-The oracle, on each state: `restore_latest` returns a checkpoint that was saved, no older than the newest one
-committed before the crash (a synchronous save returned, or an async one was waited for), and restores exactly
-what that save held; the manager's start deletes nothing it then restores; a new manager starts there and saves;
-every checkpoint it lists verifies byte for byte. `python -m tools.crashstates` runs every state (CI runs 40 of
-each path); it fails when saves skip their fsyncs (`tests/reliability/test_crashstates.py`).
-
-Run on 2026-11-29, 2 cores, 427 s (the overwrite path run apart, 4 s):
-
-| path | recorded operations | crash states | checked | failures |
-|---|---:|---:|---:|---:|
-| `save(path, overwrite=True)`, three times | 47 | 255 | 255 | 0 |
-| sync saves, retention (keep_last=2) | 77 | 1410 | 1410 | 0 |
-| async saves, waited for every other one | 65 | 908 | 908 | 0 |
-| pins: pin, retention past it, unpin | 87 | 2010 | 2010 | 0 |
-| incremental saves and the pool's collection | 86 | 1675 | 1675 | 0 |
-| zstd + encryption | 68 | 925 | 925 | 0 |
-| local tier every step (not flushed) behind durable saves | 83 | 3239 | 3239 | 0 |
-| local tier every step (fsync=True) behind durable saves | 98 | 2246 | 2246 | 0 |
-
-12,668 crash states, 0 failures. A local tier that is not flushed (the default) survives the process, not the
-machine: against this model its checkpoints count as committed only with `fsync=True`; without it a crash may
-lose them, and the resume then takes the durable tier's, never a torn local one.
-
-The same generator, run against what users would otherwise write with (`tools/crashstates/others.py`, the same
-model and crash points). For DCP a checkpoint is complete when its `.metadata` file exists (what torchtitan and
-most loops check), and the newest complete one must load exactly and be no older than the last save that
-returned; for `torch.save` to a temporary file and `os.replace` over `ckpt.pt` (no fsync), `ckpt.pt` must load
-exactly a saved state, no older than the last save that returned:
-
-| tool | recorded operations | crash states | lost a returned save | loaded torn or raised |
-|---|---:|---:|---:|---:|
-| `torch.distributed.checkpoint` (FileSystemWriter), 3 saves | 372 | 3343 | 1746 | 0 |
-| `torch.save` + `os.replace`, 3 saves | 9 | 65 | 31 | 15 (`EOFError`) |
-| trainstate, every path above | 611 | 12,668 | 0 | 0 |
-
-DCP flushes its files but not the directories it renames `.metadata` into, so under this model a crash can take
-back a save that returned; ext4 commits those renames at the next fsync of any file (or within 5 s), so on ext4
-the window is shorter than the model's, not absent. `torch.save` + rename without an fsync can leave `ckpt.pt`
-renamed over with its bytes not yet written, which then fails to load.
-
-**Bit flips** (`python -m tools.crashstates.flips`): each single-bit flip made in place in one file of a
-checkpoint, which is then loaded into a live target filled with a sentinel. A flip is *detected* when the load
-raises a `CheckpointError` and every tensor of the target holds the sentinel or exactly the saved values (no
-flipped byte reached it); *harmless* when the load restores exactly the saved state; anything else fails.
-
-| checkpoint | flips | detected | harmless | failures |
-|---|---:|---:|---:|---:|
-| every bit of a small checkpoint (3 tensors, plain values: manifest and data files) | 11,792 | 11,792 | 0 | 0 |
-| every bit of the same, zstd + encryption | 15,736 | 15,736 | 0 | 0 |
-| 1,000,000 random bits of a model-like checkpoint (20 tensors, 1.0 MB; 2 runs of 500,000, seeds 1 and 2) | 1,000,000 | 1,000,000 | 0 | 0 |
-
-No bit is harmless: the manifest's checksum covers every byte after it, and each data chunk has its own. CI flips
-every bit of the small checkpoint and 200 random bits of a model-like one (`tests/reliability/test_crashstates.py`).
-
-Found on the way and fixed: the local tier's `_tier.json` marker was written without an fsync, so a crash could
-leave it empty and every restart was then refused ("not a local tier's marker"); it is now written, flushed and
-renamed into place, and an empty one counts as absent.
-
-Not yet enumerated: a collective save's commit (per-rank recordings
-combined), and object stores (each prefix of completed requests).
-"""
+def crash_states_section() -> str:
+    """The crash-state section as docs/reliability.md holds it (``python -m tools.crashstates`` measures it, and
+    it is written by hand from that run): kept as it is when the campaigns' part is written again."""
+    text = DOC.read_text() if DOC.exists() else ""
+    start = text.find(CRASH_HEADING)
+    if start < 0:
+        return CRASH_HEADING + "\n\nRun `python -m tools.crashstates` and write its tables here.\n"
+    end = text.find("\n## ", start + len(CRASH_HEADING))
+    return text[start : end + 1 if end >= 0 else len(text)]
 
 
 def render(sections: list[tuple[str, list[Row], float]], quick: bool = False) -> str:
@@ -243,7 +180,7 @@ def render(sections: list[tuple[str, list[Row], float]], quick: bool = False) ->
                 lines.append(f"  - {row.campaign}: {note}")
             if len(row.notes) > 8:
                 lines.append(f"  - {row.campaign}: ... {len(row.notes) - 8} more")
-    return "\n".join(lines) + "\n\n" + DEFECTS + "\n" + CRASH_STATES + "\n" + EXPLAIN
+    return "\n".join(lines) + "\n\n" + DEFECTS + "\n" + crash_states_section() + "\n" + EXPLAIN
 
 
 def by_flavor(sections: list[tuple[str, list[Row], float]]) -> list[str]:
