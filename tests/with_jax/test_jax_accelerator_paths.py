@@ -36,7 +36,7 @@ def as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def mesh(rows: int, cols: int) -> Mesh:
-    return Mesh(np.array(jax.devices()[: rows * cols]).reshape(rows, cols), ("a", "b"))
+    return Mesh(np.array(jax.devices("cpu")[: rows * cols]).reshape(rows, cols), ("a", "b"))  # also on a GPU host
 
 
 def values() -> dict[str, np.ndarray]:
