@@ -228,8 +228,10 @@ def _land(landings: list[tuple[Any, np.ndarray]]) -> None:
 
     ``copy_to_host_async`` starts a transfer into JAX's own host copy of the array (no JAX API takes a
     destination buffer), so transfers run together while earlier ones are copied into place; at most
-    :data:`AHEAD` bytes are started and not yet copied, which bounds the host memory those copies hold. A
-    landed copy is dropped at once. On the CPU the transfers are no-ops and ``np.asarray`` is a view.
+    :data:`AHEAD` bytes are started and not yet copied. JAX keeps that host copy as long as the array object
+    it was made for: a shard of a multi-device array is a new object, dropped once landed; a single-device
+    array is its own shard, so its host copy lives until the loop drops the array (as after ``np.asarray``).
+    On the CPU the transfers are no-ops and ``np.asarray`` is a view.
     """
     pending, started = deque(landings), deque[tuple[Any, np.ndarray]]()
     ahead = 0
