@@ -32,6 +32,14 @@ before (os.sync, untimed).
   enable_async_checkpointing=True))`` with ``args=ocp.args.StandardSave(state)``. "blocked" is the wall time
   of ``save()`` (the training loop's pause); "until durable" runs from that call until ``mgr.wait()`` /
   ``wait_until_finished()`` returns. Each manager's last checkpoint is restored and checked at the end.
+- the torch path, for the same bytes: torch tensors of the arrays' shapes and bytes, on the device the JAX
+  arrays are on (CUDA when JAX is on a GPU; rows left out if torch is not importable or has no such device):
+  ``trainstate.save(path, tensors, fsync=True)``, ``trainstate.load(path, tensors_on_the_device)`` (restored in
+  place) and the same async manager. The "accelerator path" table sets the JAX rows beside them: async save's
+  time blocked (and as a share of the same library's synchronous save), restore onto the device, save.
+- on an accelerator every save is given fresh device arrays (``jax.device_put(x, may_alias=False)``, untimed):
+  JAX keeps an array's host copy once it was read (``np.asarray``, ``copy_to_host_async``), and a second save
+  of the same arrays would time no device-to-host transfer at all. On the CPU reading an array copies nothing.
 - floor: one file of the arrays' raw bytes, unbuffered os.write (with fsync: file, directory and parent, as
   trainstate does); read back as a user would by hand: readinto fresh NumPy arrays, then ``jax.device_put``
   (a second copy) and ``tree_unflatten`` with the target's treedef -- a floor for saves, a plain baseline
@@ -75,6 +83,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -153,6 +162,35 @@ class Method:
     name: str
     save: Callable[[Path], float | None]
     restore: Callable[[Path, State], Any] | None = None
+    check: Callable[[Any], None] | None = None  # checks what restore returned (None: the JAX state's check)
+    target: Callable[[], Any] | None = None  # makes the restore target, untimed (None: zeros like the state)
+
+
+def torch_twin(state: State) -> tuple[dict[str, Any], Callable[[], dict[str, Any]], Callable[[Any], None]] | None:
+    """Torch tensors of ``state``'s arrays' shapes and bytes on the device the JAX arrays are on, a function
+    making zeroed tensors like them (a restore target), and a check of a restored dict; None without torch
+    or without that device."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    platform = jax.devices()[0].platform
+    if platform != "cpu" and not torch.cuda.is_available():
+        return None
+    device = "cpu" if platform == "cpu" else "cuda"
+    hosts = [np.array(leaf) for leaf in jax.tree.leaves(state)]
+    hosts = [h.view(np.int16) if h.dtype == ml_dtypes.bfloat16 else h for h in hosts]  # the same bytes
+    tensors = {f"t{i}": torch.from_numpy(h).to(device) for i, h in enumerate(hosts)}
+
+    def zeros() -> dict[str, Any]:
+        return {k: torch.zeros_like(t) for k, t in tensors.items()}
+
+    def check(restored: Any) -> None:
+        for k, t in tensors.items():
+            if not torch.equal(restored[k], t):
+                raise AssertionError(f"torch path: {k} differs from the saved value")
+
+    return tensors, zeros, check
 
 
 def make_durable(path: Path) -> None:
@@ -219,7 +257,13 @@ def methods(state: State, root: Path) -> tuple[list[Method], Callable[[], None]]
     )
     options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
     orbax_manager = ocp.CheckpointManager(root / "orbax-manager", options=options)
-    ts_steps, orbax_steps = itertools.count(), itertools.count()
+    ts_steps, orbax_steps, torch_steps = itertools.count(), itertools.count(), itertools.count()
+    twin = torch_twin(state)
+    torch_manager = None
+    if twin is not None:
+        torch_manager = trainstate.CheckpointManager(
+            root / "torch-manager", keep_last=2, async_save=True, fsync=True, collective=False
+        )
 
     def ts(fsync: bool, compression: str | None = None) -> Callable[[Path], None]:
         def save(p: Path) -> None:
@@ -258,6 +302,8 @@ def methods(state: State, root: Path) -> tuple[list[Method], Callable[[], None]]
         assert_same(restored, state, "Orbax CheckpointManager's last checkpoint")
         for closing in (ts_manager, orbax_manager, standard, uncompressed):
             closing.close()
+        if torch_manager is not None:
+            torch_manager.close()
 
     found = [
         Method("floor", lambda p: raw_save(state, p, False)),
@@ -279,6 +325,24 @@ def methods(state: State, root: Path) -> tuple[list[Method], Callable[[], None]]
         Method("trainstate manager", ts_async),
         Method("Orbax manager", orbax_async),
     ]
+    if twin is not None and torch_manager is not None:
+        tensors, zeros, check = twin
+        manager = torch_manager
+
+        def torch_async(_: Path) -> float:
+            step = next(torch_steps)
+            return async_save(lambda: manager.save(step, tensors), manager.wait)
+
+        found += [
+            Method(
+                "torch, fsync",
+                lambda p: trainstate.save(p, tensors, fsync=True),
+                trainstate.load,
+                check,
+                zeros,
+            ),
+            Method("torch manager", torch_async),
+        ]
     return found, finish
 
 
@@ -300,9 +364,12 @@ class Samples:
 def run(state: State, root: Path, rounds: int) -> Samples:
     found, finish = methods(state, root)
     out = Samples({}, {}, {}, {})
+    fresh = jax.devices()[0].platform != "cpu"
     try:
         for r in range(rounds + 1):  # round 0: warm-up (first-call costs: tracing, thread pools, buffers)
             for m in found[r % len(found) :] + found[: r % len(found)]:
+                if fresh:  # new device arrays, with no host copy JAX kept from a read (untimed)
+                    state.update(jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), dict(state)))
                 path = root / "ckpt"
                 shutil.rmtree(path, ignore_errors=True)
                 os.sync()  # no dirty pages carried from one save into the next one's time
@@ -313,12 +380,15 @@ def run(state: State, root: Path, rounds: int) -> Samples:
                     out.stored[m.name] = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
                 restored, restore_took = None, 0.0
                 if m.restore is not None:
-                    target = zeros_like(state)
+                    target = zeros_like(state) if m.target is None else m.target()
                     t0 = time.perf_counter()
                     restored = m.restore(path, target)
                     restore_took = time.perf_counter() - t0
                     del target
-                    assert_same(restored, state, f"{m.name} restore")
+                    if m.check is None:
+                        assert_same(restored, state, f"{m.name} restore")
+                    else:
+                        m.check(restored)
                     del restored
                 if r > 0:
                     out.save.setdefault(m.name, []).append(took)
@@ -399,6 +469,7 @@ def report(s: Samples, nbytes: int, leaves: int, load: tuple[float, float], shap
             f"| {op} | {fmt(cell(samples, ts))} | {fmt(cell(samples, orbax))} | {ratio(samples, orbax, ts)} "
             f"| {fmt(cell(samples, floor))} | {ratio(samples, floor, ts)} |"
         )
+    lines += ["", *accelerator_table(s, nbytes)]
     stored = ("trainstate", "trainstate zstd:3, fsync", "Orbax", "Orbax uncompressed", "floor")
     sizes = ", ".join(f"{name.removesuffix(', fsync')} {s.stored[name] / GB:.3f} GB" for name in stored)
     lines += [
@@ -417,6 +488,51 @@ def report(s: Samples, nbytes: int, leaves: int, load: tuple[float, float], shap
         "copies), not a lower bound.",
     ]
     return "\n".join(lines)
+
+
+def accelerator_table(s: Samples, nbytes: int) -> list[str]:
+    """The JAX path beside the torch path (same bytes, same device) and Orbax: async save's time blocked, also
+    as a share of each one's synchronous save, restore onto the device, and save."""
+
+    def per_round(a: list[float], b: list[float]) -> list[float]:
+        return [x / y for x, y in zip(a, b)]
+
+    def med(xs: list[float] | None, pct: bool = False) -> str:
+        if not xs:
+            return "—"
+        m = statistics.median(xs)
+        return f"{100 * m:.1f}%" if pct else f"{m:.3f} s" if m < 1 else f"{m:.2f} s"
+
+    def rel(xs: list[float] | None, base: list[float]) -> str:
+        if not xs:
+            return "—"
+        r = per_round(xs, base)
+        return f"{statistics.median(r):.2f}x [{min(r):.2f}-{max(r):.2f}]"
+
+    torch = "torch manager" in s.returned
+    rows = [  # (operation, JAX samples, torch samples, Orbax samples, whether shares of a save)
+        ("async save: time blocked", s.returned["trainstate manager"], s.returned.get("torch manager"),
+         s.returned["Orbax manager"], False),
+        ("async save: time blocked, share of a sync save",
+         per_round(s.returned["trainstate manager"], s.save["trainstate, fsync"]),
+         per_round(s.returned["torch manager"], s.save["torch, fsync"]) if torch else None,
+         per_round(s.returned["Orbax manager"], s.save["Orbax"]), True),
+        ("restore onto the device (into a target)", s.restore["trainstate, fsync"], s.restore.get("torch, fsync"),
+         s.restore["Orbax"], False),
+        ("save, fsync (Orbax: its defaults)", s.save["trainstate, fsync"], s.save.get("torch, fsync"), s.save["Orbax"],
+         False),
+    ]  # fmt: skip
+    lines = [
+        f"Accelerator path, device {jax.devices()[0].platform} ({jax.devices()[0].device_kind}): trainstate JAX beside "
+        f"trainstate torch (same {nbytes / GB:.2f} GB, same device{'' if torch else '; torch not importable here'}) "
+        "and Orbax. Ratios: other / JAX per round, median [min-max] (above 1: JAX faster; for shares: lower).",
+        "",
+        "| operation | trainstate JAX | torch path | torch / JAX | Orbax | Orbax / JAX |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for op, jx, th, ob, pct in rows:
+        lines.append(f"| {op} | {med(jx, pct)} | {med(th, pct)} | {rel(th, jx)} | {med(ob, pct)} | {rel(ob, jx)} |")
+    return lines
 
 
 def log(msg: str) -> None:

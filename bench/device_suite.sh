@@ -36,9 +36,9 @@ from trainstate import _cores
 print('cores usable', _cores.usable_cores(), '| default threads', _cores.DEFAULT_THREADS)
 print('torch', torch.__version__, '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name())
 "
-step cuda-tests 75 "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu tests/test_ring.py
+step cuda-tests 80 "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu tests/test_ring.py tests/with_jax/test_jax_accelerator_paths.py
 step restore 140 "$PY" bench/bench_restore.py --only gpu,cpu,open --rounds 3
 step gpu-training-state 55 "$PY" bench/bench_gpu.py --repeats 3
-step jax 40 "$PY" bench/bench_jax.py --quick --rounds 2
+step jax 50 "$PY" bench/bench_jax.py --quick --rounds 2
 echo "== done in $((SECONDS - start)) s; logs in $OUT"
 exit $status

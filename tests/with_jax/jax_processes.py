@@ -169,20 +169,62 @@ def save(directory: str, process: int) -> dict[str, Any]:
     return out
 
 
+def parts_read(call: Any, *args: Any) -> tuple[Any, dict[str, Any]]:
+    """``call(*args)``'s result, and the part of each tensor it read: [offset, shape] (None: the whole tensor);
+    "ring" lists those read through the restore ring."""
+    from trainstate._restore import read
+
+    seen: dict[str, Any] = {"ring": []}
+    views, to_device = read.read_views, read.read_to_device
+
+    def box_of(box: Any) -> Any:
+        return None if box is None else [list(box[0]), list(box[1])]
+
+    def spy_views(ck: Any, reads: Any, **kwargs: Any) -> None:
+        seen.update({name: box_of(box) for name, _, box in reads})
+        views(ck, reads, **kwargs)
+
+    def spy_ring(ck: Any, staged: Any, *args: Any, **kwargs: Any) -> int:
+        seen.update({s.name: box_of(s.box) for s in staged})
+        seen["ring"] += sorted(s.name for s in staged)
+        return to_device(ck, staged, *args, **kwargs)
+
+    read.read_views, read.read_to_device = spy_views, spy_ring
+    try:
+        return call(*args), seen
+    finally:
+        read.read_views, read.read_to_device = views, to_device
+
+
 def load(directory: str, process: int) -> dict[str, Any]:
-    """Restore checkpoints saved by another process count onto this job's mesh, in place and abstract."""
+    """Restore checkpoints saved by another process count onto this job's mesh, in place and abstract; the
+    parts of "one" each process read; and an abstract restore through the restore ring, the CPU devices
+    counting as accelerators (the path a GPU's arrays take)."""
+    from trainstate._frameworks import jax as jax_adapter
+
     out: dict[str, Any] = {}
     mesh = jax.make_mesh((2, 4), ("x", "y"))
     for name in ("one", "single"):
         target = zeros_like(state_on(mesh, P("y", "x")))
-        restored = trainstate.load(f"{directory}/{name}", target)
+        restored, parts = parts_read(trainstate.load, f"{directory}/{name}", target)
         out[name] = check(restored, step=0)
         out[f"{name}_fully_addressable"] = restored["params"]["w"].is_fully_addressable
+        out[f"{name}_parts"] = parts
     abstract = jax.tree.map(  # nothing allocated: shapes, dtypes and shardings (keys too)
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) if isinstance(a, jax.Array) else a,
         state_on(mesh, P("y", None)),
     )
     out["abstract"] = check(trainstate.load(f"{directory}/one", abstract))
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) if isinstance(a, jax.Array) else a,
+        state_on(mesh, P("y", "x")),
+    )
+    jax_adapter.HOST_PLATFORMS = frozenset()
+    try:
+        restored, out["ring_parts"] = parts_read(trainstate.load, f"{directory}/one", abstract)
+    finally:
+        jax_adapter.HOST_PLATFORMS = frozenset({"cpu"})
+    out["ring"] = check(restored)
     return out
 
 

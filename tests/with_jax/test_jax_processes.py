@@ -254,8 +254,21 @@ def test_the_manager_saves_async_and_restores_latest_across_processes(saved) -> 
 def test_any_process_count_restores(saved) -> None:
     _, results = saved  # two processes restore what two and what one saved (above: one restores two's)
     for r in results:
-        assert r["one"] == [] and r["single"] == [] and r["abstract"] == []
+        assert r["one"] == [] and r["single"] == [] and r["abstract"] == [] and r["ring"] == []
         assert r["one_fully_addressable"] is False
+
+
+def test_each_process_reads_only_its_own_devices_parts(saved) -> None:
+    """Onto a 2x4 mesh with w and m split over "x" (one row of the mesh per process), each process reads
+    its half of their columns, not the whole -- on the host path and through the restore ring alike;
+    the arrays whole on each process (b over "y", the replicated step and key) are read whole."""
+    _, results = saved
+    for p, r in enumerate(results):
+        for parts in (r["one_parts"], r["single_parts"], r["ring_parts"]):
+            assert parts["params.w"] == parts["opt.m"] == [[0, 3 * p], [8, 3]], parts
+            for name, shape in (("params.b", [8]), ("step", []), ("key", [2])):  # key: its key data's shape
+                assert parts[name] in (None, [[0] * len(shape), shape]), parts
+        assert r["one_parts"]["ring"] == [] and {"params.w", "opt.m", "key"} <= set(r["ring_parts"]["ring"])
 
 
 @pytest.mark.slow  # four more processes; the two-process job above restores across process counts too

@@ -8,8 +8,14 @@ target's implementation.
 
 Arrays are immutable, so reads land in a fresh host array and :func:`assign` makes the new array from it,
 placed on the *target's* sharding -- whatever sharding saved it: each device gets its own slice of the host
-array (``jax.make_array_from_callback``) -- and committed to it only when the target was. Saving reads each
-array through ``np.asarray``, which assembles a sharded array from its shards, one replica of each.
+array (``jax.make_array_from_callback``) -- and committed to it only when the target was. Saving copies each
+distinct shard (one replica of each) into its place in the host bytes.
+
+On accelerators both directions go through reused host buffers. An async save's staging (:func:`copy_out`)
+starts every device-to-host transfer before it waits for the first, and all have landed when save()
+returns, so a step that donates the arrays cannot reach the copy. A restore reads through the ring of
+``_restore/ring.py`` (:func:`on_accelerator`, :func:`copy_in_async`): each round's arrays are made on the
+target's sharding while the next round is read, and host memory stays at the ring's size.
 
 An array spread over several processes (``jax.distributed``: not fully addressable) is saved by all of them
 together (``_distributed/save.py``, agreeing through ``_distributed/jax_group.py``): each process stores the
@@ -21,7 +27,8 @@ The pytrees that hold arrays (Flax, Optax) and Flax NNX objects are ``jax_tree.p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,6 +44,8 @@ with optional("jax", extra="jax", needed_for="JAX arrays (framework='jax')"):
     import jax.numpy as jnp
 
 KIND = numpy_adapter.KIND  # see the module's docstring
+HOST_PLATFORMS = frozenset({"cpu"})  # devices whose arrays are host memory already (tests may empty it)
+AHEAD = 512 << 20  # bytes of device-to-host transfers started ahead of the copy into place (see _land)
 
 
 def is_array(value: Any) -> bool:
@@ -183,17 +192,58 @@ def byte_view(value: Any) -> memoryview:
 
 def _assembled(region: Region) -> np.ndarray:
     """The values of ``region`` from this process's shards, one replica of each."""
-    _check_alive(region.array)
-    data = jax.random.key_data(region.array) if is_key(region.array) else region.array
-    out = np.empty(region.shape, dtype=np.dtype(data.dtype))
+    dtype = np.dtype(_data(region.array).dtype)
+    host = np.empty(math.prod(region.shape) * dtype.itemsize, dtype=np.uint8)
+    _land(list(_landings(region, host)))
+    out: np.ndarray = host.view(dtype).reshape(region.shape)
+    return out
+
+
+def _data(value: Any) -> Any:
+    """What is stored of an array: its key data for a typed key, else the array itself."""
+    return jax.random.key_data(value) if is_key(value) else value
+
+
+def _landings(value: Any, host: np.ndarray) -> Iterator[tuple[Any, np.ndarray]]:
+    """(single-device array, the view of ``host`` it lands in) for each distinct shard of ``value`` (an array,
+    or this process's :class:`Region` of one) that this process holds: one replica of each, each into its own
+    place in ``host`` (the value's flat bytes), so nothing is assembled in between."""
+    array = value.array if isinstance(value, Region) else value
+    _check_alive(array)
+    data = _data(array)
+    offset = value.offset if isinstance(value, Region) else (0,) * data.ndim
+    shape = value.shape if isinstance(value, Region) else tuple(data.shape)
+    out = host.view(np.dtype(data.dtype)).reshape(shape)
     done = set()
     for shard in data.addressable_shards:
         box = tuple(s.indices(n)[:2] for s, n in zip(shard.index, data.shape))
         if box in done:
             continue
         done.add(box)
-        out[tuple(slice(b - o, e - o) for (b, e), o in zip(box, region.offset))] = np.asarray(shard.data)
-    return out
+        yield shard.data, out[tuple(slice(b - o, e - o) for (b, e), o in zip(box, offset))] if box else out
+
+
+def _land(landings: list[tuple[Any, np.ndarray]]) -> None:
+    """Copy each device array into its host view, the device-to-host transfers started ahead of the copies.
+
+    ``copy_to_host_async`` starts a transfer into JAX's own host copy of the array (no JAX API takes a
+    destination buffer), so transfers run together while earlier ones are copied into place; at most
+    :data:`AHEAD` bytes are started and not yet copied. JAX keeps that host copy as long as the array object
+    it was made for: a shard of a multi-device array is a new object, dropped once landed; a single-device
+    array is its own shard, so its host copy lives until the loop drops the array (as after ``np.asarray``).
+    On the CPU the transfers are no-ops and ``np.asarray`` is a view.
+    """
+    pending, started = deque(landings), deque[tuple[Any, np.ndarray]]()
+    ahead = 0
+    while pending or started:
+        while pending and (not started or ahead + pending[0][1].nbytes <= AHEAD):
+            source, dst = pending.popleft()
+            source.copy_to_host_async()
+            started.append((source, dst))
+            ahead += dst.nbytes
+        source, dst = started.popleft()
+        np.copyto(dst, np.asarray(source))
+        ahead -= dst.nbytes
 
 
 def empty(code: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -205,18 +255,34 @@ def writable_view(target: Any) -> memoryview | None:
 
 
 def on_accelerator(value: Any) -> bool:
-    """A concrete array on accelerators only (no host CPU device): a restore makes it anew from bytes read
-    through the ring of reused host buffers (``_restore/ring.py``) instead of a fresh host array each."""
-    if not isinstance(value, jax.Array) or not has_values(value):
-        return False
+    """An array, an abstract one (``jax.ShapeDtypeStruct``) or a :class:`Region` whose sharding is on
+    accelerators only (no device of :data:`HOST_PLATFORMS`): a save stages it with its transfers started
+    together (:func:`copy_out`), a restore makes it anew from bytes read through the ring of reused host
+    buffers (``_restore/ring.py``) instead of one fresh host array per array. An abstract target without a
+    sharding goes to the default device, which this does not guess: it takes the host path."""
+    devices = _devices(value)
+    return bool(devices) and all(getattr(d, "platform", "cpu") not in HOST_PLATFORMS for d in devices)
+
+
+def _devices(value: Any) -> set[Any]:
+    array = value.array if isinstance(value, Region) else value
     try:
-        devices = value.sharding.device_set
-    except (AttributeError, RuntimeError):  # a deleted (donated) array, or one without a sharding
-        return False
-    return bool(devices) and all(getattr(d, "platform", "cpu") != "cpu" for d in devices)
+        if isinstance(array, jax.ShapeDtypeStruct):
+            return set() if array.sharding is None else set(_concrete(array.sharding).device_set)
+        return set(array.sharding.device_set) if isinstance(array, jax.Array) else set()
+    except (AttributeError, RuntimeError, UnsupportedValueError):  # a deleted (donated) array; no concrete mesh
+        return set()
 
 
 def staging(nbytes: int, like: Any) -> np.ndarray:
+    """Ordinary (pageable) host memory, reused save after save and round after round.
+
+    Not page-locked: JAX has no public way to pin memory it did not allocate, nor to transfer into a buffer
+    the caller gives. Its pinned memory is a memory kind (``jax.device_put(x,
+    sharding.with_memory_kind("pinned_host"))``): a new JAX array each time, not a reused buffer, which NumPy
+    reads only through one more copy -- and CPU-only JAX has no such memory kind at all. So transfers go
+    through JAX's own host copies (:func:`_land`) and :func:`assign`, and land here with one host copy.
+    """
     return numpy_adapter.staging(nbytes, like)
 
 
@@ -225,13 +291,17 @@ def cuttable(value: Any) -> bool:
 
 
 def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[], list[Any]]:
-    """New arrays with each target's dtype and sharding, from host bytes (``assign``); the transfers run
-    while the caller goes on, and the wait blocks until they are ready (then ``host`` may be reused)."""
+    """New arrays with each target's dtype and sharding, from host bytes (``assign``; a typed key's bytes are
+    its key data, a :class:`Region`'s this process's box); the transfers run while the caller goes on, and
+    the wait blocks until they are ready (then ``host`` may be reused)."""
     made = []
     for target, _, host in pairs:
-        values = host.view(target.dtype).reshape(target.shape)
-        if not on_accelerator(target):  # on the host CPU device_put may share the buffer's memory: a copy
-            values = values.copy()
+        data = target.array if isinstance(target, Region) else target
+        aval = jax.eval_shape(jax.random.key_data, data) if is_key(data) else data
+        values = host.view(np.dtype(aval.dtype)).reshape(target.shape if isinstance(target, Region) else aval.shape)
+        devices = _devices(target)
+        if not devices or any(getattr(d, "platform", "cpu") == "cpu" for d in devices):
+            values = values.copy()  # on the host CPU device_put may share the buffer's memory, which is reused
         made.append(assign(target, values))
 
     def wait() -> list[Any]:
@@ -243,8 +313,10 @@ def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[
 
 
 def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:
-    for value, host in pairs:  # byte_view brings a device array to the host
-        np.copyto(host, np.frombuffer(byte_view(value), dtype=np.uint8))
+    """Every array's bytes into its host slice (async staging): every device-to-host transfer is started
+    before the first is waited for (:func:`_land`), and all have landed when this returns, so a step that
+    then donates the arrays cannot touch the copy."""
+    _land([landing for value, host in pairs for landing in _landings(value, host.reshape(-1))])
 
 
 def copy_range_out(value: Any, offset: int, host: np.ndarray) -> None:

@@ -277,8 +277,9 @@ def fill(
             view = None
             if live is not None and _code(live, target) == entry.dtype:
                 if live.on_accelerator(local):
-                    nbytes = math.prod(local.shape) * dtypes.from_code(entry.dtype).itemsize
-                    landed = partial(_landed, job) if part is None else None  # (JAX: a new array)
+                    shape = entry.shape if box is None else box[1]  # as stored: a typed key's is its key data's
+                    nbytes = math.prod(shape) * dtypes.from_code(entry.dtype).itemsize
+                    landed = partial(_landed, job, local)
                     on_device.append(Staged(name, live, local, box, nbytes, live.cuttable(local), landed))
                     job.value = target
                     continue
@@ -332,8 +333,12 @@ def _finish(job: Job, kind: str, framework: str | None, absent: object) -> None:
         job.value = _adapter(job.target).assign(job.target, host)
 
 
-def _landed(job: Job, now: Any) -> None:
-    job.value = now
+def _landed(job: Job, local: Any, now: Any) -> None:
+    """What the target is once its copy landed: itself when the bytes went into it (or into its local shard),
+    else the new array made from them (JAX: an array, or the global array made from this process's region),
+    as :func:`_finish` decides for the host path."""
+    if now is not local:
+        job.value = now
 
 
 def _adapter(value: Any) -> Adapter:
