@@ -346,3 +346,25 @@ def test_a_new_managers_save_that_deletes_the_last_good_checkpoint_fails_the_cam
     monkeypatch.setattr(trainstate.CheckpointManager, "save", save)
     result = run(WORKLOADS[2], sample=15, seed=1)
     assert result.failures, "the last good checkpoint deleted, 0 failures"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the oracle never looks at pins: the pins workload passes with a pin that is not durable",
+)
+def test_a_pin_that_is_never_flushed_fails_the_pins_campaign(monkeypatch):
+    """Injected bug: the pin file is written without an fsync, so a crash after ``pin`` returned may lose the pin
+    and the next manager's retention (keep_last=1) then deletes the pinned checkpoint. The pins workload exists
+    to judge this path; with the oracle ignoring pins, its crash states all pass."""
+    from trainstate._manager.catalog import PIN_FILE
+    from trainstate._storage.local import LocalStorage
+
+    real = LocalStorage.write
+
+    def write(self, path, views, *, fsync):
+        return real(self, path, views, fsync=fsync and not path.endswith(PIN_FILE))
+
+    monkeypatch.setattr(LocalStorage, "write", write)
+    result = run(WORKLOADS[3], sample=120, seed=1)
+    assert result.failures, "a pin that returned can be lost, 0 failures"
