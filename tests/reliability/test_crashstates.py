@@ -140,8 +140,8 @@ def test_ranks_recordings_combine_into_cuts_that_respect_what_the_ranks_told_eac
         rank0 += [Op("fsync", "d/part0", at=5), Op("fsync", "d", at=6), Op("rename", "d", "done", at=7)]
         rank0 += [Op("fsync", ".", at=8)]
         return [
-            collective.RankRecording(Image({"d"}, {}), rank0, [(6, "committed 0")], [(3, "gather", "save")]),
-            collective.RankRecording(Image({"d"}, {}), rank1, [], [(len(rank1), "gather", "save")]),
+            collective.RankRecording(Image({"d"}, {}), rank0, [(6, "committed 0")], [(3, 3, "gather", "save")]),
+            collective.RankRecording(Image({"d"}, {}), rank1, [], [(len(rank1), len(rank1), "gather", "save")]),
         ]
 
     def torn(flush):
@@ -155,3 +155,29 @@ def test_ranks_recordings_combine_into_cuts_that_respect_what_the_ranks_told_eac
 
     assert torn(flush=True) == []
     assert torn(flush=False)
+
+
+def test_a_local_tier_copy_made_with_fsync_is_durable_when_it_is_written(tmp_path):
+    """A peer's copy of a local checkpoint (the local tier's replicas, ``fsync=True``): once written, no crash state
+    loses it or any of its bytes: its files, its staging directory's names, its rename and new parent folders
+    are all flushed. Found by the enumeration once the recorder saw buffered writes when they reach the file:
+    each file was fsynced before its buffer was flushed (a manifest, smaller than the buffer, was not flushed at
+    all), and the staging directory, the folder and new parents were never fsynced."""
+    import numpy as np
+
+    import trainstate
+    from trainstate._manager.tier_peers import pack, unpack
+
+    source = tmp_path / "source"
+    trainstate.save(source / "step_00000007", {"w": np.arange(100.0)})
+    packed = pack(source, 7)
+    root = tmp_path / "r"
+    root.mkdir()
+    with Recorder(root) as recorder:
+        unpack(root / "w2" / "rank00001", packed, keep=2, fsync=True)
+    want = {p.name: p.read_bytes() for p in (source / "step_00000007").iterdir()}
+    last = [image for k, _, image in crash_states(recorder.before, recorder.ops) if k == len(recorder.ops)]
+    assert last and all(
+        {p.rsplit("/", 1)[1]: b for p, b in image.files.items() if p.startswith("w2/rank00001/step_00000007/")} == want
+        for image in last
+    )

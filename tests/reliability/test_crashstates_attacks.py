@@ -113,11 +113,6 @@ UNSEEN = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the recorder wraps only some os calls and open().write: these go unrecorded (or, O_APPEND, recorded at the wrong offset)",
-)
 @pytest.mark.parametrize("mutate", UNSEEN, ids=[f.__name__.lstrip("_") for f in UNSEEN])
 def test_the_recording_replays_to_the_tree_the_work_left(tmp_path, mutate):
     """Whatever the work did, the tree before plus the recorded operations must give the tree after (else the
@@ -135,12 +130,6 @@ def test_the_recording_replays_to_the_tree_the_work_left(tmp_path, mutate):
     assert replayed.files == after.files, [(o.kind, o.path, o.path2) for o in recorder.ops]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a file object's close() leaves its fd in the recorder's table; a later "
-    "os.fsync on the reused fd number is credited to the old path",
-)
 def test_an_fsync_is_credited_to_the_file_it_was_made_on(tmp_path):
     """open(a, 'wb'), write, close (no fsync); then open(b, 'rb') (read mode: not tracked) gets the same fd
     number and is fsynced: the recording must not say that ``a`` was fsynced (that makes a's unsynced data
@@ -160,12 +149,6 @@ def test_an_fsync_is_credited_to_the_file_it_was_made_on(tmp_path):
     assert any(image.files.get("a") == b"" for _, image in last)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="ops are appended after the real call returns, outside the lock: a "
-    "thread's fsync can be recorded after another thread's later rename, making the rename durable",
-)
 def test_operations_are_recorded_in_the_order_they_ran(tmp_path, monkeypatch):
     """Thread A fsyncs the directory; then thread B renames into it. The rename ran after the fsync, so a crash
     may lose it; the recording must keep that order (here A is only slow to get back from the call)."""
@@ -201,11 +184,6 @@ def test_operations_are_recorded_in_the_order_they_ran(tmp_path, monkeypatch):
 # -- the state model: states a disk can be left in that are never generated ----------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a lost mkdir is rebuilt by materialize() when durable files lie under it",
-)
 def test_a_lost_directory_takes_what_is_under_it():
     """mkdir d; a file in d written, fsynced; d fsynced; d's parent never fsynced. By the model's own rule the
     mkdir is volatile, so some crash state must lack d (and the file in it); none does."""
@@ -221,16 +199,11 @@ def test_a_lost_directory_takes_what_is_under_it():
     assert any("d/f" not in image.files for _, image in states_after(before, ops))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="trainstate never fsyncs the run directory's parent; the model says the "
-    "run's mkdir stays volatile yet never generates a state without the run",
-)
 def test_trainstate_first_save_survives_losing_the_run_directory_entry(tmp_path):
-    """The real recording of 'sync saves, retention': ``mkdir run`` is volatile to the end (no fsync of the root),
-    so under the model a crash after 'committed 3' may lose the whole run; the oracle must then fail (step 3 was
-    committed). The generator never produces that state, so the campaign cannot see it."""
+    """Found by this attack and fixed in trainstate: the run directory's parent was never fsynced after ``mkdir
+    run``, so under the model a crash after 'committed 3' could take the whole run (a lost mkdir takes what is
+    under it). trainstate now fsyncs the parent of each directory it creates (the run's, a save's new parents),
+    and no state after the last operation lacks the committed checkpoint."""
     from tools.crashstates.workloads import Place
 
     w = WORKLOADS[1]
@@ -239,17 +212,16 @@ def test_trainstate_first_save_survives_losing_the_run_directory_entry(tmp_path)
     recorder = Recorder(root)
     with recorder:
         w.run(Place(root), recorder, w)
+        import trainstate
+
+        trainstate.save(root / "new" / "parents" / "ckpt", {"x": b"1"}, fsync=True)
     assert recorder.ops[0].kind == "mkdir" and recorder.ops[0].path == "run"
-    assert 0 in _volatile(recorder.ops)  # the model itself says: not durable
+    assert [recorder.ops[i].path for i in _volatile(recorder.ops) if recorder.ops[i].kind == "mkdir"] == []
     last = list(states_after(recorder.before, recorder.ops))
-    assert any(not any(p.startswith("run/step_") for p in image.files) for _, image in last)
+    assert all(any(p.startswith("run/step_00000003/") for p in image.files) for _, image in last)
+    assert all("new/parents/ckpt/manifest.json" in image.files for _, image in last)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="unsynced data is kept, dropped, or one inode cut: never dropped per file, never a torn in-place overwrite",
-)
 def test_unsynced_in_place_overwrites_persist_per_file_and_per_page():
     """Two fsynced files, both overwritten in place (no fsync after): writeback is per page, per file, so a
     crash can leave a new and b old, or a's first page new and its second old. Neither is generated."""
@@ -267,9 +239,6 @@ def test_unsynced_in_place_overwrites_persist_per_file_and_per_page():
 # -- the object store's model ---------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="only the first 10 requests in flight may land: the 11th never does"
-)
 def test_any_request_in_flight_may_have_landed():
     log = objects.Log()
     for i in range(11):
@@ -280,12 +249,6 @@ def test_any_request_in_flight_may_have_landed():
 # -- the collective combining ---------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="an op recorded after a rank entered an exchange is taken as after the "
-    "exchange returned, though a background thread may have made it while the rank waited",
-)
 def test_a_background_threads_operation_during_an_exchange_is_not_ordered_after_it(tmp_path):
     """Rank 0's main thread enters a gather (waiting for rank 1); meanwhile its background thread deletes an old
     checkpoint. That deletion did not wait for rank 1, so a crash may have it done while rank 1 has written
@@ -294,7 +257,7 @@ def test_a_background_threads_operation_during_an_exchange_is_not_ordered_after_
     root.mkdir()
     (root / "old").write_bytes(b"o")
     recorder = Recorder(root)
-    calls: list[tuple[int, str, str]] = []
+    calls: list[tuple[int, int, str, str]] = []
     entered, deleted = threading.Event(), threading.Event()
     with recorder:
 
@@ -305,13 +268,14 @@ def test_a_background_threads_operation_during_an_exchange_is_not_ordered_after_
 
         t = threading.Thread(target=background)
         t.start()
-        calls.append((len(recorder.ops), "gather", "save"))  # what _note_calls records on entry
+        entered_at = len(recorder.ops)  # what _note_calls records on entry
         entered.set()
         deleted.wait(5)  # ... the gather blocks here until rank 1 arrives
+        calls.append((entered_at, len(recorder.ops), "gather", "save"))  # ... and on return
         t.join()
     rank0 = collective.RankRecording(recorder.before, recorder.ops, [], calls)
     rank1_ops = [Op("create", "part1", at=10**18), Op("write", "part1", data=b"x", at=10**18 + 1)]
-    rank1 = collective.RankRecording(recorder.before, rank1_ops, [], [(2, "gather", "save")])
+    rank1 = collective.RankRecording(recorder.before, rank1_ops, [], [(2, 2, "gather", "save")])
     cuts = {cut for cut, *_ in collective.crash_states([rank0, rank1])}
     assert "ranks at ops (1, 0)" in cuts
 
@@ -319,12 +283,6 @@ def test_a_background_threads_operation_during_an_exchange_is_not_ordered_after_
 # -- the oracle -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the oracle checks the restored checkpoint is whole only before the new "
-    "manager saves, and verifies only what is still listed after",
-)
 def test_a_new_managers_save_that_deletes_the_last_good_checkpoint_fails_the_campaign(monkeypatch):
     """Injected bug: a manager's save of step 99 (the oracle's) deletes every other checkpoint, with no
     retention configured ('async saves' keeps everything). The module docstring promises 'the checkpoint
@@ -348,23 +306,15 @@ def test_a_new_managers_save_that_deletes_the_last_good_checkpoint_fails_the_cam
     assert result.failures, "the last good checkpoint deleted, 0 failures"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the oracle never looks at pins: the pins workload passes with a pin that is not durable",
-)
-def test_a_pin_that_is_never_flushed_fails_the_pins_campaign(monkeypatch):
-    """Injected bug: the pin file is written without an fsync, so a crash after ``pin`` returned may lose the pin
-    and the next manager's retention (keep_last=1) then deletes the pinned checkpoint. The pins workload exists
-    to judge this path; with the oracle ignoring pins, its crash states all pass."""
-    from trainstate._manager.catalog import PIN_FILE
+def test_a_pin_whose_name_is_not_flushed_fails_the_pins_campaign(monkeypatch):
+    """Found by this attack and fixed in trainstate: the pin file was flushed but its directory was not, so a
+    crash after ``pin`` returned could lose the pin and the next manager's retention (keep_last=1) then deleted
+    the pinned checkpoint. ``pin`` now syncs the checkpoint's directory (``Storage.sync_directory``); without
+    that, the oracle (which now judges pins) fails the pins workload."""
     from trainstate._storage.local import LocalStorage
 
-    real = LocalStorage.write
-
-    def write(self, path, views, *, fsync):
-        return real(self, path, views, fsync=fsync and not path.endswith(PIN_FILE))
-
-    monkeypatch.setattr(LocalStorage, "write", write)
-    result = run(WORKLOADS[3], sample=120, seed=1)
-    assert result.failures, "a pin that returned can be lost, 0 failures"
+    result = run(WORKLOADS[3], sample=200, seed=1)
+    assert result.failures == []
+    monkeypatch.setattr(LocalStorage, "sync_directory", lambda self, path: None)
+    result = run(WORKLOADS[3], sample=200, seed=1)
+    assert any("pin" in f for f in result.failures), result.failures

@@ -79,6 +79,9 @@ class Forwarding(Minimal):
     def recover(self, final: str) -> bool:
         return self.inner.recover(final)
 
+    def sync_directory(self, path: str) -> None:
+        self.inner.sync_directory(path)
+
 
 class Wrapping(Forwarding):
     """Forwards everything, capabilities included: indistinguishable from the backend it wraps."""

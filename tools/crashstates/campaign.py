@@ -15,8 +15,8 @@ from typing import Any
 import trainstate
 
 from . import collective, objects
-from .record import Recorder
-from .states import crash_states, materialize
+from .record import Image, Op, Recorder, snapshot
+from .states import crash_states, digest, materialize, replayed
 from .workloads import WORKLOADS, Place, Workload, oracle
 
 EVERY = WORKLOADS + collective.COLLECTIVE
@@ -34,8 +34,8 @@ class Result:
 @dataclass
 class Recording:
     """A workload's recorded run: its operations (requests, on an object store), the steps it saved, its crash
-    states as (where it crashed, how the state was made, the steps committed before, the state), and how to lay
-    a state out for the oracle."""
+    states as (where it crashed, how the state was made, the marks made before, the state), and how to lay a
+    state out for the oracle."""
 
     operations: int
     saved: set[int]
@@ -45,12 +45,24 @@ class Recording:
     close: Callable[[], None] = lambda: None
 
 
-def _committed(marks: list[tuple[int, str]], point: int) -> list[int]:
-    return [int(label.split()[1]) for at, label in marks if at <= point and label.startswith("committed")]
+def _seen(marks: list[tuple[int, str]], point: int) -> list[str]:
+    """The marks made before a crash at ``point`` (one at the point itself counts: nothing ran between)."""
+    return [label for at, label in marks if at <= point]
 
 
 def _saved(marks: list[tuple[int, str]]) -> set[int]:
-    return {int(label.split()[1]) for _, label in marks} | set(range(10))  # marked, or in flight
+    return {int(label.split()[1]) for _, label in marks if label.startswith("saving")}
+
+
+def complete(before: Image, ops: list[Op], root: Path) -> None:
+    """Stop unless the recording, replayed, gives the tree the work left: a mutation the recorder did not see
+    would make every crash state one of a history that did not happen."""
+    got, want = replayed(before, ops), snapshot(root)
+    if digest(got) != digest(want):
+        differ = sorted(
+            {p for p in {*got.files, *want.files} if got.files.get(p) != want.files.get(p)} | (got.dirs ^ want.dirs)
+        )
+        raise RuntimeError(f"the recording misses mutations the work made under {root}: {differ[:10]}")
 
 
 def _in_directory(root: Path) -> Callable[[Any], Place]:
@@ -71,8 +83,9 @@ def _on_disk(w: Workload, work: Path) -> Recording:
     recorder = Recorder(root)
     with recorder:
         w.run(Place(root), recorder, w)
+    complete(recorder.before, recorder.ops, root)
     states = [
-        (f"after op {k}", how, _committed(recorder.marks, k), image)
+        (f"after op {k}", how, _seen(recorder.marks, k), image)
         for k, how, image in crash_states(recorder.before, recorder.ops)
     ]
     return Recording(len(recorder.ops), _saved(recorder.marks), states, _in_directory(root))
@@ -80,11 +93,12 @@ def _on_disk(w: Workload, work: Path) -> Recording:
 
 def _on_store(w: Workload, work: Path) -> Recording:
     log = objects.Log()
-    # parts of 1 KiB: the checkpoints' data files go up as multipart uploads (create, parts, complete)
-    w.run(Place(work, trainstate.FsspecStorage(objects.ObjectStore(log=log), part_size=1 << 10)), log, w)
+    # parts of 1 KiB: the checkpoints' data files go up as multipart uploads (create, parts, complete); each
+    # request takes 2 ms, so the uploads of one save are in flight together
+    store = objects.ObjectStore(log=log, latency=0.002)
+    w.run(Place(work, trainstate.FsspecStorage(store, part_size=1 << 10)), log, w)
     states = [
-        (f"after event {t}", how, _committed(log.marks, t), objects_)
-        for t, how, objects_ in objects.crash_states({}, log)
+        (f"after event {t}", how, _seen(log.marks, t), objects_) for t, how, objects_ in objects.crash_states({}, log)
     ]
 
     def lay_out(state: Any) -> Place:
@@ -97,6 +111,7 @@ def _by_ranks(w: Workload, work: Path) -> Recording:
     root = work / "recorded"
     root.mkdir()
     recordings = collective.record(w, root, work)
+    complete(recordings[0].before, sorted([op for r in recordings for op in r.ops], key=lambda op: op.at), root)
     states = list(collective.crash_states(recordings))
     operations = sum(len(r.ops) for r in recordings)
     recording = Recording(operations, _saved(recordings[0].marks), states, _in_directory(root))
@@ -117,9 +132,9 @@ def run(w: Workload, *, sample: int | None = None, seed: int = 0) -> Result:
         if sample is not None and sample < len(states):
             states = random.Random(seed).sample(states, sample)
         try:
-            for where, how, committed, state in states:
+            for where, how, seen, state in states:
                 try:
-                    recording.judge(recording.lay_out(state), w, committed, recording.saved)
+                    recording.judge(recording.lay_out(state), w, seen, recording.saved)
                 except Exception as e:  # noqa: BLE001 - each failure is a finding, reported with its state
                     trace = traceback.format_exception_only(type(e), e)[-1].strip()
                     result.failures.append(f"{where} ({how}): {trace}")

@@ -7,10 +7,11 @@ recording, it called each of trainstate's collective exchanges (``Coordinator.ga
 
 A crash of the whole job (a machine's power, a node that takes the shared disk's client with it) stops each rank
 at some point of its own recording. The pairs of points that can happen together are the *consistent cuts* of
-what the ranks told each other: a rank that went on past an exchange in which it received from other ranks
-stops only after those ranks did everything they did before that exchange (``gather``: rank 0 receives from
-every rank; ``scatter`` and ``broadcast``: every rank from rank 0; ``all_gather``, ``max`` and ``exchange``:
-every rank from every rank, which makes fewer cuts than point-to-point sends would). For each consistent cut the
+what the ranks told each other: a rank that recorded something after an exchange returned, in which it received
+from other ranks, stops only after those ranks did everything they recorded before they entered that exchange
+(``gather``: rank 0 receives from every rank; ``scatter`` and ``broadcast``: every rank from rank 0;
+``all_gather``, ``max`` and ``exchange``: every rank from every rank, which makes fewer cuts than point-to-point
+sends would). What a rank's other threads recorded while it waited in an exchange is not ordered after it. For each consistent cut the
 ranks' operations up to it are merged in the order they ran (the machine's monotonic clock, which both
 processes share), and :func:`~.states.states_after` gives the trees a crash there may leave. Each distinct tree
 is judged by the workload's oracle in one process: any world size restores a collective checkpoint.
@@ -56,11 +57,11 @@ COLLECTIVE = [
 
 
 class RankRecording:
-    """One rank's recording: the tree before, its operations, its marks, and (operations so far, exchange,
-    channel) at each collective exchange it called."""
+    """One rank's recording: the tree before, its operations, its marks, and for each collective exchange it
+    called (operations recorded when it entered, when it returned, the exchange, its channel)."""
 
     def __init__(
-        self, before: Image, ops: list[Op], marks: list[tuple[int, str]], calls: list[tuple[int, str, str]]
+        self, before: Image, ops: list[Op], marks: list[tuple[int, str]], calls: list[tuple[int, int, str, str]]
     ) -> None:
         self.before, self.ops, self.marks, self.calls = before, ops, marks, calls
 
@@ -81,7 +82,7 @@ def _join(rank: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
 
 
-def _note_calls(recorder: Recorder, calls: list[tuple[int, str, str]]) -> None:
+def _note_calls(recorder: Recorder, calls: list[tuple[int, int, str, str]]) -> None:
     """Note each exchange trainstate's coordinators make, on which channel (a gloo group of its own: the
     manager's control, its background saves, the local tier's copies run on separate threads)."""
     from trainstate._distributed.group import GlooCoordinator
@@ -97,8 +98,12 @@ def _note_calls(recorder: Recorder, calls: list[tuple[int, str, str]]) -> None:
         real = getattr(GlooCoordinator, exchange)
 
         def noted(self: Any, *args: Any, _real: Any = real, _name: str = exchange, **kwargs: Any) -> Any:
-            calls.append((len(recorder.ops), _name, self.crash_channel))
-            return _real(self, *args, **kwargs)
+            at = len(calls)
+            calls.append((len(recorder.ops), -1, _name, self.crash_channel))  # in the order they were entered
+            try:
+                return _real(self, *args, **kwargs)
+            finally:
+                calls[at] = (calls[at][0], len(recorder.ops), _name, self.crash_channel)
 
         setattr(GlooCoordinator, exchange, noted)
 
@@ -111,7 +116,7 @@ def _rank(rank: int, port: int, root: str, name: str, work: str) -> None:
     try:
         w = next(w for w in COLLECTIVE if w.name == name)
         recorder = Recorder(Path(root))
-        calls: list[tuple[int, str, str]] = []
+        calls: list[tuple[int, int, str, str]] = []
         _note_calls(recorder, calls)
         dist.barrier()  # the tree is empty when every rank's recorder takes it
         with recorder:
@@ -149,36 +154,36 @@ def record(w: Workload, root: Path, work: Path) -> list[RankRecording]:
     return recordings
 
 
-def _matched(recordings: list[RankRecording]) -> list[tuple[str, list[int]]]:
-    """Each exchange the ranks made together: (its name, where each rank was in its recording), matched by
-    channel and order on it."""
-    channels = sorted({c for r in recordings for _, _, c in r.calls})
+def _matched(recordings: list[RankRecording]) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Each exchange the ranks made together: (its name, (entered, returned) in each rank's recording),
+    matched by channel and order on it."""
+    channels = sorted({c for r in recordings for *_, c in r.calls})
     out = []
     for channel in channels:
-        each = [[(at, name) for at, name, c in r.calls if c == channel] for r in recordings]
-        names = [[name for _, name in calls] for calls in each]
+        each = [[(a, b, name) for a, b, name, c in r.calls if c == channel] for r in recordings]
+        names = [[name for *_, name in calls] for calls in each]
         if any(n != names[0] for n in names):
             raise RuntimeError(f"the ranks made different exchanges on channel {channel!r}: {names}")
-        out += [(names[0][j], [calls[j][0] for calls in each]) for j in range(len(names[0]))]
+        out += [(names[0][j], [(calls[j][0], calls[j][1]) for calls in each]) for j in range(len(names[0]))]
     return out
 
 
-def _consistent(cut: tuple[int, ...], exchanges: list[tuple[str, list[int]]]) -> bool:
+def _consistent(cut: tuple[int, ...], exchanges: list[tuple[str, list[tuple[int, int]]]]) -> bool:
     """Whether every rank's point in ``cut`` can be where it stopped, given the others' (see the module doc)."""
     ranks = range(len(cut))
     for name, at in exchanges:
         who = EXCHANGES[name]
         receivers = [0] if who == "to0" else ranks
         senders = [0] if who == "from0" else ranks
-        for a in receivers:
-            if cut[a] > at[a] and any(cut[b] < at[b] for b in senders):  # a went on; b had not got there
+        for a in receivers:  # a recorded something after the exchange returned; b had not entered it
+            if cut[a] > at[a][1] and any(cut[b] < at[b][0] for b in senders):
                 return False
     return True
 
 
-def crash_states(recordings: list[RankRecording]) -> Iterator[tuple[str, str, list[int], Image]]:
-    """(the cut, how the state was made, the steps committed before the cut (rank 0's marks), the tree), each
-    distinct (tree, committed) once."""
+def crash_states(recordings: list[RankRecording]) -> Iterator[tuple[str, str, list[str], Image]]:
+    """(the cut, how the state was made, rank 0's marks made before the cut, the tree), each distinct (tree,
+    marks) once."""
     assert len(recordings) == 2
     first, second = recordings
     exchanges = _matched(recordings)
@@ -188,12 +193,12 @@ def crash_states(recordings: list[RankRecording]) -> Iterator[tuple[str, str, li
             if not _consistent((p0, p1), exchanges):
                 continue
             merged = sorted([*first.ops[:p0], *second.ops[:p1]], key=lambda op: op.at)
-            committed = [int(label.split()[1]) for at, label in first.marks if at <= p0 and "committed" in label]
+            told = [label for at, label in first.marks if at <= p0]
             for how, image in states_after(first.before, merged):
-                key = (digest(image), tuple(committed))
+                key = (digest(image), tuple(told))
                 if key not in seen:
                     seen.add(key)
-                    yield f"ranks at ops ({p0}, {p1})", how, committed, image
+                    yield f"ranks at ops ({p0}, {p1})", how, told, image
 
 
 def _judge(rank: int, port: int, name: str, inboxes: list[Any], outbox: Any) -> None:
@@ -208,9 +213,9 @@ def _judge(rank: int, port: int, name: str, inboxes: list[Any], outbox: Any) -> 
     w = next(w for w in COLLECTIVE if w.name == name)
     try:
         while (task := inboxes[rank].get()) is not None:
-            root, committed, saved = task
+            root, seen, saved = task
             try:
-                oracle(Place(Path(root)), w, committed, saved)
+                oracle(Place(Path(root)), w, seen, saved)
                 outbox.put((rank, None))
             except Exception as e:  # noqa: BLE001 - a finding, reported with its rank
                 outbox.put((rank, f"rank {rank}: " + traceback.format_exception_only(type(e), e)[-1].strip()))
@@ -231,12 +236,12 @@ class Judges:
         self.inboxes, self.outbox = [ctx.Queue() for _ in range(RANKS)], ctx.Queue()
         self.procs = _spawn(_judge, _free_port(), self.w.name, self.inboxes, self.outbox)
 
-    def judge(self, place: Place, w: Workload, committed: list[int], saved: set[int]) -> None:
+    def judge(self, place: Place, w: Workload, seen: list[str], saved: set[int]) -> None:
         """Raise AssertionError naming each rank's failure on this state (laid out at ``place``)."""
         if not self.procs:
             self._start()
         for inbox in self.inboxes:
-            inbox.put((str(place.root), committed, saved))
+            inbox.put((str(place.root), seen, saved))
         failures = []
         for _ in range(RANKS):
             try:

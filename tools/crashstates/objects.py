@@ -66,11 +66,14 @@ class ObjectStore(AbstractFileSystem):  # type: ignore[misc]
     root_marker = ""
     cachable = False  # each store its own objects
 
-    def __init__(self, objects: dict[str, bytes] | None = None, log: Log | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, objects: dict[str, bytes] | None = None, log: Log | None = None, latency: float = 0.0, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.objects: dict[str, bytes] = dict(objects or {})
         self.mtimes: dict[str, float] = dict.fromkeys(self.objects, time.time())
         self.log = log
+        self.latency = latency  # seconds each request takes, half before it takes effect: uploads overlap
         self._lock = threading.Lock()
 
     # -- requests -----------------------------------------------------------------------------------
@@ -81,6 +84,7 @@ class ObjectStore(AbstractFileSystem):  # type: ignore[misc]
         if entry is not None:
             with self.log.lock:  # type: ignore[union-attr]
                 self.log.requests.append(entry)  # type: ignore[union-attr]
+        time.sleep(self.latency / 2)
         with self._lock:
             if kind in ("put", "complete"):
                 self.objects[key] = data
@@ -88,6 +92,7 @@ class ObjectStore(AbstractFileSystem):  # type: ignore[misc]
             elif kind == "delete":
                 self.objects.pop(key, None)
                 self.mtimes.pop(key, None)
+        time.sleep(self.latency / 2)
         if entry is not None:
             entry.returned = self.log.tick()  # type: ignore[union-attr]
 
@@ -183,24 +188,32 @@ def crash_states(
     before: dict[str, bytes], log: Log, *, most_in_flight: int = 10
 ) -> Iterator[tuple[int, str, dict[str, bytes]]]:
     """(crash point: the counter value, how the state was made, the objects), each distinct state once per crash
-    point. At most 2**``most_in_flight`` subsets of the requests in flight are tried at one point (the largest
-    ones lose the rest, which says so in the name)."""
+    point. With more than ``most_in_flight`` requests in flight at one point, not every subset of them is tried:
+    none, each one alone, all but each one, and all (the label says so)."""
     events = sorted({r.sent for r in log.requests} | {r.returned for r in log.requests} | {at for at, _ in log.marks})
     for t in [0, *events]:
         done = [r for r in log.requests if 0 <= r.returned <= t]
         flying = [r for r in log.requests if r.sent <= t and not 0 <= r.returned <= t and r.kind in VISIBLE]
+        n = len(flying)
+        if n <= most_in_flight:
+            subsets: Iterator[tuple[Request, ...]] = itertools.chain.from_iterable(
+                itertools.combinations(flying, k) for k in range(n + 1)
+            )
+        else:
+            subsets = itertools.chain(
+                [()], ((r,) for r in flying), (tuple(x for x in flying if x is not r) for r in flying), [tuple(flying)]
+            )
         seen: set[tuple[tuple[str, bytes], ...]] = set()
-        for n in range(len(flying[:most_in_flight]) + 1):
-            for landed in itertools.combinations(flying[:most_in_flight], n):
-                taken = sorted([*done, *landed], key=lambda r: r.returned if r.returned >= 0 else 1 << 62)
-                objects = dict(before)
-                for r in taken:
-                    if r.kind == "delete":
-                        objects.pop(r.key, None)
-                    elif r.kind in ("put", "complete"):
-                        objects[r.key] = r.data
-                key = tuple(sorted(objects.items()))
-                if key not in seen:
-                    seen.add(key)
-                    how = "returned requests" + (f" + {n} in flight" if n else "")
-                    yield t, how, objects
+        for landed in subsets:
+            taken = sorted([*done, *landed], key=lambda r: r.returned if r.returned >= 0 else 1 << 62)
+            objects = dict(before)
+            for r in taken:
+                if r.kind == "delete":
+                    objects.pop(r.key, None)
+                elif r.kind in ("put", "complete"):
+                    objects[r.key] = r.data
+            key = tuple(sorted(objects.items()))
+            if key not in seen:
+                seen.add(key)
+                how = "returned requests" + (f" + {len(landed)} of {n} in flight" if n else "")
+                yield t, how + (" (subsets sampled)" if n > most_in_flight else ""), objects

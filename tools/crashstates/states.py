@@ -1,21 +1,24 @@
 """Every state a local disk may be left in by a crash during a recorded piece of work.
 
-The model (stricter than ext4 in its default ``data=ordered`` mode, so every state ext4 can leave is among the
-ones generated, and more):
+The model (ext4 in its default ``data=ordered`` mode allows each of these states, and the model allows more:
+where ext4 orders things, the model does not rely on it):
 
 * **Namespace operations** (create, mkdir, rename, exchange, unlink, rmdir) are durable once every directory they
   touch was fsynced after them. Before that they are *volatile*: a crash keeps them in program order up to some
   point and loses the rest (a journal commits in order), or, reordered, loses one rename while keeping what
   came after it. (ext4 commits every earlier namespace operation at any fsync; this model waits for the
   directory's own.)
-* **File data** written since the file's last fsync is volatile: a crash keeps it, or drops it back to what the
-  last fsync saw (nothing, for a file never fsynced), or cuts the file after its first such write.
+* **File data** written since the file's last fsync is volatile. A crash keeps all of it; or drops it back to
+  what the last fsync saw (nothing, for a file never fsynced); or keeps the file's bytes up to where it ended
+  before its first such write; or keeps a prefix of its writes since then: the first *j* whole, and the next
+  one's first half (a torn write); or keeps its last write and loses the earlier ones (pages written back out
+  of order: what they covered reads as before them, or as zeros past the old end).
 * Everything before the work began (:attr:`Recorder.before`) is durable.
 
 For each crash point (after each operation, and before the first) :func:`crash_states` yields the distinct
 directory trees these rules allow: everything kept; the volatile data dropped; each suffix of the volatile
-namespace operations lost (with the data kept, then dropped); each volatile rename lost alone; the volatile
-writes of each file cut short alone.
+namespace operations lost (with the data kept, then dropped); each volatile rename lost alone; each file's
+volatile writes cut short, torn or reordered as above, one file at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 
 from .record import Image, Op
 
-NAMESPACE = frozenset({"create", "mkdir", "rename", "exchange", "unlink", "rmdir"})
+NAMESPACE = frozenset({"create", "mkdir", "rename", "exchange", "link", "unlink", "rmdir"})
 
 
 def _parent(path: str) -> str:
@@ -53,6 +56,9 @@ class _FS:
     synced: dict[int, bytes] = field(default_factory=dict)
     first_unsynced: dict[int, int] = field(default_factory=dict)  # inode -> file length before its first
     # write since the last fsync (where a cut-short file ends)
+    writes: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)  # inode -> (offset, bytes) of
+    # each write since its last fsync; absent for a file truncated since then (its partial states not made)
+    truncated: set[int] = field(default_factory=set)  # inodes truncated since their last fsync
     next_inode: int = 0
 
     @classmethod
@@ -82,6 +88,8 @@ class _FS:
             if inode is not None:
                 buf = self.data[inode]
                 self.first_unsynced.setdefault(inode, len(buf))
+                if inode in self.writes or inode not in self.truncated:
+                    self.writes.setdefault(inode, []).append((op.offset, op.data))
                 if len(buf) < op.offset:
                     buf.extend(b"\0" * (op.offset - len(buf)))
                 buf[op.offset : op.offset + len(op.data)] = op.data
@@ -90,17 +98,25 @@ class _FS:
             if inode is not None:
                 self.first_unsynced.setdefault(inode, len(self.data[inode]))
                 del self.data[inode][op.size :]
+                self.writes.pop(inode, None)
+                self.truncated.add(inode)
         elif k == "fsync":
             inode = self.names.get(op.path)
             if inode is not None:
                 self.synced[inode] = bytes(self.data[inode])
                 self.first_unsynced.pop(inode, None)
+                self.writes.pop(inode, None)
+                self.truncated.discard(inode)
         elif k == "rename":
             self._rename(op.path, op.path2)
         elif k == "exchange":
             a, b = self._take(op.path), self._take(op.path2)
             self._put(op.path2, a, op.path)
             self._put(op.path, b, op.path2)
+        elif k == "link":
+            inode = self.names.get(op.path)
+            if inode is not None:
+                self.names[op.path2] = inode
         elif k == "unlink":
             self.names.pop(op.path, None)
         elif k == "rmdir":
@@ -130,16 +146,42 @@ class _FS:
         self._take(dst)  # a rename replaces what was there (an empty directory, or a file)
         self._put(dst, taken, src)
 
+    def partial(self, inode: int, writes: list[tuple[int, bytes]]) -> Image:
+        """The tree with everything kept but ``inode``, which holds what its last fsync saw and then ``writes``
+        (a file extended past its end reads zeros in between)."""
+        content = bytearray(self.synced.get(inode, b""))
+        for offset, data in writes:
+            if len(content) < offset:
+                content.extend(b"\0" * (offset - len(content)))
+            content[offset : offset + len(data)] = data
+        image = self.image(drop=False)
+        for path, i in self.names.items():
+            if i == inode and path in image.files:
+                image.files[path] = bytes(content)
+        return image
+
     def image(self, drop: bool, cut: int | None = None) -> Image:
         """The tree: each file's bytes, or (``drop``) what its last fsync saw; ``cut``: that inode ends where
-        it ended before its first write since the last fsync."""
+        it ended before its first write since the last fsync. A directory whose own entry was lost takes what
+        is under it along."""
         files = {}
+        dirs = {d for d in self.dirs if self._reachable(d)}
         for path, inode in self.names.items():
+            if not self._reachable(_parent(path)):
+                continue
             content = self.synced.get(inode, b"") if drop else bytes(self.data[inode])
             if cut == inode:
                 content = bytes(self.data[inode][: self.first_unsynced.get(inode, len(self.data[inode]))])
             files[path] = content
-        return Image(set(self.dirs), files)
+        return Image(dirs, files)
+
+    def _reachable(self, directory: str) -> bool:
+        """Whether ``directory`` and every directory above it are there (``.``, the root, always is)."""
+        while directory not in (".", ""):
+            if directory not in self.dirs:
+                return False
+            directory = _parent(directory)
+        return True
 
 
 def _build(before: Image, ops: list[Op], lost: set[int]) -> _FS:
@@ -163,6 +205,11 @@ def _volatile(ops: list[Op]) -> list[int]:
     return sorted(pending)
 
 
+def replayed(before: Image, ops: list[Op]) -> Image:
+    """The tree ``ops`` leave when every one of them lands: what the work left, if nothing was missed."""
+    return _build(before, ops, set()).image(drop=False)
+
+
 def digest(image: Image) -> str:
     h = hashlib.sha256()
     for d in sorted(image.dirs):
@@ -179,14 +226,26 @@ def _variants(before: Image, prefix: list[Op]) -> Iterator[tuple[str, Image]]:
     yield "all kept", full.image(drop=False)
     yield "unsynced data dropped", full.image(drop=True)
     for inode in sorted(full.first_unsynced):
-        yield f"inode {inode} cut short", full.image(drop=False, cut=inode)
+        name = next((p for p, i in full.names.items() if i == inode), f"inode {inode}")
+        yield f"{name} cut where it ended at its last fsync", full.image(drop=False, cut=inode)
+        writes = full.writes.get(inode, [])
+        yield f"{name}: its unsynced writes lost", full.partial(inode, [])
+        for j, (offset, data) in enumerate(writes):
+            if j:
+                yield f"{name}: its first {j} unsynced writes only", full.partial(inode, writes[:j])
+            yield (
+                f"{name}: write {j + 1} of {len(writes)} torn",
+                full.partial(inode, [*writes[:j], (offset, data[: len(data) // 2])]),
+            )
+        if len(writes) > 1:
+            yield f"{name}: its last unsynced write only", full.partial(inode, writes[-1:])
     for j in range(1, len(volatile) + 1):
         fs = _build(before, prefix, set(volatile[-j:]))
         yield f"last {j} namespace ops lost", fs.image(drop=False)
         yield f"last {j} namespace ops and unsynced data lost", fs.image(drop=True)
     for i in volatile:
         if prefix[i].kind in ("rename", "exchange"):
-            yield f"rename #{i} lost alone", _build(before, prefix, {i}).image(drop=False)
+            yield f"{prefix[i].kind} of {prefix[i].path} lost alone", _build(before, prefix, {i}).image(drop=False)
 
 
 def states_after(before: Image, ops: list[Op]) -> Iterator[tuple[str, Image]]:

@@ -1,16 +1,19 @@
 """The recorded paths: each a small piece of trainstate work on a directory, with the oracle that judges every
 crash state of it.
 
-Each workload runs under a :class:`~.record.Recorder` and marks ``committed N`` once the checkpoint of step N is
-known committed (a synchronous save returned; an async one was waited for). Its oracle gets a directory in one of
-the crash states and raises AssertionError (or any error) when trainstate misbehaves there:
+Each workload runs under a :class:`~.record.Recorder` and marks what a caller has been told: ``saving N`` before
+the save of step N starts, ``committed N`` once it is known committed (a synchronous save returned; an async
+one was waited for), ``pinned N`` once ``pin`` returned and ``unpinning N`` before ``unpin`` starts. Its oracle gets a directory
+in one of the crash states, with the marks made before the crash, and raises AssertionError (or any error) when
+trainstate misbehaves there:
 
-* ``restore_latest`` returns a checkpoint that was saved, no older than the newest one marked committed before
-  the crash, and restores exactly what that save held;
-* a new manager then starts there and saves, and the checkpoint restored is still whole afterwards (nothing
-  deleted the last good checkpoint);
-* every checkpoint the manager lists afterwards verifies (``Checkpoint.verify``: every byte against its
-  checksum).
+* ``restore_latest`` returns a checkpoint that was saved, no older than the newest one committed before the
+  crash, and restores exactly what that save held (into a target holding other values);
+* the manager's start deleted neither that checkpoint nor one whose pin returned;
+* a new manager then saves, and afterwards every checkpoint its retention keeps is still there (the newest
+  ``keep_last - 1`` of those listed before, or all of them without ``keep_last``, and every pinned one, still
+  pinned), and every checkpoint it lists verifies (``Checkpoint.verify``: every byte against its checksum);
+* its history reads.
 """
 
 from __future__ import annotations
@@ -64,6 +67,28 @@ def _state(step: int, w: Workload) -> dict[str, Any]:
     return numpy_state(step, size=SIZE, frozen=w.frozen)
 
 
+def _target(w: Workload) -> dict[str, Any]:
+    """What a restore goes into: values no save held (a restore that writes nothing cannot pass as one)."""
+    state = _state(-5, w)
+    if w.frozen:
+        state["base"] = state["base"] * 0
+    return state
+
+
+def _steps(seen: list[str], kind: str) -> list[int]:
+    return [int(label.split()[1]) for label in seen if label.split()[0] == kind]
+
+
+def _pinned(seen: list[str]) -> set[int]:
+    """The steps whose pin returned, and no unpin of which started since."""
+    last: dict[int, str] = {}
+    for label in seen:
+        kind, step = label.split()[:2]
+        if kind in ("pinned", "unpinning"):
+            last[int(step)] = kind
+    return {step for step, kind in last.items() if kind == "pinned"}
+
+
 def _rank() -> int:
     dist = sys.modules.get("torch.distributed")
     return int(dist.get_rank()) if dist is not None and dist.is_initialized() else 0
@@ -86,6 +111,7 @@ def saves(steps: list[int], wait_every: int = 1, force: bool = True) -> Callable
         with _manager(place, w) as mgr:
             durable = w.settings.get("every_steps", 1)
             for n, step in enumerate(steps, 1):
+                recorder.mark(f"saving {step}")
                 mgr.save(step, _state(step, w), force=force)
                 if n % wait_every == 0:
                     mgr.wait()
@@ -101,17 +127,21 @@ def saves(steps: list[int], wait_every: int = 1, force: bool = True) -> Callable
 def _pins(place: Place, recorder: Marks, w: Workload) -> None:
     with _manager(place, w) as mgr:
         for step in range(4):
+            recorder.mark(f"saving {step}")
             mgr.save(step, _state(step, w), force=True)
             recorder.mark(f"committed {step}")
             if step == 1:
                 mgr.pin(1, "kept")
+                recorder.mark("pinned 1")
             if step == 2:
+                recorder.mark("unpinning 1")  # from here the pin may be gone
                 mgr.unpin(1)
 
 
 def _overwrites(place: Place, recorder: Marks, w: Workload) -> None:
     """``trainstate.save(path, overwrite=True)`` three times over one path (the old one replaced atomically)."""
     for step in range(3):
+        recorder.mark(f"saving {step}")
         trainstate.save(place.at("latest"), _state(step, w), overwrite=True, storage=place.storage)
         recorder.mark(f"committed {step}")
 
@@ -140,13 +170,15 @@ def _committed_at(place: Place, name: str) -> bool:
     return place.storage.stat(f"{place.at(name)}/{MANIFEST_NAME}") is not None
 
 
-def oracle(place: Place, w: Workload, committed: list[int], saved: set[int]) -> None:
-    """Judge one crash state of ``w`` (see the module docstring)."""
+def oracle(place: Place, w: Workload, seen: list[str], saved: set[int]) -> None:
+    """Judge one crash state of ``w``, given the marks made before the crash (see the module docstring)."""
+    committed = _steps(seen, "committed")
     if w.judge == "overwrite":
         _judge_overwrite(place, w, committed, saved)
         return
     floor = max(committed) if committed else None
-    state = _state(0, w)
+    pins = _pinned(seen)
+    state = _target(w)
     with _manager(place, w) as mgr:
         got = mgr.restore_latest(state)
         if floor is not None:
@@ -158,14 +190,23 @@ def oracle(place: Place, w: Workload, committed: list[int], saved: set[int]) -> 
             assert w.local or _committed_at(place, f"run/step_{got - 1:08d}"), (
                 "the manager's start deleted the checkpoint it then restored"
             )
+        listed = sorted(info.step for info in mgr.list())
+        assert pins <= set(listed), f"pinned step(s) {sorted(pins - set(listed))} gone, though the pin returned"
         mgr.save(99, _state(99, w), force=True)  # a new manager starts and saves
-    after = _state(0, w)
+    keep = w.settings.get("keep_last")
+    kept = set(listed if keep is None else listed[len(listed) - keep + 1 :] if keep > 1 else []) | pins
+    after = _target(w)
     with _manager(place, w) as mgr:
         assert mgr.restore_latest(after) == 100, "the new manager's save is not the newest"
         check_numpy_state(after, 99)
-        for info in mgr.list():  # every checkpoint listed verifies, byte for byte
+        infos = {info.step: info for info in mgr.list()}
+        assert pins <= set(infos), f"pinned step(s) {sorted(pins - set(infos))} deleted: a pin that returned was lost"
+        assert kept <= set(infos), f"after the new save, step(s) {sorted(kept - set(infos))} its policy keeps are gone"
+        assert all(infos[step].pinned for step in pins), "a pin that returned was lost"
+        for info in infos.values():  # every checkpoint listed verifies, byte for byte
             with trainstate.open(mgr.path_for(info.step), key=w.settings.get("key"), storage=place.storage) as ck:
                 ck.verify()
+        mgr.history()
 
 
 ON_DISK = [

@@ -175,6 +175,12 @@ class Catalog:
             if time.monotonic() > deadline:
                 raise CheckpointNotFoundError(f"cannot pin {self.path(name)}: retention deleted it meanwhile")
             time.sleep(0.01)
+        try:  # a pin reported is one a crash does not take back: its name flushed too
+            self.storage.sync_directory(self.path(name))
+        except StorageError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise CheckpointNotFoundError(f"cannot pin {self.path(name)}: it was deleted meanwhile") from e
+            raise
         return True
 
     def is_pinned(self, name: str) -> bool:

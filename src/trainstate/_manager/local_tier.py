@@ -35,6 +35,7 @@ from trainstate import _arguments as arguments
 from trainstate._keys import Key
 from trainstate._manager.newest import FATAL
 from trainstate._manager.policies import saved_order
+from trainstate._storage.local import make_directories
 from trainstate.errors import CheckpointError, InvalidArgumentError, StateMismatchError, StorageError
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ def claim(tier: LocalTier, durable: str, read_only: bool = False) -> Path:
     if root.exists() and not root.is_dir():
         raise InvalidArgumentError(f"LocalTier path {root} is a file: give the local tier a directory")
     if not read_only:
-        root.mkdir(parents=True, exist_ok=True)
+        make_directories(root)
     marker = root / MARKER
     try:
         raw = marker.read_bytes()

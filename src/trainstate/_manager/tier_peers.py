@@ -32,6 +32,7 @@ from trainstate._distributed.group import Coordinator, Failure
 from trainstate._format import run_dir as naming
 from trainstate._format.manifest import MANIFEST_NAME
 from trainstate._manager.newest import FATAL
+from trainstate._storage.local import fsync_path, make_directories
 from trainstate.errors import CheckpointError, DistributedError, InvalidArgumentError, StateMismatchError
 
 log = logging.getLogger("trainstate")
@@ -123,7 +124,10 @@ def unpack(folder: Path, packed: Packed, keep: int | None, fsync: bool) -> int:
     payload = view[packed.header_len :]
     if any("/" in n or n in ("", ".", "..") for n, _ in files) or sum(s for _, s in files) != len(payload):
         raise CheckpointError(f"a damaged local checkpoint copy of step {step} was received")
-    folder.mkdir(parents=True, exist_ok=True)
+    if fsync:
+        make_directories(folder)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
     final = folder / naming.name_for(step)
     staging = folder / f".{final.name}.copy-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
@@ -133,11 +137,16 @@ def unpack(folder: Path, packed: Packed, keep: int | None, fsync: bool) -> int:
             with open(staging / name, "wb") as f:
                 f.write(payload[at : at + size])
                 if fsync:
+                    f.flush()  # a small file is still in the buffer: an fsync before this flushed nothing
                     os.fsync(f.fileno())
             at += size
+        if fsync:  # the copy's names durable before it is renamed into place, and the rename after
+            fsync_path(staging)
         if final.exists():
             shutil.rmtree(final)
         os.rename(staging, final)
+        if fsync:
+            fsync_path(folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

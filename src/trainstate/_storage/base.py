@@ -300,6 +300,16 @@ class Storage(ABC):
         """
         return self.stat(path)
 
+    def sync_directory(self, path: str) -> None:
+        """Make the names in directory ``path`` durable (a file written there with ``fsync=True`` has its
+        bytes flushed, not its name). Where a write is durable once it returns (object stores), nothing to do.
+
+        Example:
+            >>> storage.write("runs/exp1/step_00000500/pinned.json", [memoryview(b"{}")], fsync=True)
+            >>> storage.sync_directory("runs/exp1/step_00000500")   # the new name survives a crash too
+        """
+        return None
+
     def hide(self, path: str) -> str | None:
         """Move a checkpoint directory out of sight in one atomic step; returns where it went.
 

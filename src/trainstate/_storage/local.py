@@ -127,7 +127,7 @@ class LocalStorage(Storage):
         self._check_target(target, overwrite)
         tmp = target.parent / staging_name(target.name, "tmp")
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
+            make_directories(target.parent)
             tmp.mkdir()
         except OSError as e:
             raise StorageError(e.errno, f"cannot create a staging directory beside {final}: {e.strerror}") from e
@@ -151,6 +151,9 @@ class LocalStorage(Storage):
                 shutil.rmtree(replaced, ignore_errors=True)
 
     # -- optional operations ---------------------------------------------------------------------
+
+    def sync_directory(self, path: str) -> None:
+        self._guard(path, "fsync", lambda: self._fsync_dir(Path(path)))
 
     def abort(self, staging: str, files: Sequence[str]) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # the staging directory is this save's alone
@@ -348,8 +351,27 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 
 
 def ensure_directory(path: str, what: str) -> None:
-    """Create directory ``path`` (and its parents) if missing; ``what`` names it in the error."""
+    """Create directory ``path`` (and its parents) if missing, durably (:func:`make_directories`); ``what``
+    names it in the error."""
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)
+        make_directories(Path(path))
     except OSError as e:
         raise StorageError(e.errno, f"cannot create {what} {path}: {e.strerror}") from e
+
+
+def make_directories(path: Path) -> None:
+    """``mkdir -p path``, each directory it creates made durable: its parent is fsynced after it, so a crash
+    cannot take back a directory (and every checkpoint committed in it) whose own contents were flushed. A
+    filesystem that cannot fsync a directory (EINVAL) is left as it is."""
+    missing = []
+    at = path
+    while not os.path.lexists(at) and at.parent != at:
+        missing.append(at)
+        at = at.parent
+    path.mkdir(parents=True, exist_ok=True)
+    for created in reversed(missing):
+        try:
+            fsync_path(created.parent)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+                raise
