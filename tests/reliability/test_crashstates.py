@@ -22,7 +22,7 @@ from tools.crashstates.workloads import ON_STORE, WORKLOADS  # noqa: E402
 def test_a_sample_of_every_crash_state_restores_what_was_committed(workload):
     sample = 12 if workload.local and workload.ranks > 1 else 40  # judged by 2 ranks: 0.6 s a state
     result = run(workload, sample=sample, seed=1)
-    assert result.states > 70 and result.checked == sample
+    assert result.states > 20 and result.checked == min(sample, result.states)
     assert result.failures == []
 
 

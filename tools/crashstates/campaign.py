@@ -96,7 +96,9 @@ def _on_store(w: Workload, work: Path) -> Recording:
     # parts of 1 KiB: the checkpoints' data files go up as multipart uploads (create, parts, complete); each
     # request takes 2 ms, so the uploads of one save are in flight together
     store = objects.ObjectStore(log=log, latency=0.002)
-    w.run(Place(work, trainstate.FsspecStorage(store, part_size=1 << 10)), log, w)
+    storage = trainstate.FsspecStorage(store, part_size=1 << 10)
+    storage.target_file_bytes = 1 << 10  # a data file per tensor or so, uploaded side by side
+    w.run(Place(work, storage), log, w)
     states = [
         (f"after event {t}", how, _seen(log.marks, t), objects_) for t, how, objects_ in objects.crash_states({}, log)
     ]
@@ -121,14 +123,38 @@ def _by_ranks(w: Workload, work: Path) -> Recording:
     return recording
 
 
-def run(w: Workload, *, sample: int | None = None, seed: int = 0) -> Result:
-    """All crash states of ``w`` (``sample``: that many of them, drawn at random) judged by its oracle."""
+def distinct(states: list[tuple[str, str, list[str], Any]]) -> list[tuple[str, str, list[str], Any]]:
+    """Each (state, marks made before it) once, at the first crash point that makes it: one state at several
+    points (nothing changed between them) is one case for the oracle."""
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    out = []
+    for where, how, told, state in states:
+        key = (digest(state) if isinstance(state, Image) else objects.digest(state), tuple(told))
+        if key not in seen:
+            seen.add(key)
+            out.append((where, how, told, state))
+    return out
+
+
+def keep_state(state: Any, where: Path) -> None:
+    """Write a state out for a look by hand: a tree as it is; an object store's objects as files by key."""
+    if isinstance(state, Image):
+        materialize(state, where)
+        return
+    for key, data in state.items():
+        (where / key).parent.mkdir(parents=True, exist_ok=True)
+        (where / key).write_bytes(data)
+
+
+def run(w: Workload, *, sample: int | None = None, seed: int = 0, keep: Path | None = None) -> Result:
+    """All distinct crash states of ``w`` (``sample``: that many of them, drawn at random) judged by its oracle;
+    ``keep``: a directory each failing state is written into (``keep/<n>``), with ``keep/<n>.txt`` saying why."""
     result = Result(w.name)
     logging.getLogger("trainstate").setLevel(logging.CRITICAL)  # the oracle's restores warn on purpose
     with tempfile.TemporaryDirectory(prefix="crashstates-") as tmp:
         recording = (_by_ranks if w.ranks > 1 else _on_store if w.objects else _on_disk)(w, Path(tmp))
-        result.operations, result.states = recording.operations, len(recording.states)
-        states = recording.states
+        states = distinct(recording.states)
+        result.operations, result.states = recording.operations, len(states)
         if sample is not None and sample < len(states):
             states = random.Random(seed).sample(states, sample)
         try:
@@ -138,6 +164,10 @@ def run(w: Workload, *, sample: int | None = None, seed: int = 0) -> Result:
                 except Exception as e:  # noqa: BLE001 - each failure is a finding, reported with its state
                     trace = traceback.format_exception_only(type(e), e)[-1].strip()
                     result.failures.append(f"{where} ({how}): {trace}")
+                    if keep is not None:
+                        n = len(result.failures)
+                        keep_state(state, keep / str(n))
+                        (keep / f"{n}.txt").write_text(f"{w.name}\n{where} ({how})\nmarks before: {seen}\n{trace}\n")
                 result.checked += 1
         finally:
             recording.close()

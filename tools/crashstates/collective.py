@@ -38,15 +38,15 @@ EXCHANGES = {"gather": "to0", "scatter": "from0", "broadcast": "from0", "all_gat
 EXCHANGES["exchange"] = "all"
 
 COLLECTIVE = [
-    Workload("collective save, 2 ranks, retention (keep_last=2)", saves([0, 1, 2, 3]), {"keep_last": 2}, ranks=RANKS),
+    Workload("collective, 2 ranks: saves, retention (keep_last=2)", saves([0, 1, 2, 3]), {"keep_last": 2}, ranks=RANKS),
     Workload(
-        "collective save, 2 ranks, zstd + encryption",
+        "collective, 2 ranks: saves, zstd + encryption",
         saves([0, 1, 2]),
         {"compression": "zstd", "key": KEY},
         ranks=RANKS,
     ),
     Workload(
-        "local tier (fsync=True) and its replica on the other node, 2 ranks",
+        "collective, 2 ranks: local tier (fsync=True), each rank's copy on the other node",
         saves([0, 1, 2], force=False),
         {"every_steps": 2},
         local=True,

@@ -149,7 +149,9 @@ def main() -> int:
     import time
 
     ap = argparse.ArgumentParser(prog="python -m tools.crashstates.flips")
-    ap.add_argument("--random", type=int, default=1_000_000)
+    ap.add_argument(
+        "--random", type=int, default=1_000_000, help="random flips of the model-like checkpoint (1,000,000)"
+    )
     ap.add_argument("--seed", type=int, default=1, help="of the random flips (run several seeds in parallel)")
     ap.add_argument("--random-only", action="store_true", help="skip the every-bit runs")
     args = ap.parse_args()

@@ -16,6 +16,7 @@ plus every subset of the requests in flight that change objects.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import threading
@@ -217,3 +218,10 @@ def crash_states(
                 seen.add(key)
                 how = "returned requests" + (f" + {len(landed)} of {n} in flight" if n else "")
                 yield t, how + (" (subsets sampled)" if n > most_in_flight else ""), objects
+
+
+def digest(objects: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(objects):
+        h.update(key.encode() + b"\0" + hashlib.sha256(objects[key]).digest())
+    return h.hexdigest()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .campaign import Result
+from .campaign import Result, distinct
 from .record import Recorder
 from .states import crash_states, materialize
 
@@ -91,6 +91,10 @@ TOOLS: list[tuple[str, Callable[[Path, Recorder], None], Callable[[Path, list[in
 ]
 
 
+def _marks(recorder: Recorder, k: int) -> list[str]:
+    return [label for at, label in recorder.marks if at <= k]
+
+
 def run(name: str, work: Any, judge: Any, sample: int | None = None, seed: int = 0) -> Result:
     result = Result(name)
     with tempfile.TemporaryDirectory(prefix="crashstates-others-") as tmp:
@@ -100,7 +104,12 @@ def run(name: str, work: Any, judge: Any, sample: int | None = None, seed: int =
         with recorder:
             work(root, recorder)
         result.operations = len(recorder.ops)
-        states = list(crash_states(recorder.before, recorder.ops))
+        states = [
+            (k, how, image)
+            for (k, how, _, image) in distinct(
+                [(k, how, _marks(recorder, k), image) for k, how, image in crash_states(recorder.before, recorder.ops)]
+            )
+        ]
         result.states = len(states)
         if sample is not None and sample < len(states):
             states = random.Random(seed).sample(states, sample)
