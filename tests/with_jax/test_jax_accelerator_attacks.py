@@ -112,11 +112,6 @@ def test_a_64bit_value_that_does_not_fit_is_refused_naming_it_through_the_ring(t
         trainstate.load(tmp_path / "c", target)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AHEAD bounds each copying lane, not the save: with threads > 1 and over "
-    "64 MiB, lanes run _land at once and together start more than AHEAD bytes ahead",
-)
 @pytest.mark.usefixtures("as_accelerator")
 def test_the_bytes_started_ahead_stay_within_ahead_across_lanes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
