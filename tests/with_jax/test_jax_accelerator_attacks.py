@@ -97,9 +97,6 @@ def test_layouts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frm: str, to: 
         np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the ring path's 64-bit narrowing error does not name the tensor (the host path does)"
-)
 @pytest.mark.usefixtures("as_accelerator")
 def test_a_64bit_value_that_does_not_fit_is_refused_naming_it_through_the_ring(tmp_path: Path) -> None:
     """docs/jax.md Limits: without x64 a 64-bit tensor that does not fit 32 bits is refused with

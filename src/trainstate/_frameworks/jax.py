@@ -38,6 +38,7 @@ import numpy as np
 from trainstate._format import dtypes
 from trainstate._frameworks import numpy as numpy_adapter
 from trainstate._frameworks.jax_tree import NnxObject
+from trainstate._frameworks.protocol import RefusedPair
 from trainstate._optional import optional
 from trainstate.errors import UnsupportedValueError
 
@@ -350,14 +351,19 @@ def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[
     its key data, a :class:`Region`'s this process's box); the transfers run while the caller goes on, and
     the wait blocks until they are ready (then ``host`` may be reused)."""
     made = []
-    for target, _, host in pairs:
+    for i, (target, _, host) in enumerate(pairs):
         data = target.array if isinstance(target, Region) else target
         aval = jax.eval_shape(jax.random.key_data, data) if is_key(data) else data
         values = host.view(np.dtype(aval.dtype)).reshape(target.shape if isinstance(target, Region) else aval.shape)
         devices = _devices(target)
         if not devices or any(getattr(d, "platform", "cpu") == "cpu" for d in devices):
             values = values.copy()  # on the host CPU device_put may share the buffer's memory, which is reused
-        made.append(assign(target, values))
+        try:
+            made.append(assign(target, values))
+        except UnsupportedValueError as e:  # 64-bit values that do not fit: the caller names the tensor
+            for array in made:
+                array.block_until_ready()  # no transfer may still read the host bytes once this raises
+            raise RefusedPair(str(e), i) from None
 
     def wait() -> list[Any]:
         for array in made:
