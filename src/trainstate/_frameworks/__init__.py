@@ -25,6 +25,7 @@ from trainstate._frameworks import jax_tree
 from trainstate._frameworks import numpy as numpy_adapter
 from trainstate._frameworks.protocol import Adapter as Adapter  # re-exported: the protocol is the package's
 from trainstate._frameworks.protocol import Bound as Bound
+from trainstate._frameworks.protocol import RefusedPair as RefusedPair
 from trainstate.errors import InvalidArgumentError
 
 NUMPY: Adapter = numpy_adapter

@@ -27,6 +27,8 @@ The pytrees that hold arrays (Flax, Optax) and Flax NNX objects are ``jax_tree.p
 from __future__ import annotations
 
 import math
+import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -36,6 +38,7 @@ import numpy as np
 from trainstate._format import dtypes
 from trainstate._frameworks import numpy as numpy_adapter
 from trainstate._frameworks.jax_tree import NnxObject
+from trainstate._frameworks.protocol import RefusedPair
 from trainstate._optional import optional
 from trainstate.errors import UnsupportedValueError
 
@@ -194,7 +197,7 @@ def _assembled(region: Region) -> np.ndarray:
     """The values of ``region`` from this process's shards, one replica of each."""
     dtype = np.dtype(_data(region.array).dtype)
     host = np.empty(math.prod(region.shape) * dtype.itemsize, dtype=np.uint8)
-    _land(list(_landings(region, host)))
+    _land(list(_landings(region, host)), bounded=on_accelerator(region))
     out: np.ndarray = host.view(dtype).reshape(region.shape)
     return out
 
@@ -223,27 +226,80 @@ def _landings(value: Any, host: np.ndarray) -> Iterator[tuple[Any, np.ndarray]]:
         yield shard.data, out[tuple(slice(b - o, e - o) for (b, e), o in zip(box, offset))] if box else out
 
 
-def _land(landings: list[tuple[Any, np.ndarray]]) -> None:
+def _land(landings: list[tuple[Any, np.ndarray]], *, bounded: bool = True) -> None:
     """Copy each device array into its host view, the device-to-host transfers started ahead of the copies.
 
     ``copy_to_host_async`` starts a transfer into JAX's own host copy of the array (no JAX API takes a
-    destination buffer), so transfers run together while earlier ones are copied into place; at most
-    :data:`AHEAD` bytes are started and not yet copied. JAX keeps that host copy as long as the array object
-    it was made for: a shard of a multi-device array is a new object, dropped once landed; a single-device
-    array is its own shard, so its host copy lives until the loop drops the array (as after ``np.asarray``).
-    On the CPU the transfers are no-ops and ``np.asarray`` is a view.
+    destination buffer), so transfers run together while earlier ones are copied into place. ``bounded``
+    (arrays on accelerators): at most :data:`AHEAD` bytes are started and not yet copied *in this process*,
+    across every ``_land`` running at once (the staging lanes of a save), see :class:`_Ahead`. JAX keeps that
+    host copy as long as the array object it was made for: a shard of a multi-device array is a new object,
+    dropped once landed; a single-device array is its own shard, so its host copy lives until the loop drops
+    the array (as after ``np.asarray``). On the CPU the transfers are no-ops and ``np.asarray`` is a view.
     """
+    if not bounded:
+        for source, dst in landings:
+            np.copyto(dst, np.asarray(source))
+        return
     pending, started = deque(landings), deque[tuple[Any, np.ndarray]]()
-    ahead = 0
-    while pending or started:
-        while pending and (not started or ahead + pending[0][1].nbytes <= AHEAD):
-            source, dst = pending.popleft()
-            source.copy_to_host_async()
-            started.append((source, dst))
-            ahead += dst.nbytes
-        source, dst = started.popleft()
-        np.copyto(dst, np.asarray(source))
-        ahead -= dst.nbytes
+    mine = 0  # bytes this call started and has not copied into place
+    try:
+        while pending or started:
+            while pending and _AHEAD.start(pending[0][1].nbytes, alone=not started):
+                source, dst = pending.popleft()
+                mine += dst.nbytes
+                source.copy_to_host_async()
+                started.append((source, dst))
+            if started:
+                source, dst = started.popleft()
+                np.copyto(dst, np.asarray(source))
+                mine -= dst.nbytes
+                _AHEAD.landed(dst.nbytes)
+    finally:
+        if mine:
+            _AHEAD.landed(mine)  # a failed transfer or copy: what it still held is given back
+
+
+class _Ahead:
+    """The bytes of device-to-host transfers started and not yet copied into place, in this process.
+
+    One count for every :func:`_land` at once, so the staging lanes of a save start at most :data:`AHEAD`
+    bytes together, not each. A call that has transfers of its own in flight never waits here: it copies its
+    oldest into place instead (which gives bytes back); only a call with none in flight waits, holding
+    nothing, for the others to give bytes back. So no call waits on one that waits. A transfer larger than
+    the bound starts once nothing else is in flight.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._bytes = 0
+
+    def start(self, nbytes: int, *, alone: bool) -> bool:
+        """Count ``nbytes`` in and say True if they fit; ``alone`` (the caller has none in flight): wait until
+        they fit. False: the caller should copy one of its own into place first."""
+        with self._changed:
+            while self._bytes and self._bytes + nbytes > AHEAD:
+                if not alone:
+                    return False
+                self._changed.wait()
+            self._bytes += nbytes
+            return True
+
+    def landed(self, nbytes: int) -> None:
+        with self._changed:
+            self._bytes -= nbytes
+            self._changed.notify_all()
+
+
+_AHEAD = _Ahead()  # a fork's child starts with nothing in flight: see _fork_reset
+
+
+def _fork_reset() -> None:
+    global _AHEAD
+    _AHEAD = _Ahead()  # the parent's count (and a lock a parent thread may have held) are not the child's
+
+
+os.register_at_fork(after_in_child=_fork_reset)
 
 
 def empty(code: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -295,14 +351,19 @@ def copy_in_async(pairs: list[tuple[Any, int | None, np.ndarray]]) -> Callable[[
     its key data, a :class:`Region`'s this process's box); the transfers run while the caller goes on, and
     the wait blocks until they are ready (then ``host`` may be reused)."""
     made = []
-    for target, _, host in pairs:
+    for i, (target, _, host) in enumerate(pairs):
         data = target.array if isinstance(target, Region) else target
         aval = jax.eval_shape(jax.random.key_data, data) if is_key(data) else data
         values = host.view(np.dtype(aval.dtype)).reshape(target.shape if isinstance(target, Region) else aval.shape)
         devices = _devices(target)
         if not devices or any(getattr(d, "platform", "cpu") == "cpu" for d in devices):
             values = values.copy()  # on the host CPU device_put may share the buffer's memory, which is reused
-        made.append(assign(target, values))
+        try:
+            made.append(assign(target, values))
+        except UnsupportedValueError as e:  # 64-bit values that do not fit: the caller names the tensor
+            for array in made:
+                array.block_until_ready()  # no transfer may still read the host bytes once this raises
+            raise RefusedPair(str(e), i) from None
 
     def wait() -> list[Any]:
         for array in made:
@@ -316,7 +377,11 @@ def copy_out(pairs: list[tuple[Any, np.ndarray]]) -> None:
     """Every array's bytes into its host slice (async staging): every device-to-host transfer is started
     before the first is waited for (:func:`_land`), and all have landed when this returns, so a step that
     then donates the arrays cannot touch the copy."""
-    _land([landing for value, host in pairs for landing in _landings(value, host.reshape(-1))])
+    by_place: dict[bool, list[tuple[Any, np.ndarray]]] = {}
+    for value, host in pairs:
+        by_place.setdefault(on_accelerator(value), []).extend(_landings(value, host.reshape(-1)))
+    for bounded, landings in by_place.items():  # on the host: views already, nothing started ahead
+        _land(landings, bounded=bounded)
 
 
 def copy_range_out(value: Any, offset: int, host: np.ndarray) -> None:

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from trainstate.errors import UnsupportedValueError
+
 
 class Adapter(Protocol):
     """What trainstate asks of one array framework. ``numpy.py`` and ``torch.py`` implement it as modules."""
@@ -55,7 +57,8 @@ class Adapter(Protocol):
         fills the target's bytes from ``offset`` (a :meth:`cuttable` target), or the whole target (``offset``
         None). Returns a function that waits until all have landed (until then ``host`` must not change) and
         returns what each target now is: itself, filled in place, or a new array where arrays are immutable
-        (JAX)."""
+        (JAX). A target that cannot hold its bytes is refused with :class:`RefusedPair`, so the caller can
+        name it."""
 
     def copy_out(self, pairs: list[tuple[Any, np.ndarray]]) -> None:
         """Copy each array's bytes (C order) into its flat host byte array (of :meth:`staging` memory for
@@ -108,3 +111,12 @@ class Bound(Protocol):
 
     def undo(self) -> None:
         """Take back what :meth:`restore_target` changed in the object."""
+
+
+class RefusedPair(UnsupportedValueError):
+    """:meth:`Adapter.copy_in_async` refusing its pair number ``index`` (JAX without 64-bit mode, values that do
+    not fit 32 bits): the adapter does not know the tensor's name, its caller does and adds it."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index

@@ -27,8 +27,9 @@ import numpy as np
 
 from trainstate._cores import DEFAULT_THREADS
 from trainstate._format import manifest
-from trainstate._frameworks import Adapter
+from trainstate._frameworks import Adapter, RefusedPair
 from trainstate._restore.files import Box, Opened, Span, batch_spans, batching, chunk_spans, run_lanes
+from trainstate.errors import UnsupportedValueError
 
 SLOTS = 3  # one being read, one being copied, one spare so a slow copy does not stall the reads at once
 MIN_SLOT_BYTES = 32 << 20
@@ -207,14 +208,23 @@ def _copy(parts: list[_Part], views: list[np.ndarray], buffer: np.ndarray) -> Ca
     for pairs_of in by_adapter.values():
         mine = [p for p, _ in pairs_of]
         pairs = [(p.staged.local, p.lo if p.staged.cuttable else None, v) for p, v in pairs_of]
-        waits.append((mine, mine[0].staged.adapter.copy_in_async(pairs)))
+        try:
+            waits.append((mine, mine[0].staged.adapter.copy_in_async(pairs)))
+        except RefusedPair as e:  # named as the host path names it (read.fill); the queued copies are waited for
+            _wait_all(waits)
+            raise UnsupportedValueError(f"{mine[e.index].staged.name}: {e}") from None
 
     def wait() -> None:
-        for mine, w in waits:
-            for p, now in zip(mine, w()):
-                if p.staged.landed is not None:
-                    p.staged.landed(now)
+        _wait_all(waits)
         held.clear()  # the copies are done with the buffer
 
     held = [buffer]  # a buffer of its own (a part that could not be cut) lives until its copies have landed
     return wait
+
+
+def _wait_all(waits: list[tuple[list[_Part], Callable[[], list[Any]]]]) -> None:
+    """Wait for each adapter's queued copies, telling each staged target what it now is."""
+    for mine, w in waits:
+        for p, now in zip(mine, w()):
+            if p.staged.landed is not None:
+                p.staged.landed(now)
