@@ -180,3 +180,16 @@ def ddp_train(
         "optim": [t.numpy().copy() for s in opt.state_dict()["state"].values() for t in s.values()],
         "rng_next": float(torch.rand(1)),
     }
+
+
+def threads_of_many_managers(rank: int, world: int, directory: str, count: int) -> list[int]:
+    """Open, use and close ``count`` managers one after another (async saves, a restore), as a sweep or a loop
+    that makes a manager per phase does; the process's threads after each (gloo's own included)."""
+    threads = []
+    for i in range(count):
+        with trainstate.CheckpointManager(os.path.join(directory, f"run{i}"), async_save=True) as mgr:
+            mgr.save(0, _state(rank, 1.0), force=True)
+            mgr.wait()
+            mgr.restore_latest(_state(rank, -1.0))
+        threads.append(len(os.listdir("/proc/self/task")))
+    return threads

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
 import os
 import sys
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 
 from trainstate.errors import DistributedError, InvalidArgumentError
 
+log = logging.getLogger("trainstate")
 DEFAULT_TIMEOUT = 600.0  # seconds; TRAINSTATE_DIST_TIMEOUT or timeout= overrides it
 # How long the ranks wait for each other to come to a coordination group's creation (a rank that died before
 # it never comes); TRAINSTATE_DIST_ARRIVAL_TIMEOUT overrides it, a smaller timeout= shortens it.
@@ -241,6 +243,23 @@ def _gloo_group(group: Any, timeout: float, channel: str) -> Any:
             found = _new_group(ranks, timeout, channel)
             _groups[key] = found
         return found
+
+
+def release(channel: str) -> None:
+    """Destroy the gloo groups of ``channel`` and of the channels named after it (``channel-...``): a closed
+    manager's. Each holds sockets and two threads, so a process that makes manager after manager would pile
+    them up. Local: every rank destroys its own handle when its manager closes, after its last exchange on
+    them returned; what it sent is already on the wire for a peer still reading it."""
+    import torch.distributed as dist
+
+    with _lock:
+        keys = [k for k in _groups if k[2] == channel or k[2].startswith(channel + "-")]
+        groups = [_groups.pop(k) for k in keys]
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - the default group already destroyed: nothing left to free
+            log.debug("could not destroy trainstate's group of %s: %s", channel, e)
 
 
 def _new_group(ranks: list[int], timeout: float, channel: str) -> Any:

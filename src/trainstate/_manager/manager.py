@@ -655,6 +655,7 @@ class CheckpointManager(Configured):
                     self._copy_behind.close()
             finally:
                 self._finalizer()
+                self._ranks.release()
 
     def _check_open(self) -> None:
         if self._closed:

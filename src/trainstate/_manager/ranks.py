@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from trainstate._distributed import Coordinator, coordinator
-from trainstate._distributed.group import Failure
+from trainstate._distributed.group import Failure, GlooCoordinator, release
 from trainstate.errors import DistributedError, InvalidArgumentError
 
 
@@ -85,6 +85,12 @@ class ManagerRanks:
     def channel(self) -> str:
         """This manager's channel name: what its own coordinators' names start with."""
         return self._channel
+
+    def release(self) -> None:
+        """Give back the gloo groups of this manager's channels (its own, its loads', its local tier's): the
+        manager is closed, nothing is exchanged on them again."""
+        if isinstance(self.control, GlooCoordinator):
+            release(self._channel)
 
     def loads(self) -> Coordinator | None:
         """The coordinator of this manager's collective loads (a gloo group of its own, made at the first
@@ -148,6 +154,9 @@ class SingleProcess:
 
     def loads(self) -> Coordinator | None:
         return None  # one process: nothing to share
+
+    def release(self) -> None:
+        return None  # no coordination groups
 
     def decide(self, step: int, by_policy: bool, preempting: bool, forced: bool, failed: bool) -> Decision:
         return Decision(by_policy, preempting, forced, failed)
